@@ -1,0 +1,113 @@
+"""Translate a resolved NeMo-RL generation config into vLLM engine arguments and process env.
+
+Pure: it only builds dicts. The shard actor passes ``engine_kwargs`` to ``vllm.LLM`` (or
+``AsyncEngineArgs``) and ``engine_env`` becomes the actor's ``runtime_env`` so every process
+the engine forks (EngineCore, workers) inherits it from birth.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+from nemo_gen.errors import ConfigError
+
+Device = Literal["cpu", "gpu"]
+
+_DTYPES = {"auto", "float32", "bfloat16", "float16", "half", "float"}
+
+
+def engine_kwargs(
+    gen_cfg: Mapping[str, Any],
+    *,
+    model_dir: str,
+    tokenizer_dir: str,
+    device: Device,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` from a configured generation dict.
+
+    ``gen_cfg`` must already have been through ``configure_generation_config`` (it decides
+    ``load_format`` and ``skip_tokenizer_init``). ``vllm_kwargs`` win over everything derived.
+    """
+    vc = gen_cfg.get("vllm_cfg", {})
+    precision = vc.get("precision", "auto")
+    kwargs: dict[str, Any] = {
+        "model": model_dir,
+        "tokenizer": tokenizer_dir,
+        "tensor_parallel_size": vc.get("tensor_parallel_size", 1),
+        "pipeline_parallel_size": vc.get("pipeline_parallel_size", 1),
+        "kv_cache_dtype": vc.get("kv_cache_dtype", "auto"),
+        "load_format": vc.get("load_format", "auto"),
+        "skip_tokenizer_init": bool(vc.get("skip_tokenizer_init", False)),
+        "logprobs_mode": vc.get("logprobs_mode", "processed_logprobs"),
+        "seed": seed,
+        "disable_log_stats": True,
+    }
+    if precision == "fp8":
+        kwargs["dtype"] = "bfloat16"
+        kwargs["quantization"] = "fp8"
+    elif precision in _DTYPES:
+        kwargs["dtype"] = precision
+    else:
+        raise ConfigError(
+            f"unknown precision {precision!r}; use one of {sorted(_DTYPES | {'fp8'})}",
+            field="generation.vllm_cfg.precision",
+        )
+    if vc.get("max_model_len") is not None:
+        kwargs["max_model_len"] = vc["max_model_len"]
+    enforce_eager = vc.get("enforce_eager")
+    # CPU: torch.compile of the model costs minutes on a small machine and buys little.
+    kwargs["enforce_eager"] = (device == "cpu") if enforce_eager is None else bool(enforce_eager)
+    if vc.get("enable_prefix_caching") is not None:
+        kwargs["enable_prefix_caching"] = vc["enable_prefix_caching"]
+    if device == "gpu":
+        kwargs["gpu_memory_utilization"] = vc.get("gpu_memory_utilization", 0.6)
+        if vc.get("expert_parallel_size", 1) > 1:
+            kwargs["enable_expert_parallel"] = True
+    world = kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"]
+    if world > 1:
+        # CPU ranks are forked processes inside the shard's bundle; on GPU vLLM schedules its
+        # ranks as Ray workers in the shard's placement group.
+        kwargs["distributed_executor_backend"] = "mp" if device == "cpu" else "ray"
+    if vc.get("worker_extension_cls"):
+        kwargs["worker_extension_cls"] = vc["worker_extension_cls"]
+    kwargs.update(gen_cfg.get("vllm_kwargs") or {})
+    return kwargs
+
+
+def engine_env(
+    gen_cfg: Mapping[str, Any],
+    *,
+    device: Device,
+    omp_threads: int,
+    cpu_kvcache_space_gb: float,
+    cpu_cores: list[int] | None = None,
+) -> dict[str, str]:
+    """Environment for one shard's processes.
+
+    On CPU each rank gets ``omp_threads`` OpenMP threads; with ``cpu_cores`` given, ranks are
+    pinned (VLLM_CPU_OMP_THREADS_BIND, ``|`` between ranks) so two engines never share a core.
+    """
+    vc = gen_cfg.get("vllm_cfg", {})
+    env: dict[str, str] = {}
+    if device == "cpu":
+        world = vc.get("tensor_parallel_size", 1) * vc.get("pipeline_parallel_size", 1)
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+        env["VLLM_CPU_KVCACHE_SPACE"] = _fmt_gb(cpu_kvcache_space_gb)
+        if cpu_cores:
+            per_rank = max(1, len(cpu_cores) // world)
+            ranks = [cpu_cores[r * per_rank:(r + 1) * per_rank] or cpu_cores[-1:] for r in range(world)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(_core_list(r) for r in ranks)
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    for key, value in (vc.get("env_vars") or {}).items():
+        env[str(key)] = str(value)
+    return env
+
+
+def _fmt_gb(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _core_list(cores: list[int]) -> str:
+    return ",".join(str(c) for c in cores)

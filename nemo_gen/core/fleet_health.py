@@ -1,0 +1,424 @@
+"""The fleet ledger: which generation shards may serve, and why (NeMo-RL's ``fleet_health``).
+
+A pure state machine, a drop-in for ``nemo_rl.models.generation.fleet_health`` with the same
+public names and transitions. Probing, restarting, refitting and pushing membership are I/O
+and belong to callers; they report what they saw here, and every router reads one answer to
+"who is eligible".
+
+The transition that matters most is the one that does not exist: probes never move a shard
+from DEAD back to HEALTHY. A restarted engine answers probes while holding whatever weights
+it loaded at start, so re-admitting it on probes would serve stale samples silently.
+Recovery goes DEAD -> RESTARTING -> STALE -> (refit) -> HEALTHY.
+
+Beyond the reference: a bounded transition history (``history()``), ``add_shard()`` for
+warm spares (they start STALE), ``absent_shards()`` for the refit path, copies from
+``snapshot()``, IndexError on unknown shards, and a lock so a probe pump thread and
+request handlers can report concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gen.core.retry import describe
+
+# Re-exported: NeMo-RL's fleet_health module exposes the selector beside the ledger.
+from nemo_gen.core.selector import HealthyShardSelector, NoHealthyShards
+from nemo_gen.errors import FleetExhausted
+
+__all__ = [
+    "ABSENT_STATES",
+    "SERVING_STATES",
+    "FleetHealthPolicy",
+    "GenerationFleetExhausted",
+    "GenerationFleetHealth",
+    "HealthyShardSelector",
+    "NoHealthyShards",
+    "ShardHealth",
+    "ShardState",
+    "Transition",
+]
+
+logger = logging.getLogger("nemo_gen.fleet_health")
+
+# NeMo-RL's name for the same condition; one class object, so either name catches it.
+GenerationFleetExhausted = FleetExhausted
+
+
+class ShardState(enum.StrEnum):
+    """Lifecycle of one generation data-parallel shard."""
+
+    HEALTHY = "healthy"  # serving, with current weights
+    SUSPECT = "suspect"  # failing, but still serving: one blip must not drain a shard
+    DEAD = "dead"  # quarantined; no replacement started yet
+    RESTARTING = "restarting"  # a replacement engine is coming up
+    STALE = "stale"  # up, but holding old weights: NOT serving until refit
+    RETIRED = "retired"  # terminal: restarts exhausted or removed for good
+
+
+SERVING_STATES: frozenset[ShardState] = frozenset({ShardState.HEALTHY, ShardState.SUSPECT})
+
+# Processes that cannot join a collective (refit). Not the complement of SERVING_STATES:
+# a STALE shard is withheld from traffic but alive, and refitting it is how it recovers.
+ABSENT_STATES: frozenset[ShardState] = frozenset(
+    {ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED}
+)
+
+
+@dataclass
+class ShardHealth:
+    """Everything known about one shard."""
+
+    dp_shard_idx: int
+    base_url: str | None = None
+    state: ShardState = ShardState.HEALTHY
+    consecutive_probe_failures: int = 0
+    consecutive_probe_successes: int = 0
+    # Failures seen on real requests, a separate streak on purpose: a wedged engine still
+    # answers liveness probes, and if probe successes cleared these the shard would swing
+    # HEALTHY <-> SUSPECT forever. Only report_success or a refit clears it.
+    consecutive_reported_failures: int = 0
+    restart_attempts: int = 0  # over the whole run, never reset
+    weight_version: int = 0
+    last_ok_at: float = 0.0
+    last_error: str = ""
+
+    @property
+    def is_serving(self) -> bool:
+        return self.state in SERVING_STATES
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One state change, as kept in the ledger's history."""
+
+    time: float
+    shard: int
+    old: ShardState | None  # None when the shard was added
+    new: ShardState
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "shard": self.shard,
+            "old": self.old.value if self.old is not None else None,
+            "new": self.new.value,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class FleetHealthPolicy:
+    """Thresholds for the transitions (resolved from the ``health`` settings section)."""
+
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+    max_restart_attempts_per_shard: int = 5
+    min_healthy_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.unhealthy_threshold < 1 or self.healthy_threshold < 1:
+            raise ValueError(
+                "FleetHealthPolicy thresholds must be >= 1; got "
+                f"unhealthy_threshold={self.unhealthy_threshold}, "
+                f"healthy_threshold={self.healthy_threshold}"
+            )
+        if self.min_healthy_shards < 1:
+            raise ValueError(
+                "FleetHealthPolicy.min_healthy_shards must be >= 1; a fleet with zero serving "
+                f"shards cannot generate. Got {self.min_healthy_shards}"
+            )
+        if self.max_restart_attempts_per_shard < 0:
+            raise ValueError(
+                "FleetHealthPolicy.max_restart_attempts_per_shard must be >= 0; got "
+                f"{self.max_restart_attempts_per_shard}"
+            )
+
+
+class GenerationFleetHealth:
+    """Per-shard health and the serving set derived from it.
+
+    Args:
+        shard_count: Number of shards at start (indices ``0..shard_count-1``), all HEALTHY.
+        policy: Thresholds; the defaults when None.
+        base_urls: Per-shard base URLs, when shards have them (None entries allowed).
+        clock: Monotonic time source (None: time.monotonic); injectable so tests need not sleep.
+        weight_version: The weight version every starting shard holds.
+        history_limit: How many transitions ``history()`` keeps (oldest dropped first).
+    """
+
+    def __init__(
+        self,
+        shard_count: int,
+        policy: FleetHealthPolicy | None = None,
+        base_urls: Sequence[str | None] | None = None,
+        clock: Callable[[], float] | None = time.monotonic,
+        *,
+        weight_version: int = 0,
+        history_limit: int = 1000,
+    ) -> None:
+        if shard_count < 1:
+            raise ValueError(f"shard_count must be >= 1, got {shard_count}")
+        if base_urls is not None and len(base_urls) != shard_count:
+            raise ValueError(f"base_urls has {len(base_urls)} entries for {shard_count} shards")
+        if history_limit < 1:
+            raise ValueError(f"history_limit must be >= 1, got {history_limit}")
+        # None accepted too: NeMo-RL's signature defaults clock to None.
+        self._clock = clock if clock is not None else time.monotonic
+        self._policy = policy if policy is not None else FleetHealthPolicy()
+        self._lock = threading.RLock()
+        now = self._clock()
+        self._shards: list[ShardHealth] = [
+            ShardHealth(
+                dp_shard_idx=idx,
+                base_url=base_urls[idx] if base_urls is not None else None,
+                weight_version=weight_version,
+                last_ok_at=now,
+            )
+            for idx in range(shard_count)
+        ]
+        self._history: deque[Transition] = deque(maxlen=history_limit)
+        # Bumped only when the serving set changes, so readers compare one integer.
+        self._membership_epoch = 0
+        self._last_serving: frozenset[int] = frozenset(range(shard_count))
+
+    # -- read side ----------------------------------------------------------------------
+
+    @property
+    def policy(self) -> FleetHealthPolicy:
+        return self._policy
+
+    @property
+    def membership_epoch(self) -> int:
+        return self._membership_epoch
+
+    @property
+    def shard_count(self) -> int:
+        return len(self._shards)
+
+    def snapshot(self) -> list[ShardHealth]:
+        """Copies of every shard's health, by index (mutating them changes nothing here)."""
+        with self._lock:
+            return [dataclasses.replace(shard) for shard in self._shards]
+
+    def serving_shards(self) -> list[int]:
+        """Indices eligible for traffic (HEALTHY or SUSPECT), sorted."""
+        with self._lock:
+            return [shard.dp_shard_idx for shard in self._shards if shard.is_serving]
+
+    def absent_shards(self) -> list[int]:
+        """Indices whose process cannot join a refit (DEAD, RESTARTING, RETIRED), sorted."""
+        with self._lock:
+            return [s.dp_shard_idx for s in self._shards if s.state in ABSENT_STATES]
+
+    def state_of(self, shard_idx: int) -> ShardState:
+        return self._get(shard_idx).state
+
+    def counts_by_state(self) -> dict[ShardState, int]:
+        """Shards per state, every state present (zeros included)."""
+        with self._lock:
+            counts = {state: 0 for state in ShardState}
+            for shard in self._shards:
+                counts[shard.state] += 1
+            return counts
+
+    def serving_base_urls(self) -> list[str]:
+        """Base URLs of the serving shards, skipping shards without one."""
+        with self._lock:
+            return [s.base_url for s in self._shards if s.is_serving and s.base_url]
+
+    def shard_for_base_url(self, url: str) -> int | None:
+        """Shard index for a base URL (routers report failures by URL), or None."""
+        with self._lock:
+            for shard in self._shards:
+                if shard.base_url == url:
+                    return shard.dp_shard_idx
+            return None
+
+    def as_metrics(self) -> dict[str, float]:
+        """Flat metric dict, keys as NeMo-RL publishes them."""
+        with self._lock:
+            metrics = {
+                f"gen_fleet/shards/{state.value}": float(count)
+                for state, count in self.counts_by_state().items()
+            }
+            metrics["gen_fleet/membership_epoch"] = float(self._membership_epoch)
+            metrics["gen_fleet/serving_shards"] = float(len(self.serving_shards()))
+            for shard in self._shards:
+                idx = shard.dp_shard_idx
+                metrics[f"gen_fleet/restart_attempts/{idx}"] = float(shard.restart_attempts)
+                # A serving shard whose version trails the fleet's is a correctness bug.
+                metrics[f"gen_fleet/shard_weight_version/{idx}"] = float(shard.weight_version)
+            return metrics
+
+    def history(self, shard: int | None = None) -> list[dict[str, Any]]:
+        """Recorded transitions, oldest first, as dicts (time, shard, old, new, reason)."""
+        with self._lock:
+            return [t.as_dict() for t in self._history if shard is None or t.shard == shard]
+
+    def state_summary(self) -> dict[str, int]:
+        """Non-zero counts keyed by state value, as error messages quote the fleet."""
+        return {state.value: n for state, n in self.counts_by_state().items() if n}
+
+    def raise_if_exhausted(self) -> None:
+        """Raise GenerationFleetExhausted when fewer than min_healthy_shards are serving."""
+        with self._lock:
+            serving = self.serving_shards()
+            minimum = self._policy.min_healthy_shards
+            if len(serving) < minimum:
+                raise GenerationFleetExhausted(
+                    f"only {len(serving)} generation shard(s) serving, below "
+                    f"min_healthy_shards={minimum}; fleet state is {self.state_summary()}"
+                )
+
+    # -- write side ---------------------------------------------------------------------
+
+    def record_probe(self, shard_idx: int, ok: bool, error: str | None = None) -> None:
+        """Fold one liveness probe into a shard's state; ignored unless the shard serves.
+
+        A non-serving shard ignores probes because an answer says nothing about whether its
+        weights are current: only report_refit brings a shard back.
+        """
+        with self._lock:
+            shard = self._get(shard_idx)
+            if not shard.is_serving:
+                return
+            if ok:
+                shard.consecutive_probe_failures = 0
+                shard.consecutive_probe_successes += 1
+                shard.last_ok_at = self._clock()
+                streak = shard.consecutive_probe_successes
+                if shard.state is ShardState.SUSPECT and streak >= self._policy.healthy_threshold:
+                    self._transition(shard, ShardState.HEALTHY, f"{streak} probe(s) ok in a row")
+                return
+            shard.consecutive_probe_successes = 0
+            shard.consecutive_probe_failures += 1
+            shard.last_error = error or "probe failed"
+            self._escalate(shard, shard.consecutive_probe_failures)
+
+    def report_failure(self, shard_idx: int, exc: BaseException) -> None:
+        """A real request failed on this shard (its own streak). Ignored unless serving."""
+        with self._lock:
+            shard = self._get(shard_idx)
+            if not shard.is_serving:
+                return
+            shard.consecutive_reported_failures += 1
+            shard.last_error = describe(exc)
+            self._escalate(shard, shard.consecutive_reported_failures)
+
+    def report_success(self, shard_idx: int) -> None:
+        """A real request completed; clears only the reported-failure streak."""
+        with self._lock:
+            self._get(shard_idx).consecutive_reported_failures = 0
+
+    def mark_restarting(self, shard_idx: int) -> None:
+        """A replacement is being started; retires the shard once attempts exceed the max."""
+        with self._lock:
+            shard = self._get(shard_idx)
+            if shard.state is ShardState.RETIRED:
+                return
+            shard.restart_attempts += 1
+            limit = self._policy.max_restart_attempts_per_shard
+            if shard.restart_attempts > limit:
+                self.retire(shard_idx, "restart attempts exhausted")
+                return
+            self._transition(
+                shard, ShardState.RESTARTING, f"restart attempt {shard.restart_attempts}/{limit}"
+            )
+
+    def mark_loaded(self, shard_idx: int, base_url: str | None = None) -> None:
+        """The replacement engine is up; it holds stale weights until refit (-> STALE).
+
+        ``base_url`` replaces the shard's URL: a restarted engine may bind a new port.
+        """
+        with self._lock:
+            shard = self._get(shard_idx)
+            if shard.state is ShardState.RETIRED:
+                return
+            if base_url is not None:
+                shard.base_url = base_url
+            self._transition(shard, ShardState.STALE, "engine loaded; stale until refit")
+
+    def report_refit(self, shard_idx: int, weight_version: int) -> None:
+        """A refit completed: the only way back into service after DEAD (-> HEALTHY)."""
+        with self._lock:
+            shard = self._get(shard_idx)
+            if shard.state is ShardState.RETIRED:
+                return
+            shard.weight_version = weight_version
+            shard.consecutive_probe_failures = 0
+            shard.consecutive_probe_successes = 0
+            shard.consecutive_reported_failures = 0
+            shard.last_ok_at = self._clock()
+            self._transition(shard, ShardState.HEALTHY, f"refit to weight version {weight_version}")
+
+    def retire(self, shard_idx: int, reason: str) -> None:
+        """Remove a shard for good (terminal)."""
+        with self._lock:
+            shard = self._get(shard_idx)
+            shard.last_error = reason
+            self._transition(shard, ShardState.RETIRED, reason)
+
+    def add_shard(self, base_url: str | None = None, weight_version: int = 0) -> int:
+        """Add a shard (a warm spare) and return its index. It starts STALE: refit it first."""
+        with self._lock:
+            shard = ShardHealth(
+                dp_shard_idx=len(self._shards),
+                base_url=base_url,
+                state=ShardState.STALE,
+                weight_version=weight_version,
+                last_ok_at=self._clock(),
+            )
+            self._shards.append(shard)
+            self._record(shard.dp_shard_idx, None, ShardState.STALE, "added; stale until refit")
+            return shard.dp_shard_idx
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _get(self, shard_idx: int) -> ShardHealth:
+        # No negative indexing: shard -1 is a caller bug, not the last shard.
+        if not 0 <= shard_idx < len(self._shards):
+            raise IndexError(
+                f"shard {shard_idx} out of range: the fleet has {len(self._shards)} shard(s)"
+            )
+        return self._shards[shard_idx]
+
+    def _escalate(self, shard: ShardHealth, streak: int) -> None:
+        """A failure streak of ``streak``: DEAD at the threshold, else HEALTHY -> SUSPECT."""
+        if streak >= self._policy.unhealthy_threshold:
+            self._transition(shard, ShardState.DEAD, shard.last_error)
+        elif shard.state is ShardState.HEALTHY:
+            self._transition(shard, ShardState.SUSPECT, shard.last_error)
+
+    def _transition(self, shard: ShardHealth, new: ShardState, reason: str) -> None:
+        if shard.state is new:
+            return
+        old = shard.state
+        shard.state = new
+        self._record(shard.dp_shard_idx, old, new, reason)
+        serving = frozenset(self.serving_shards())
+        if serving != self._last_serving:
+            self._last_serving = serving
+            self._membership_epoch += 1
+
+    def _record(self, idx: int, old: ShardState | None, new: ShardState, reason: str) -> None:
+        self._history.append(Transition(self._clock(), idx, old, new, reason))
+        level = logging.WARNING if new in ABSENT_STATES else logging.INFO
+        before = old.value if old is not None else "new"
+        logger.log(
+            level,
+            "gen_fleet: shard %d %s -> %s%s",
+            idx,
+            before,
+            new.value,
+            f" ({reason})" if reason else "",
+        )

@@ -1,0 +1,69 @@
+"""Requests into the fleet and results out of it, as plain data (no engine types).
+
+A ``GenerationResult`` always says which shard produced it and at which weight version, so a
+caller can prove a rollout is on-policy; a request that failed for a data reason carries
+``error`` instead of text, and never stops the rest of its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt, already tokenized on the driver. ``index`` is its place in the caller's batch."""
+
+    index: int
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    """What the fleet returns for one prompt."""
+
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    shard: int | None = None
+    weight_version: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def failed(cls, request: GenerationRequest, error: str, shard: int | None = None) -> "GenerationResult":
+        return cls(
+            index=request.index,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            text=None,
+            shard=shard,
+            error=error,
+        )
+
+
+def too_long_error(prompt_len: int, max_model_len: int) -> str | None:
+    """The per-request error for a prompt that cannot fit, or None if it fits.
+
+    vLLM needs room for at least one generated token: a prompt of exactly ``max_model_len``
+    tokens is rejected too (same rule as vLLM's input processor, checked before dispatch)."""
+    if prompt_len == 0:
+        return "RequestError: the prompt is empty"
+    if prompt_len >= max_model_len:
+        return (
+            f"RequestError: prompt has {prompt_len} tokens but generation.vllm_cfg.max_model_len is "
+            f"{max_model_len} (the prompt plus at least one generated token must fit)"
+        )
+    return None

@@ -1,0 +1,85 @@
+"""The nemo_gen exception tree: one place that says which failures are worth retrying.
+
+    NemoGenError
+    ├── InfraError                 retriable: the machine or a process failed, the input was fine
+    │   ├── ShardDiedError         a shard's actor or engine process is gone
+    │   ├── ShardUnavailableError  no shard can take the request right now (NoHealthyShards)
+    │   ├── EngineStartError       an engine failed to come up (timeout, crash while loading)
+    │   └── FleetExhausted         fewer serving shards than health.min_healthy_shards
+    └── DataError                  not retriable: the same input fails the same way again
+        ├── ConfigError            bad settings; names the dotted field (``fleet.num_shards``)
+        ├── PlacementError         the cluster cannot hold the fleet as configured
+        ├── RequestError           one generation request is invalid (too long, bad sampling)
+        └── InputFileError         a prompts file is unreadable or a line is malformed
+
+Adapters (ray, vllm, prefect) translate their own exceptions into these in one place each;
+``nemo_gen.core.retry.is_retriable`` classifies both these and raw Ray exceptions.
+"""
+
+from __future__ import annotations
+
+
+class NemoGenError(Exception):
+    """Base of every error nemo_gen raises on purpose."""
+
+
+class InfraError(NemoGenError):
+    """A failure of the infrastructure, not the input: retrying elsewhere or later may succeed."""
+
+
+class ShardDiedError(InfraError):
+    """A shard's actor or engine process died while it held work."""
+
+    def __init__(self, shard: int, detail: str = ""):
+        self.shard = shard
+        super().__init__(f"shard {shard} died" + (f": {detail}" if detail else ""))
+
+
+class ShardUnavailableError(InfraError):
+    """No shard is eligible to serve at the moment."""
+
+
+class EngineStartError(InfraError):
+    """A vLLM engine did not come up."""
+
+    def __init__(self, shard: int, detail: str):
+        self.shard = shard
+        super().__init__(f"shard {shard}: engine failed to start: {detail}")
+
+
+class FleetExhausted(InfraError):
+    """Fewer shards are serving than the policy's minimum (NeMo-RL's GenerationFleetExhausted)."""
+
+
+class DataError(NemoGenError):
+    """A failure caused by the input: retrying the same input cannot succeed."""
+
+
+class ConfigError(DataError, ValueError):
+    """Invalid settings. ``field`` is the dotted path of the offending key, when known."""
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class PlacementError(DataError):
+    """The Ray cluster cannot hold the fleet as configured (raised instead of hanging)."""
+
+
+class RequestError(DataError, ValueError):
+    """One generation request is invalid; the rest of its batch is unaffected."""
+
+    def __init__(self, message: str, index: int | None = None):
+        self.index = index
+        super().__init__(message)
+
+
+class InputFileError(DataError, ValueError):
+    """A prompts file or one of its lines cannot be used. Names the file and line."""
+
+    def __init__(self, path: str, message: str, line: int | None = None):
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {message}")

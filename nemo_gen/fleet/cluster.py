@@ -1,0 +1,82 @@
+"""Start or attach the Ray cluster the fleet runs on, and describe its resources.
+
+``ray.address`` unset: a private local cluster (``address="local"``, never a stray ``ray start``
+cluster that happens to run on the machine), stopped again by ``shutdown_ray``. Set: attach,
+and leave the cluster running afterwards — it is not ours to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+
+from nemo_gen.core.placement import ClusterResources
+from nemo_gen.settings import RaySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RayConnection:
+    """How this process is connected to Ray. ``owned``: we started the cluster and stop it."""
+
+    address: str
+    namespace: str
+    owned: bool
+
+
+def init_ray(settings: RaySettings) -> RayConnection:
+    """Connect to Ray as the settings say; reuse a connection this process already has."""
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        return RayConnection(address=_gcs_address(), namespace=ctx.namespace, owned=False)
+    common = dict(namespace=settings.namespace, log_to_driver=True, configure_logging=False)
+    if settings.address is None:
+        kwargs = dict(
+            address="local",
+            num_cpus=settings.num_cpus,
+            num_gpus=settings.num_gpus,
+            include_dashboard=settings.include_dashboard,
+            dashboard_host=settings.dashboard_host,
+        )
+        if settings.object_store_memory_gb:
+            kwargs["object_store_memory"] = int(settings.object_store_memory_gb * 2**30)
+        ray.init(**kwargs, **common)
+        owned = True
+    else:
+        ray.init(address=settings.address, **common)
+        owned = False
+        _warn_if_reaping_unknown()
+    return RayConnection(address=_gcs_address(), namespace=settings.namespace, owned=owned)
+
+
+def shutdown_ray(conn: RayConnection | None) -> None:
+    """Disconnect; a cluster we started goes down with it (only our own processes)."""
+    if conn is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def cluster_resources() -> ClusterResources:
+    return ClusterResources.from_ray_nodes(ray.nodes())
+
+
+def _gcs_address() -> str:
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # older Ray: not worth failing a launch over a label
+        return "unknown"
+
+
+def _warn_if_reaping_unknown() -> None:
+    """An attached raylet was started before this driver existed: our environment never reached
+    it, so we cannot vouch that it reaps a dead shard's EngineCore (see the seed's docstring)."""
+    if os.environ.get("RAY_process_group_cleanup_enabled") != "0":
+        log.warning(
+            "attached to a Ray cluster this driver did not start: its raylets read "
+            "RAY_process_group_cleanup_enabled at their own start. Export "
+            "RAY_process_group_cleanup_enabled=1 before `ray start` on every node "
+            "(deployments/ray/start-node.sh does) or a killed shard's EngineCore may keep its memory."
+        )

@@ -1,0 +1,154 @@
+"""One vLLM engine inside a shard actor: start it, generate with per-request errors, stop it.
+
+This is the only module that imports vLLM. Both of vLLM's engines are hidden behind one
+``async`` surface: the sync ``vllm.LLM`` (best batch throughput) runs in a worker thread under a
+lock, the ``AsyncLLM`` (``vllm_cfg.async_engine``) serves concurrent requests natively.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from typing import Any
+
+import psutil
+
+from nemo_gen.core.results import GenerationRequest
+
+
+def sampling_params(s: dict[str, Any]):
+    """vLLM ``SamplingParams`` from a resolved sampling dict (``nemo_gen.core.sampling``)."""
+    from vllm import SamplingParams
+
+    top_k = s.get("top_k")
+    return SamplingParams(
+        max_tokens=s["max_new_tokens"],
+        temperature=float(s["temperature"]),
+        top_p=float(s["top_p"]),
+        top_k=-1 if top_k is None else top_k,
+        stop=list(s["stop_strings"]) if s.get("stop_strings") else None,
+        stop_token_ids=list(s["stop_token_ids"]) if s.get("stop_token_ids") else None,
+        seed=s.get("seed"),
+        ignore_eos=bool(s.get("ignore_eos") or False),
+        # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
+        logprobs=0,
+    )
+
+
+def _result_dict(req: GenerationRequest, out) -> dict[str, Any]:
+    comp = out.outputs[0]
+    token_ids = list(comp.token_ids)
+    logprobs: list[float] = []
+    if comp.logprobs:
+        for tok, lp in zip(token_ids, comp.logprobs):
+            logprobs.append(float(lp[tok].logprob))
+    return {
+        "index": req.index,
+        "token_ids": token_ids,
+        "text": comp.text if comp.text is not None else None,
+        "logprobs": logprobs,
+        "finish_reason": comp.finish_reason,
+        "error": None,
+    }
+
+
+def _error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
+    return {"index": req.index, "error": f"RequestError: {exc}"}
+
+
+class Engine:
+    """A started vLLM engine. Construct with ``await Engine.start(kwargs, async_engine)``."""
+
+    def __init__(self, llm: Any, async_engine: bool, load_s: float):
+        self._llm = llm
+        self.async_engine = async_engine
+        self.load_s = load_s
+        self._lock = asyncio.Lock()  # the sync LLM is not re-entrant
+        self._ids = itertools.count()
+        self.max_model_len = self._model_config().max_model_len
+
+    @classmethod
+    async def start(cls, kwargs: dict[str, Any], async_engine: bool) -> "Engine":
+        t0 = time.monotonic()
+        if async_engine:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        else:
+            from vllm import LLM
+
+            llm = await asyncio.to_thread(LLM, **kwargs)
+        return cls(llm, async_engine, time.monotonic() - t0)
+
+    def _model_config(self):
+        if self.async_engine:
+            return self._llm.model_config
+        return self._llm.llm_engine.model_config
+
+    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> list[dict]:
+        """One result dict per request, in order. A request vLLM rejects gets an ``error`` entry;
+        the others still run."""
+        params = sampling_params(sampling)
+        if self.async_engine:
+            return list(await asyncio.gather(*(self._generate_async(r, params) for r in requests)))
+        async with self._lock:
+            return await asyncio.to_thread(self._generate_sync, requests, params)
+
+    def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
+        from vllm.inputs import TokensPrompt
+
+        results: dict[int, dict] = {}
+        enqueued: list[GenerationRequest] = []
+        # enqueue one by one so vLLM's validation rejects only the bad request, not the batch.
+        for req in requests:
+            try:
+                self._llm.enqueue(
+                    [TokensPrompt(prompt_token_ids=req.prompt_token_ids)], params, use_tqdm=False
+                )
+            except (ValueError, TypeError) as exc:
+                results[req.index] = _error_dict(req, exc)
+                continue
+            enqueued.append(req)
+        if enqueued:
+            # wait_for_completion returns outputs sorted by vLLM's request counter, i.e. in
+            # enqueue order (enqueue hands back internal ids that differ from output.request_id).
+            outputs = self._llm.wait_for_completion(use_tqdm=False)
+            if len(outputs) != len(enqueued):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(enqueued)} requests")
+            for req, out in zip(enqueued, outputs):
+                results[req.index] = _result_dict(req, out)
+        return [results[r.index] for r in requests]
+
+    async def _generate_async(self, req: GenerationRequest, params) -> dict:
+        from vllm.inputs import TokensPrompt
+
+        request_id = f"nemo-gen-{next(self._ids)}"
+        final = None
+        try:
+            async for out in self._llm.generate(
+                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id
+            ):
+                final = out
+        except (ValueError, TypeError) as exc:
+            return _error_dict(req, exc)
+        return _result_dict(req, final)
+
+    def child_pids(self) -> list[int]:
+        """PIDs of the processes vLLM forked for this engine (EngineCore, workers)."""
+        try:
+            return sorted(p.pid for p in psutil.Process(os.getpid()).children(recursive=True))
+        except psutil.Error:
+            return []
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes now, rather than whenever garbage collection runs."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self.async_engine:
+            llm.shutdown()
+        else:
+            llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,89 @@
+"""``VllmGeneration``: NeMo-RL's GenerationInterface over a nemo_gen ``GenerationFleet``.
+
+NeMo-RL code hands a right-padded token batch (``GenerationDatumSpec``) and expects a
+right-padded ``GenerationOutputSpec`` back; this adapter does that translation and lets the
+fleet do the work (routing, health, per-shard weight versions).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from nemo_gen.errors import RequestError
+from nemo_gen.generation.interfaces import GenerationInterface, verify_right_padding
+
+
+class VllmGeneration(GenerationInterface):
+    """Generation on a fleet of vLLM engines.
+
+    ``VllmGeneration(config)`` launches a fleet from a NeMo-RL generation config (the other
+    sections come from ``settings`` or their defaults); ``VllmGeneration(fleet=fleet)`` wraps a
+    fleet that is already running and leaves its shutdown to its owner.
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings=None, fleet=None):
+        from nemo_gen.fleet.fleet import GenerationFleet
+        from nemo_gen.settings import NemoGenSettings
+
+        self._owns_fleet = fleet is None
+        if fleet is None:
+            overrides: dict[str, Any] = {}
+            if config is not None:
+                # Internal keys (_pad_token_id, ...) are recomputed by configure_generation_config.
+                overrides["generation"] = {k: v for k, v in config.items() if not str(k).startswith("_")}
+            if settings is not None:
+                base = settings.model_dump(mode="json")
+                base.update(overrides)
+                overrides = base
+            fleet = GenerationFleet.launch(NemoGenSettings.load(overrides=overrides))
+        self.fleet = fleet
+        self.cfg = fleet.resolved.generation_config
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list:
+        raise NotImplementedError(
+            "VllmGeneration does not join a trainer's NCCL collective; push weights with "
+            "fleet.refit (checkpoint directory or named tensors) instead"
+        )
+
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, Any]:
+        import torch
+
+        input_ids, lengths = data["input_ids"], data["input_lengths"]
+        pad = self.cfg.get("_pad_token_id")
+        verify_right_padding({"input_ids": input_ids, "input_lengths": lengths}, pad_value=pad)
+        prompts = [input_ids[i, : int(lengths[i])].tolist() for i in range(input_ids.shape[0])]
+        sampling: dict[str, Any] = {"temperature": 0.0} if greedy else {}
+        results = self.fleet.generate(prompts, **sampling)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise RequestError(f"sample {failed[0].index}: {failed[0].error}", index=failed[0].index)
+        total = [len(r.prompt_token_ids) + len(r.token_ids) for r in results]
+        width = max(total)
+        output_ids = torch.full((len(results), width), pad, dtype=input_ids.dtype)
+        logprobs = torch.zeros((len(results), width), dtype=torch.float32)
+        for i, r in enumerate(results):
+            n = len(r.prompt_token_ids)
+            output_ids[i, :n] = torch.as_tensor(r.prompt_token_ids, dtype=input_ids.dtype)
+            if r.token_ids:
+                output_ids[i, n : total[i]] = torch.as_tensor(r.token_ids, dtype=input_ids.dtype)
+                logprobs[i, n : total[i]] = torch.as_tensor(r.logprobs, dtype=torch.float32)
+        return {
+            "output_ids": output_ids,
+            "logprobs": logprobs,
+            "generation_lengths": torch.tensor([len(r.token_ids) for r in results]),
+            "unpadded_sequence_lengths": torch.tensor(total),
+            "truncated": torch.tensor([r.finish_reason == "length" for r in results]),
+        }
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        # Engines stay loaded between phases (no sleep mode): already awake.
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        # Dedicated engines hold their devices between phases; release_gpu does not apply.
+        return True
+
+    def shutdown(self) -> bool:
+        if self._owns_fleet:
+            self.fleet.shutdown()
+        return True
