@@ -82,7 +82,7 @@ class VllmCfg(_Section):
     precision: str = Field(
         "auto",
         description="Model dtype: auto | float32 | bfloat16 | float16 | fp8 (fp8 = bf16 + fp8 "
-        "quantization).",
+        "quantization). auto: the checkpoint's dtype on GPU, float32 on CPU.",
     )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field("auto", description="KV cache dtype.")
     load_format: str | None = Field(
@@ -244,6 +244,7 @@ class RaySettings(_Section):
         None, ge=0, description="GPUs of the local cluster; unset: detected. Logical GPUs can be "
         "declared for placement tests."
     )
+    log_to_driver: bool = Field(True, description="Echo engine and worker output in the driver's terminal.")
     include_dashboard: bool = Field(False, description="Start Ray's dashboard (local cluster only).")
     dashboard_host: str = Field("127.0.0.1", description="Dashboard bind address.")
     object_store_memory_gb: float | None = Field(None, gt=0, description="Object store size (local).")
@@ -274,7 +275,12 @@ class RunSettings(_Section):
         ],
         description="Built-in prompts for `nemo-gen run` when no input file is given.",
     )
-    input: Path | None = Field(None, description="JSONL of prompts ({'prompt': ...} per line).")
+    input: Path | None = Field(
+        None, description="JSONL of prompts: {'prompt': str} or {'prompt_token_ids': [int]} per line."
+    )
+    batch_size: int = Field(
+        64, ge=1, description="Prompts per fleet.generate call; progress is reported between batches."
+    )
     output: Path | None = Field(
         None, description="JSONL results; unset: `home`/outputs/<flow>-<timestamp>.jsonl."
     )

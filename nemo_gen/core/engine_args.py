@@ -46,6 +46,12 @@ def engine_kwargs(
     if precision == "fp8":
         kwargs["dtype"] = "bfloat16"
         kwargs["quantization"] = "fp8"
+    elif precision == "auto" and device == "cpu":
+        # vLLM downcasts float32 checkpoints to bfloat16 on CPU and then picks its AMX attention
+        # kernel, which dies with SIGILL on hosts that advertise AMX without enabling it (seen on
+        # this project's CI machines). float32 takes the AVX-512 kernel; bfloat16 stays one
+        # explicit setting away.
+        kwargs["dtype"] = "float32"
     elif precision in _DTYPES:
         kwargs["dtype"] = precision
     else:

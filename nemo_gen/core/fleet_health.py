@@ -315,6 +315,16 @@ class GenerationFleetHealth:
             shard.last_error = describe(exc)
             self._escalate(shard, shard.consecutive_reported_failures)
 
+    def mark_dead(self, shard_idx: int, reason: str) -> None:
+        """The shard's actor or engine is known to be gone (not a streak): -> DEAD at once.
+        Only a serving or STALE shard can die; other states are left as they are."""
+        with self._lock:
+            shard = self._get(shard_idx)
+            if shard.state not in (*SERVING_STATES, ShardState.STALE):
+                return
+            shard.last_error = reason
+            self._transition(shard, ShardState.DEAD, reason)
+
     def report_success(self, shard_idx: int) -> None:
         """A real request completed; clears only the reported-failure streak."""
         with self._lock:
@@ -349,10 +359,20 @@ class GenerationFleetHealth:
             self._transition(shard, ShardState.STALE, "engine loaded; stale until refit")
 
     def report_refit(self, shard_idx: int, weight_version: int) -> None:
-        """A refit completed: the only way back into service after DEAD (-> HEALTHY)."""
+        """A refit completed: the only way back into service after DEAD (-> HEALTHY).
+
+        Stricter than NeMo-RL on purpose (DESIGN invariant 1): a DEAD or RESTARTING shard has
+        no loaded engine to hold the new weights, so the report is ignored; recovery must pass
+        through ``mark_loaded`` (STALE) first.
+        """
         with self._lock:
             shard = self._get(shard_idx)
-            if shard.state is ShardState.RETIRED:
+            if shard.state in (ShardState.RETIRED, ShardState.DEAD, ShardState.RESTARTING):
+                if shard.state is not ShardState.RETIRED:
+                    logger.warning(
+                        "gen_fleet: ignoring refit report for shard %d in state %s "
+                        "(re-admission goes through STALE)", shard_idx, shard.state.value
+                    )
                 return
             shard.weight_version = weight_version
             shard.consecutive_probe_failures = 0

@@ -33,7 +33,7 @@ def init_ray(settings: RaySettings) -> RayConnection:
     if ray.is_initialized():
         ctx = ray.get_runtime_context()
         return RayConnection(address=_gcs_address(), namespace=ctx.namespace, owned=False)
-    common = dict(namespace=settings.namespace, log_to_driver=True, configure_logging=False)
+    common = dict(namespace=settings.namespace, log_to_driver=settings.log_to_driver, configure_logging=False)
     if settings.address is None:
         kwargs = dict(
             address="local",

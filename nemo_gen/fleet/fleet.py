@@ -65,7 +65,7 @@ def launch_shards(specs: Iterable[ShardSpec], progress: ProgressFn | None = None
                 progress(spec.index, "failed", {"error": str(exc)})
             raise
         if progress:
-            progress(spec.index, "ready", {"seconds": time.monotonic() - t0, **handle.info})
+            progress(spec.index, "ready", {**handle.info, "seconds": time.monotonic() - t0})
         return handle
 
     with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
@@ -243,10 +243,8 @@ class GenerationFleet:
 
     def _condemn(self, shard: int, exc: BaseException) -> None:
         log.warning("shard %d failed: %s; re-routing its requests", shard, exc)
-        err = ShardDiedError(shard, type(exc).__name__)
-        # A dead actor is certain, not a streak: drive the ledger straight to DEAD.
-        while self.health.state_of(shard) in (ShardState.HEALTHY, ShardState.SUSPECT):
-            self.health.report_failure(shard, err)
+        # A dead actor is certain, not a streak: straight to DEAD.
+        self.health.mark_dead(shard, str(ShardDiedError(shard, type(exc).__name__)))
 
     def _result(self, req: GenerationRequest, raw: dict[str, Any], shard: int, version: int | None) -> GenerationResult:
         if raw.get("error"):

@@ -117,8 +117,9 @@ class ShardActor:
         return pids
 
 
-def launch_shard(spec: ShardSpec) -> ShardHandle:
-    """Place, create and start one shard. Blocking; raises PlacementError / EngineStartError."""
+def reserve_placement(spec: ShardSpec):
+    """Reserve the shard's placement group, or raise PlacementError at the deadline (Ray
+    itself would wait forever for resources that never come)."""
     pg = placement_group(
         spec.bundles, strategy=spec.strategy, name=f"{spec.actor_name}-pg", lifetime="detached"
     )
@@ -131,6 +132,12 @@ def launch_shard(spec: ShardSpec) -> ShardHandle:
             f"({spec.strategy}) within fleet.placement_timeout_s={spec.placement_timeout_s:g}s; "
             f"available now: {_available()}"
         ) from None
+    return pg
+
+
+def launch_shard(spec: ShardSpec) -> ShardHandle:
+    """Place, create and start one shard. Blocking; raises PlacementError / EngineStartError."""
+    pg = reserve_placement(spec)
     first = spec.bundles[0]
     world = len(spec.bundles)
     options = dict(

@@ -485,3 +485,29 @@ def test_selector_release_never_goes_below_zero(clock: FakeClock) -> None:
     assert selector.inflight(0) == 1
     with pytest.raises(IndexError):
         selector.acquire(5)
+
+
+def test_refit_report_cannot_readmit_a_dead_or_restarting_shard(clock: FakeClock) -> None:
+    # DESIGN invariant 1: DEAD -> RESTARTING -> STALE -> refit -> HEALTHY, nothing shorter.
+    fleet = make(clock)
+    kill(fleet, 0)
+    fleet.report_refit(0, weight_version=7)
+    assert fleet.state_of(0) is ShardState.DEAD
+    fleet.mark_restarting(0)
+    fleet.report_refit(0, weight_version=7)
+    assert fleet.state_of(0) is ShardState.RESTARTING
+    assert 0 not in fleet.serving_shards()
+    fleet.mark_loaded(0)
+    fleet.report_refit(0, weight_version=7)
+    assert fleet.state_of(0) is ShardState.HEALTHY
+    assert [h["new"] for h in fleet.history(0)][-4:] == ["dead", "restarting", "stale", "healthy"]
+
+
+def test_mark_dead_is_immediate_and_only_for_live_shards(clock: FakeClock) -> None:
+    fleet = make(clock)
+    fleet.mark_dead(1, "ActorDiedError: actor gone")
+    assert fleet.state_of(1) is ShardState.DEAD
+    assert fleet.snapshot()[1].last_error == "ActorDiedError: actor gone"
+    fleet.retire(2, "node gone")
+    fleet.mark_dead(2, "late death notice")
+    assert fleet.state_of(2) is ShardState.RETIRED

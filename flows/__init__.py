@@ -1,0 +1,1 @@
+"""Prefect flows: declarative chains of the tasks in ``tasks/``."""

@@ -1,0 +1,124 @@
+"""The generation pipeline as Prefect flows.
+
+``generation_pipeline`` (parent, default task runner) configures the environment and starts
+Ray in its own process — the raylet must inherit the environment, and RayTaskRunner would
+call ``ray.init`` before any task of its own flow could run — then resolves the generation
+config and calls ``launch_fleet``, a subflow on prefect-ray's ``RayTaskRunner`` that reuses the
+initialised Ray and runs one ``launch-shard`` controller task per shard on the cluster.
+
+Parameters are plain values (a config path and ``--set`` overrides), never a settings object:
+a BaseSettings parameter would freeze the environment of whoever registered a deployment.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from prefect.futures import as_completed
+from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
+
+from nemo_gen import pipeline, progress
+from nemo_gen.fleet.fleet import GenerationFleet
+from nemo_gen.fleet.resolve import ResolvedGeneration
+from nemo_gen.fleet.shard import ShardHandle, stop_shard
+from nemo_gen.settings import NemoGenSettings
+from tasks import fleet as fleet_tasks
+from tasks import setup as setup_tasks
+
+
+@flow(name="launch-fleet", task_runner=RayTaskRunner())
+def launch_fleet(resolved: ResolvedGeneration) -> list[ShardHandle]:
+    """Start every shard in parallel on the Ray cluster; all of them or none."""
+    started = time.monotonic()
+    # Controller tasks only talk to actors: they must not take the CPUs the engines reserve.
+    with remote_options(num_cpus=0, max_retries=0):
+        futures = [fleet_tasks.launch_shard.submit(spec) for spec in resolved.shards]
+    for spec in resolved.shards:
+        progress.emit("shard", index=spec.index, event="loading")
+    handles: list[ShardHandle] = []
+    errors: list[BaseException] = []
+    for fut in as_completed(futures):
+        try:
+            handle = fut.result(timeout=resolved.settings.fleet.engine_start_timeout_s + 60)
+        except Exception as exc:  # keep collecting: the started shards must be stopped
+            errors.append(exc)
+            continue
+        handles.append(handle)
+        info = {k: v for k, v in handle.info.items() if k != "index"}
+        progress.emit("shard", index=handle.index, event="ready", seconds=time.monotonic() - started, **info)
+    if errors:
+        for handle in handles:
+            stop_shard(handle)
+        raise errors[0]
+    return sorted(handles, key=lambda h: h.index)
+
+
+@flow(name="generation-pipeline")
+def generation_pipeline(
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    name: str = "run",
+) -> dict[str, Any]:
+    """configure environment -> start Ray -> resolve config -> launch fleet -> generate ->
+    write outputs -> shut down. Returns the run summary."""
+    settings = NemoGenSettings.load(config, overrides)
+    lines = fleet_tasks.load_prompts(settings)
+    progress.emit("step", name="configure-environment", status="running")
+    setup_tasks.configure_environment(settings)
+    progress.emit("step", name="start-ray", status="running")
+    conn = setup_tasks.start_ray(settings)
+    fleet = None
+    try:
+        progress.emit("step", name="resolve-generation-config", status="running")
+        resolved = setup_tasks.resolve_generation_config(settings)
+        progress.emit("step", name="launch-fleet", status="running", shards=len(resolved.shards))
+        handles = launch_fleet(resolved)
+        fleet = GenerationFleet(resolved, handles, ray_connection=conn if conn.owned else None)
+        progress.emit("step", name="generate", status="running")
+        t0 = time.perf_counter()
+        results = fleet_tasks.generate(fleet, lines, settings.run.batch_size)
+        seconds = time.perf_counter() - t0
+        path = fleet_tasks.write_outputs(lines, results, pipeline.default_output(settings, name))
+        summary = pipeline.summarize(fleet, lines, results, path, seconds)
+        _publish(fleet, summary)
+        return summary
+    finally:
+        progress.emit("step", name="shutdown-fleet", status="running")
+        if fleet is not None:
+            fleet_tasks.shutdown_fleet(fleet)
+        elif conn.owned:
+            from nemo_gen.fleet.cluster import shutdown_ray
+
+            shutdown_ray(conn)
+
+
+def _publish(fleet: GenerationFleet, summary: dict[str, Any]) -> None:
+    """Artifacts a person reads instead of logs: fleet health and throughput."""
+    create_table_artifact(
+        key="fleet-health",
+        table=[
+            {k: s.to_json()[k] for k in ("index", "state", "weight_version", "restarts", "last_error")}
+            for s in fleet.status()
+        ],
+        description="Shard states at the end of the run",
+    )
+    create_table_artifact(
+        key="generation-throughput",
+        table=[
+            {"shard": shard, "requests": v["requests"], "tokens": v["tokens"]}
+            for shard, v in summary["per_shard"].items()
+        ]
+        + [
+            {
+                "shard": "all",
+                "requests": summary["completed"],
+                "tokens": summary["generated_tokens"],
+                "tokens_per_s": round(summary["tokens_per_s"], 1),
+            }
+        ],
+        description="Requests and generated tokens per shard",
+    )

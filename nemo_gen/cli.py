@@ -1,0 +1,151 @@
+"""The ``nemo-gen`` command: run the pipeline, generate over a JSONL file, make the tiny model,
+show settings.
+
+Exit codes: 0 all requests generated; 3 the job ran but some lines or requests failed (they
+are in the output with their reasons); 2 bad settings or input (nothing was started);
+1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nemo_gen.errors import DataError, NemoGenError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PARTIAL = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-gen", description="A fleet of vLLM generation engines on Ray, run as Prefect flows.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def settings_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", "-c", type=Path, help="settings YAML (a NeMo-RL generation: block works as is)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set fleet.num_shards=4 (repeatable)")
+        sp.add_argument("--no-prefect", action="store_true", help="call the pipeline steps directly, without Prefect")
+        sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+        sp.add_argument("--verbose", "-v", action="store_true", help="show engine, Ray and Prefect logs")
+
+    run = sub.add_parser("run", help="launch the fleet, generate the prompts, write JSONL, shut down")
+    settings_args(run)
+    run.add_argument("--input", type=Path, help="JSONL of prompts (default: built-in prompts)")
+    run.add_argument("--output", type=Path, help="JSONL to write (default: <home>/outputs/run-<time>.jsonl)")
+
+    gen = sub.add_parser("generate", help="generate over a JSONL file of prompts")
+    settings_args(gen)
+    gen.add_argument("--input", type=Path, required=True, help="JSONL of prompts")
+    gen.add_argument("--output", type=Path, required=True, help="JSONL to write, one line per input line")
+
+    tiny = sub.add_parser("make-tiny-model", help="make a small random-weight Llama + tokenizer locally")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--overwrite", action="store_true")
+
+    show = sub.add_parser("config", help="print the resolved settings (YAML < env < --set)")
+    show.add_argument("--config", "-c", type=Path)
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "make-tiny-model":
+            return _make_tiny_model(args)
+        if args.command == "config":
+            return _show_config(args)
+        return _run(args, name=args.command)
+    except DataError as exc:
+        print(f"nemo-gen: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NemoGenError as exc:
+        print(f"nemo-gen: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("nemo-gen: interrupted", file=sys.stderr)
+        return 130
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from nemo_gen.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.dir, overwrite=args.overwrite)
+    print(f"tiny model ready: {path}")
+    return EXIT_OK
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from nemo_gen.settings import NemoGenSettings
+
+    settings = NemoGenSettings.load(args.config, args.overrides)
+    print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace, name: str) -> int:
+    if not args.verbose:
+        _quiet()
+    from nemo_gen.settings import NemoGenSettings
+
+    # Engine logs stay in Ray's log files unless asked for; a user's --set still wins.
+    overrides = ([] if args.verbose else ["ray.log_to_driver=false"]) + list(args.overrides)
+    if args.input is not None:
+        overrides.append(f"run.input={json.dumps(str(args.input))}")
+    if args.output is not None:
+        overrides.append(f"run.output={json.dumps(str(args.output))}")
+    # Validate settings and read the input before anything is started.
+    settings = NemoGenSettings.load(args.config, overrides)
+    from nemo_gen.pipeline import load_prompts
+
+    load_prompts(settings)
+
+    from nemo_gen import progress
+    from nemo_gen.cli_view import LiveView
+
+    view = LiveView(enabled=not args.json)
+    started = time.monotonic()
+    with view, progress.listening(view.on_event):
+        if args.no_prefect:
+            from nemo_gen.pipeline import run_pipeline
+
+            summary = run_pipeline(settings, name=name)
+            ui = None
+        else:
+            from nemo_gen.prefect_api import prefect_api
+
+            view.note("starting Prefect server" if not (settings.prefect.api_url or os.environ.get("PREFECT_API_URL")) else "using Prefect API")
+            with prefect_api(settings) as api:
+                view.note(f"Prefect API at {api.url}")
+                from flows.pipeline import generation_pipeline
+
+                summary = generation_pipeline(
+                    config=str(args.config) if args.config else None, overrides=overrides, name=name
+                )
+                ui = api
+    summary["wall_seconds"] = time.monotonic() - started
+    if ui is not None:
+        summary["prefect_ui"] = ui.ui_url + (" (stopped; history kept in " + str(ui.home) + ")" if ui.managed else "")
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        view.summary(summary, title=f"nemo-gen {name}")
+    return EXIT_OK if summary["failed"] == 0 else EXIT_PARTIAL
+
+
+def _quiet() -> None:
+    """Keep the terminal for the live view: engines, Ray and Prefect log warnings and up only.
+    setdefault: an operator's explicit levels win."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The terminal view of a run: steps, shards loading, a progress bar over prompts, and the
+closing summary table. Driven by ``nemo_gen.progress`` events; plain lines when not a TTY."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class LiveView:
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.console = Console(stderr=True)
+        self._progress: Progress | None = None
+        self._task = None
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> "LiveView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop_bar()
+
+    def _say(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(f"[dim]{time.monotonic() - self._t0:6.1f}s[/dim]  {text}")
+
+    def note(self, text: str) -> None:
+        self._say(text)
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            if event == "step":
+                extra = f" ({data['shards']} shards)" if "shards" in data else ""
+                self._say(f"[bold]{data['name']}[/bold]{extra}")
+            elif event == "shard":
+                self._shard(data)
+            elif event == "generate":
+                self._bar(data["done"], data["total"])
+
+    def _shard(self, data: dict[str, Any]) -> None:
+        i, ev = data["index"], data["event"]
+        if ev == "loading":
+            self._say(f"shard {i} … loading engine")
+        elif ev == "ready":
+            pids = data.get("engine_pids") or []
+            self._say(f"shard {i} … [green]ready[/green] ({data.get('seconds', 0):.1f} s, actor pid {data.get('actor_pid')}, engine pids {pids})")
+        elif ev == "failed":
+            self._say(f"shard {i} … [red]failed[/red]: {data.get('error')}")
+
+    def _bar(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("        generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=self.console, transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("generate", total=total)
+        self._progress.update(self._task, completed=done, total=total)
+        if done >= total:
+            self._stop_bar()
+
+    def _stop_bar(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def summary(self, s: dict[str, Any], title: str = "nemo-gen run") -> None:
+        table = Table(title=title, show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        table.add_row("shards", str(s["shards"]))
+        table.add_row("requests", f"{s['requests']} ({s['completed']} ok, {s['failed']} failed)")
+        table.add_row("generated tokens", str(s["generated_tokens"]))
+        table.add_row("tokens/s", f"{s['tokens_per_s']:.1f}")
+        table.add_row("per shard", ", ".join(f"{k}: {v['requests']} req" for k, v in s["per_shard"].items()))
+        table.add_row("weight version", ", ".join(map(str, s["weight_versions"])) or "-")
+        table.add_row("output", s["output"])
+        if s.get("prefect_ui"):
+            table.add_row("Prefect UI", s["prefect_ui"])
+        table.add_row("wall time", f"{s.get('wall_seconds', 0):.1f} s")
+        Console().print(table)
+        for err in s["errors"][:10]:
+            self.console.print(f"[yellow]line {err['line']}[/yellow]: {err['error']}")
+        if len(s["errors"]) > 10:
+            self.console.print(f"… and {len(s['errors']) - 10} more failed lines (see the output file)")

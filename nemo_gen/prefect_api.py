@@ -1,0 +1,147 @@
+"""Which Prefect API the flows report to, and the local server nemo-gen manages when none is set.
+
+Ray workers must talk to a real Prefect API: in Prefect's ephemeral mode every Ray worker
+would start its own temporary server on one SQLite file ("database is locked"). So, in order:
+``prefect.api_url`` from settings, else ``PREFECT_API_URL`` from the environment, else a
+``prefect server start`` of our own — bound to 127.0.0.1, analytics off, its database under
+``<home>/prefect`` — stopped by PID when the command ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from nemo_gen.errors import InfraError
+from nemo_gen.settings import NemoGenSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefectApi:
+    url: str
+    managed: bool
+    home: Path | None = None
+    log_file: Path | None = None
+
+    @property
+    def ui_url(self) -> str:
+        return self.url.removesuffix("/api")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def server_env(home: Path, url: str | None = None) -> dict[str, str]:
+    """Environment for a managed server and for processes that report to it."""
+    env = {
+        "PREFECT_HOME": str(home.resolve()),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # Logs written inside Ray workers reach the API before a short task ends.
+        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
+    }
+    if url:
+        env["PREFECT_API_URL"] = url
+    return env
+
+
+@contextlib.contextmanager
+def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
+    """Yield the API to use, with ``PREFECT_API_URL`` exported for this process and its children."""
+    url = settings.prefect.api_url or os.environ.get("PREFECT_API_URL")
+    if url:
+        with _exported({"PREFECT_API_URL": url}):
+            yield PrefectApi(url=url, managed=False)
+        return
+    home = settings.home / "prefect"
+    home.mkdir(parents=True, exist_ok=True)
+    host = settings.prefect.host
+    port = settings.prefect.port or _free_port(host)
+    url = f"http://{host}:{port}/api"
+    log_file = home / "server.log"
+    env = {**os.environ, **server_env(home)}
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
+    with open(log_file, "ab") as out:
+        # Own process group: the server's children go with it, and Ctrl-C in the terminal
+        # reaches us first so we stop it in order.
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(url, proc, settings.prefect.server_start_timeout_s, log_file)
+        with _exported(server_env(home, url)):
+            try:
+                yield PrefectApi(url=url, managed=True, home=home, log_file=log_file)
+            finally:
+                _flush_logs()
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_file: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise InfraError(f"the Prefect server exited with code {proc.returncode}; see {log_file}")
+        if _healthy(url):
+            return
+        time.sleep(0.3)
+    raise InfraError(f"the Prefect server at {url} was not healthy within {timeout_s:g}s; see {log_file}")
+
+
+def _flush_logs() -> None:
+    """Send buffered run logs while the server is still there to take them."""
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+@contextlib.contextmanager
+def _exported(values: dict[str, str]) -> Iterator[None]:
+    """Set env vars for the duration, and Prefect's in-process settings with them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: values.get("PREFECT_API_URL", os.environ.get("PREFECT_API_URL"))}):
+            yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,40 @@
+"""Tasks that act on shards and the fleet: launch one shard, generate, shut down."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from nemo_gen import pipeline
+from nemo_gen.core.results import GenerationResult
+from nemo_gen.fleet import shard as shard_mod
+from nemo_gen.jsonl import PromptLine
+
+
+@task(name="launch-shard", cache_policy=NO_CACHE, task_run_name="launch-shard-{spec.index}")
+def launch_shard(spec: shard_mod.ShardSpec) -> shard_mod.ShardHandle:
+    """Runs on a Ray worker under RayTaskRunner: a controller that places and starts one actor."""
+    return shard_mod.launch_shard(spec)
+
+
+@task(name="generate", cache_policy=NO_CACHE)
+def generate(fleet, lines: Sequence[PromptLine], batch_size: int) -> list[GenerationResult | None]:
+    return pipeline.generate_lines(fleet, lines, batch_size)
+
+
+@task(name="shutdown-fleet", cache_policy=NO_CACHE)
+def shutdown_fleet(fleet) -> list[int]:
+    """Stop every shard and wait for its engine processes to exit; returns PIDs that had to be killed."""
+    return fleet.shutdown()
+
+
+@task(name="load-prompts", cache_policy=NO_CACHE)
+def load_prompts(settings) -> list[PromptLine]:
+    return pipeline.load_prompts(settings)
+
+
+@task(name="write-outputs", cache_policy=NO_CACHE)
+def write_outputs(lines: Sequence[PromptLine], results: Sequence[GenerationResult | None], path) -> Any:
+    return pipeline.write_outputs(lines, results, path)
