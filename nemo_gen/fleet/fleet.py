@@ -226,6 +226,11 @@ class GenerationFleet:
             return self._result(req, out["results"][0], out["shard"], out["weight_version"])
 
     def _pick(self) -> int:
+        if self.weight_version is None:
+            raise ShardUnavailableError(
+                f"fleet {self.settings.fleet.name!r} runs in fleet.mode=train and has not been refit "
+                "yet: its engines hold dummy weights and serve nothing until the first refit"
+            )
         try:
             shard = self.selector.next_shard()
         except ShardUnavailableError:

@@ -1,0 +1,74 @@
+"""Shared fixtures. Expensive things are made once per session: the tiny model, one local Ray
+cluster (8 logical CPUs and 4 logical GPUs, so GPU placement can be tested on this CPU
+machine), and the Prefect test harness."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing may come from a model hub; Ray must not phone home.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+TEST_NAMESPACE = "nemo_gen_tests"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from nemo_gen.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One private local Ray cluster for the session. Fleets launched in tests attach to it
+    (and so leave it running); it is stopped here, by this process, never with `ray stop`."""
+    import ray
+
+    from nemo_gen.environment import configure_environment
+    from nemo_gen.settings import NemoGenSettings
+
+    configure_environment(NemoGenSettings.load())  # the reaping flag, before the raylet starts
+    ray.init(
+        address="local", num_cpus=8, num_gpus=4, include_dashboard=False,
+        namespace=TEST_NAMESPACE, log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def make_settings(tiny_model_dir, tmp_path_factory):
+    """Settings for the tiny model on CPU; keyword overrides use dotted keys."""
+    from nemo_gen.settings import NemoGenSettings
+
+    home = tmp_path_factory.mktemp("home")
+
+    def make(**overrides):
+        base = {
+            "home": str(home),
+            "model.path": str(tiny_model_dir),
+            "fleet.device": "cpu",
+            "ray.namespace": TEST_NAMESPACE,
+            "generation.max_new_tokens": 16,
+            "generation.vllm_cfg.max_model_len": 256,
+        }
+        base.update({k.replace("__", "."): v for k, v in overrides.items()})
+        return NemoGenSettings.load(overrides=base)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    # Heartbeats add ~1 s to every flow run in tests; the env var cannot express None.
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield

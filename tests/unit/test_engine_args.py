@@ -1,0 +1,247 @@
+"""nemo_gen.core.engine_args: generation config -> vllm.LLM kwargs and engine process env."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from nemo_gen.core.engine_args import engine_env, engine_kwargs
+from nemo_gen.errors import ConfigError
+from nemo_gen.settings import NemoGenSettings
+
+
+def _cfg(vllm_kwargs: dict[str, Any] | None = None, **vllm_cfg: Any) -> dict[str, Any]:
+    """A generation config as settings produce it (plus configure_generation_config's keys)."""
+    cfg = NemoGenSettings.load().generation.to_generation_config()
+    cfg["vllm_cfg"].update(vllm_cfg)
+    if vllm_kwargs is not None:
+        cfg["vllm_kwargs"] = vllm_kwargs
+    return cfg
+
+
+def _kw(device: str = "cpu", cfg: dict[str, Any] | None = None, **vllm_cfg: Any) -> dict[str, Any]:
+    return engine_kwargs(
+        cfg if cfg is not None else _cfg(**vllm_cfg),
+        model_dir="/models/m",
+        tokenizer_dir="/models/t",
+        device=device,  # type: ignore[arg-type]
+        seed=7,
+    )
+
+
+def _env(device: str = "cpu", cores=None, omp=1, kv=1.0, cfg=None, **vllm_cfg: Any) -> dict[str, str]:
+    return engine_env(
+        cfg if cfg is not None else _cfg(**vllm_cfg),
+        device=device,  # type: ignore[arg-type]
+        omp_threads=omp,
+        cpu_kvcache_space_gb=kv,
+        cpu_cores=cores,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# engine_kwargs
+
+
+def test_basic_kwargs():
+    kw = _kw("cpu")
+    assert kw["model"] == "/models/m"
+    assert kw["tokenizer"] == "/models/t"
+    assert kw["seed"] == 7
+    assert kw["tensor_parallel_size"] == 1 and kw["pipeline_parallel_size"] == 1
+    assert kw["kv_cache_dtype"] == "auto"
+    assert kw["load_format"] == "auto"  # absent from the config -> vLLM's auto
+    assert kw["skip_tokenizer_init"] is False
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["disable_log_stats"] is True
+
+
+def test_minimal_config_uses_defaults():
+    kw = engine_kwargs({}, model_dir="m", tokenizer_dir="t", device="gpu")
+    assert kw["tensor_parallel_size"] == 1
+    assert kw["dtype"] == "auto"
+    assert kw["gpu_memory_utilization"] == 0.6
+    assert kw["enforce_eager"] is False
+    assert kw["seed"] == 0
+    assert "max_model_len" not in kw
+    assert "distributed_executor_backend" not in kw
+
+
+def test_configured_load_format_and_skip_tokenizer_init_pass_through():
+    kw = _kw("cpu", load_format="dummy", skip_tokenizer_init=True)
+    assert kw["load_format"] == "dummy"
+    assert kw["skip_tokenizer_init"] is True
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", True), ("gpu", False)])
+def test_enforce_eager_default_depends_on_device(device, expected):
+    assert _kw(device)["enforce_eager"] is expected
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+@pytest.mark.parametrize("explicit", [True, False])
+def test_explicit_enforce_eager_wins(device, explicit):
+    assert _kw(device, enforce_eager=explicit)["enforce_eager"] is explicit
+
+
+def test_gpu_memory_utilization_only_on_gpu():
+    assert "gpu_memory_utilization" not in _kw("cpu", gpu_memory_utilization=0.3)
+    assert _kw("gpu", gpu_memory_utilization=0.3)["gpu_memory_utilization"] == 0.3
+    assert _kw("gpu")["gpu_memory_utilization"] == 0.6
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("gpu", "auto")])
+def test_precision_auto(device, dtype):
+    kw = _kw(device, precision="auto")
+    assert kw["dtype"] == dtype
+    assert "quantization" not in kw
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16", "half", "float"])
+def test_explicit_precision_is_the_dtype(device, precision):
+    kw = _kw(device, precision=precision)
+    assert kw["dtype"] == precision
+    assert "quantization" not in kw
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_fp8_is_bf16_plus_fp8_quantization(device):
+    kw = _kw(device, precision="fp8")
+    assert kw["dtype"] == "bfloat16"
+    assert kw["quantization"] == "fp8"
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp16", "BF16", "", None])
+def test_unknown_precision_names_the_field(precision):
+    with pytest.raises(ConfigError) as info:
+        _kw("gpu", precision=precision)
+    assert info.value.field == "generation.vllm_cfg.precision"
+    assert "generation.vllm_cfg.precision" in str(info.value)
+    assert repr(precision) in str(info.value)
+    assert "fp8" in str(info.value)  # lists the accepted values
+
+
+@pytest.mark.parametrize(
+    "tp, pp, device, backend",
+    [
+        (2, 1, "cpu", "mp"),
+        (1, 2, "cpu", "mp"),
+        (2, 1, "gpu", "ray"),
+        (2, 2, "gpu", "ray"),
+        (1, 1, "cpu", None),
+        (1, 1, "gpu", None),
+    ],
+)
+def test_distributed_executor_backend(tp, pp, device, backend):
+    kw = _kw(device, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert kw["tensor_parallel_size"] == tp and kw["pipeline_parallel_size"] == pp
+    assert kw.get("distributed_executor_backend") == backend
+
+
+def test_max_model_len_only_when_set():
+    assert "max_model_len" not in _kw("cpu")
+    assert "max_model_len" not in _kw("gpu", max_model_len=None)
+    assert _kw("cpu", max_model_len=256)["max_model_len"] == 256
+
+
+def test_prefix_caching_only_when_set():
+    assert "enable_prefix_caching" not in _kw("gpu")
+    assert _kw("gpu", enable_prefix_caching=False)["enable_prefix_caching"] is False
+
+
+def test_expert_parallel_only_on_gpu():
+    assert _kw("gpu", expert_parallel_size=2)["enable_expert_parallel"] is True
+    assert "enable_expert_parallel" not in _kw("cpu", expert_parallel_size=2)
+    assert "enable_expert_parallel" not in _kw("gpu", expert_parallel_size=1)
+
+
+def test_worker_extension_cls():
+    assert "worker_extension_cls" not in _kw("cpu")
+    assert _kw("cpu", worker_extension_cls="pkg.mod:Ext")["worker_extension_cls"] == "pkg.mod:Ext"
+
+
+def test_vllm_kwargs_override_everything():
+    overrides = {
+        "dtype": "float16",
+        "enforce_eager": False,
+        "gpu_memory_utilization": 0.9,
+        "distributed_executor_backend": "uni",
+        "max_model_len": 99,
+        "model": "/elsewhere",
+        "seed": 123,
+        "swap_space": 0,
+    }
+    cfg = _cfg(vllm_kwargs=overrides, tensor_parallel_size=2, max_model_len=256, precision="auto")
+    kw = _kw("cpu", cfg=cfg)
+    for key, value in overrides.items():
+        assert kw[key] == value, key
+
+
+def test_vllm_kwargs_none_is_empty():
+    cfg = _cfg()
+    cfg["vllm_kwargs"] = None
+    assert _kw("cpu", cfg=cfg)["dtype"] == "float32"
+
+
+def test_config_is_not_mutated():
+    import copy
+
+    cfg = _cfg(vllm_kwargs={"dtype": "float16"}, env_vars={"A": "1"})
+    before = copy.deepcopy(cfg)
+    _kw("gpu", cfg=cfg)
+    _env("cpu", cfg=cfg, cores=[0])
+    assert cfg == before
+
+
+# --------------------------------------------------------------------------------------------
+# engine_env
+
+
+def test_cpu_env_basics():
+    env = _env("cpu", omp=3, kv=1.0, cores=[0])
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+@pytest.mark.parametrize("gb, text", [(1.0, "1"), (1, "1"), (1.5, "1.5"), (2.0, "2"), (0.25, "0.25")])
+def test_kvcache_space_formatting(gb, text):
+    assert _env("cpu", kv=gb)["VLLM_CPU_KVCACHE_SPACE"] == text
+
+
+def test_threads_bind_per_rank_for_tp2():
+    assert _env("cpu", cores=[0, 1], tensor_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert _env("cpu", cores=[4, 5, 6, 7], tensor_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    assert _env("cpu", cores=[2, 3], pipeline_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "2|3"
+
+
+def test_threads_bind_single_rank_takes_all_cores():
+    assert _env("cpu", cores=[3, 4])["VLLM_CPU_OMP_THREADS_BIND"] == "3,4"
+
+
+def test_threads_bind_more_ranks_than_cores_never_empty():
+    bind = _env("cpu", cores=[5], tensor_parallel_size=2)["VLLM_CPU_OMP_THREADS_BIND"]
+    ranks = bind.split("|")
+    assert len(ranks) == 2
+    assert all(ranks) and set(ranks) == {"5"}
+
+
+@pytest.mark.parametrize("cores", [None, []])
+def test_no_cores_means_nobind(cores):
+    assert _env("cpu", cores=cores)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_env_vars_merged_and_stringified():
+    env = _env("cpu", cores=[0], env_vars={"FOO": "bar", "OMP_NUM_THREADS": "8", "N": 3})
+    assert env["FOO"] == "bar"
+    assert env["OMP_NUM_THREADS"] == "8"  # the user's explicit value wins
+    assert env["N"] == "3"
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+
+
+def test_gpu_env_has_no_cpu_vars():
+    env = _env("gpu", cores=[0, 1], omp=4, kv=2.0, env_vars={"FOO": "bar"})
+    assert env == {"FOO": "bar"}
+    assert _env("gpu") == {}

@@ -1,0 +1,354 @@
+"""nemo_gen.jsonl (+ pipeline.load_prompts/write_outputs/summarize): prompts in, results out."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_gen.core.results import GenerationResult
+from nemo_gen.errors import DataError, InputFileError
+from nemo_gen.jsonl import PromptLine, read_prompts, result_row, write_jsonl
+from nemo_gen.pipeline import load_prompts, summarize, write_outputs
+from nemo_gen.settings import NemoGenSettings
+
+
+def _file(tmp_path: Path, *lines: str, name: str = "in.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _result(index: int, text: str = "out", shard: int | None = 0, error: str | None = None, **kw) -> GenerationResult:
+    return GenerationResult(
+        index=index, prompt=f"p{index}", prompt_token_ids=[1, 2], text=None if error else text,
+        token_ids=[] if error else kw.pop("token_ids", [5, 6, 7]), shard=shard, error=error, **kw,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# read_prompts
+
+
+def test_object_string_and_token_id_lines(tmp_path):
+    path = _file(
+        tmp_path,
+        json.dumps({"prompt": "hello", "id": "a"}),
+        json.dumps("bare string"),
+        json.dumps({"prompt_token_ids": [1, 2, 3]}),
+        json.dumps({"prompt": "ünïcødé ✓"}, ensure_ascii=False),
+    )
+    lines = read_prompts(path)
+    assert [l.line for l in lines] == [1, 2, 3, 4]
+    assert [l.prompt for l in lines] == ["hello", "bare string", [1, 2, 3], "ünïcødé ✓"]
+    assert all(l.error is None for l in lines)
+    assert lines[0].record == {"prompt": "hello", "id": "a"}
+    assert lines[1].record == {"prompt": "bare string"}
+    assert lines[2].record == {"prompt_token_ids": [1, 2, 3]}
+
+
+def test_prompt_wins_over_token_ids(tmp_path):
+    path = _file(tmp_path, json.dumps({"prompt": "text", "prompt_token_ids": [1]}))
+    assert read_prompts(path)[0].prompt == "text"
+
+
+def test_blank_lines_skipped_but_counted(tmp_path):
+    path = _file(tmp_path, "", json.dumps("a"), "   ", "\t", json.dumps("b"), "")
+    lines = read_prompts(path)
+    assert [(l.line, l.prompt) for l in lines] == [(2, "a"), (5, "b")]
+
+
+def test_crlf_line_endings(tmp_path):
+    path = tmp_path / "crlf.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\r\n"b"\r\n')
+    assert [(l.line, l.prompt, l.error) for l in read_prompts(path)] == [(1, "a", None), (2, "b", None)]
+
+
+def test_no_trailing_newline(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('"a"\n"b"', encoding="utf-8")
+    assert [l.prompt for l in read_prompts(path)] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"prompt": "unterminated', "not valid JSON"),
+        ("[1, 2, 3]", "expected an object or a string, got list"),
+        ("42", "got int"),
+        ("null", "got NoneType"),
+        ("true", "got bool"),
+        ('{"prompt": 5}', "prompt"),
+        ('{"prompt": null}', "prompt"),
+        ('{"text": "no prompt key"}', "prompt"),
+        ('{"prompt_token_ids": []}', "prompt_token_ids"),
+        ('{"prompt_token_ids": [1, "2"]}', "prompt_token_ids"),
+        ('{"prompt_token_ids": [1, 2.0]}', "prompt_token_ids"),
+        ('{"prompt_token_ids": [1, -1]}', "prompt_token_ids"),
+        ('{"prompt_token_ids": [true, false]}', "prompt_token_ids"),
+        ('{"prompt_token_ids": "1 2 3"}', "prompt_token_ids"),
+        ('{"prompt_token_ids": [[1, 2]]}', "prompt_token_ids"),
+    ],
+)
+def test_bad_line_reports_error_and_line_while_others_parse(tmp_path, raw, fragment):
+    path = _file(tmp_path, json.dumps("first"), raw, json.dumps({"prompt": "third"}))
+    lines = read_prompts(path)
+    assert len(lines) == 3
+    assert (lines[0].line, lines[0].prompt, lines[0].error) == (1, "first", None)
+    assert (lines[2].line, lines[2].prompt, lines[2].error) == (3, "third", None)
+    bad = lines[1]
+    assert bad.line == 2
+    assert bad.prompt is None
+    assert bad.error and fragment in bad.error
+
+
+def test_bad_object_line_keeps_its_record(tmp_path):
+    path = _file(tmp_path, json.dumps({"id": 9, "prompt": 5}))
+    line = read_prompts(path)[0]
+    assert line.error and line.record == {"id": 9, "prompt": 5}
+
+
+def test_malformed_json_names_the_column(tmp_path):
+    path = _file(tmp_path, '{"prompt": x}')
+    assert "column 12" in read_prompts(path)[0].error
+
+
+def test_missing_file_raises_naming_it(tmp_path):
+    path = tmp_path / "missing.jsonl"
+    with pytest.raises(InputFileError) as info:
+        read_prompts(path)
+    assert info.value.path == str(path)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value, DataError)
+
+
+def test_directory_raises_naming_it(tmp_path):
+    with pytest.raises(InputFileError) as info:
+        read_prompts(tmp_path)
+    assert str(tmp_path) in str(info.value)
+    assert "cannot read" in str(info.value)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+def test_permission_denied_raises_naming_it(tmp_path):
+    path = _file(tmp_path, '"a"')
+    path.chmod(0)
+    try:
+        with pytest.raises(InputFileError) as info:
+            read_prompts(path)
+    finally:
+        path.chmod(0o644)
+    assert str(path) in str(info.value)
+
+
+def test_non_utf8_raises_naming_it(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('"caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(InputFileError) as info:
+        read_prompts(path)
+    assert str(path) in str(info.value)
+    assert "UTF-8" in str(info.value)
+    assert "byte 4" in str(info.value)
+
+
+@pytest.mark.parametrize("body", ["", "\n", "  \n\n\t\n"])
+def test_empty_file_raises_naming_it(tmp_path, body):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(body)
+    with pytest.raises(InputFileError) as info:
+        read_prompts(path)
+    assert str(path) in str(info.value)
+    assert "no prompts" in str(info.value)
+
+
+@pytest.mark.xfail(strict=True, reason="read_prompts splits with str.splitlines(), which also "
+                   "breaks at U+2028/U+2029/U+0085; those are legal raw inside JSON strings")
+def test_unicode_line_separator_inside_a_string(tmp_path):
+    path = _file(
+        tmp_path,
+        json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False),
+        json.dumps({"prompt": "c"}),
+    )
+    lines = read_prompts(path)
+    assert [(l.line, l.prompt, l.error) for l in lines] == [(1, "a\u2028b", None), (2, "c", None)]
+
+
+# --------------------------------------------------------------------------------------------
+# write_jsonl
+
+
+def test_write_jsonl_round_trip_and_no_temp_left(tmp_path):
+    path = tmp_path / "sub" / "dir" / "out.jsonl"  # parents are created
+    rows = [{"a": 1}, {"text": "ünï ✓"}, {"nested": {"x": [1, 2]}}]
+    returned = write_jsonl(path, rows)
+    assert returned == path
+    text = path.read_text(encoding="utf-8")
+    assert "ünï ✓" in text  # not \u-escaped
+    assert [json.loads(l) for l in text.splitlines()] == rows
+    assert sorted(p.name for p in path.parent.iterdir()) == ["out.jsonl"]
+
+
+def test_write_jsonl_accepts_a_generator_and_str_path(tmp_path):
+    path = tmp_path / "gen.jsonl"
+    write_jsonl(str(path), ({"i": i} for i in range(3)))
+    assert path.read_text().splitlines() == ['{"i": 0}', '{"i": 1}', '{"i": 2}']
+
+
+def test_write_jsonl_empty_rows(tmp_path):
+    path = write_jsonl(tmp_path / "e.jsonl", [])
+    assert path.read_text() == ""
+
+
+def test_write_jsonl_replaces_existing(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text("old\n")
+    write_jsonl(path, [{"new": True}])
+    assert path.read_text() == '{"new": true}\n'
+
+
+def test_failure_while_iterating_leaves_previous_file_untouched(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text("previous\n")
+
+    def rows():
+        yield {"a": 1}
+        yield {"b": 2}
+        raise RuntimeError("producer crashed")
+
+    with pytest.raises(RuntimeError, match="producer crashed"):
+        write_jsonl(path, rows())
+    assert path.read_text() == "previous\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+
+
+def test_unserialisable_row_leaves_no_file(tmp_path):
+    path = tmp_path / "out.jsonl"
+    with pytest.raises(TypeError):
+        write_jsonl(path, [{"a": 1}, {"b": object()}])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_keyboard_interrupt_also_cleans_up(tmp_path):
+    path = tmp_path / "out.jsonl"
+
+    def rows():
+        yield {"a": 1}
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_jsonl(path, rows())
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# result_row / write_outputs
+
+
+def test_result_row_keeps_line_and_id():
+    line = PromptLine(line=7, prompt="p", record={"prompt": "p", "id": "req-7", "extra": 1})
+    row = result_row(line, _result(0, text="hi"))
+    assert row["line"] == 7
+    assert row["id"] == "req-7"
+    assert row["text"] == "hi"
+    assert row["error"] is None
+    assert row["token_ids"] == [5, 6, 7]
+    assert "index" not in row
+    assert "extra" not in row
+    assert list(row)[:2] == ["line", "id"]
+
+
+def test_result_row_id_may_be_any_json_value():
+    line = PromptLine(line=1, prompt="p", record={"prompt": "p", "id": 0})
+    assert result_row(line, _result(0))["id"] == 0
+    line = PromptLine(line=1, prompt="p", record={"prompt": "p", "id": None})
+    assert result_row(line, _result(0))["id"] is None
+
+
+def test_result_row_without_id():
+    row = result_row(PromptLine(line=3, prompt="p", record={"prompt": "p"}), _result(0))
+    assert row["line"] == 3 and "id" not in row
+
+
+def test_result_row_for_a_bad_line():
+    line = PromptLine(line=4, prompt=None, error="not valid JSON", record={"id": "x", "prompt": 3})
+    row = result_row(line, None, line.error)
+    assert row == {"line": 4, "id": "x", "prompt": None, "text": None, "error": "not valid JSON"}
+
+
+def test_result_row_for_a_failed_request():
+    line = PromptLine(line=2, prompt="p", record={"prompt": "p"})
+    row = result_row(line, _result(0, error="RequestError: too long", shard=None))
+    assert row["line"] == 2 and row["error"] == "RequestError: too long" and row["text"] is None
+
+
+def test_write_outputs_one_row_per_line_in_order(tmp_path):
+    path = _file(
+        tmp_path,
+        json.dumps({"prompt": "a", "id": 1}),
+        "garbage",
+        "",
+        json.dumps({"prompt": "c", "id": 3}),
+    )
+    lines = read_prompts(path)
+    results = [_result(0, "A"), None, _result(1, "C")]
+    out = write_outputs(lines, results, tmp_path / "out.jsonl")
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [(r["line"], r.get("id"), r["text"]) for r in rows] == [(1, 1, "A"), (2, None, None), (4, 3, "C")]
+    assert "not valid JSON" in rows[1]["error"]
+    assert rows[0]["error"] is None and rows[2]["error"] is None
+
+
+# --------------------------------------------------------------------------------------------
+# pipeline.load_prompts / summarize
+
+
+def test_load_prompts_builtin_and_from_file(tmp_path):
+    builtin = load_prompts(NemoGenSettings.load())
+    assert [l.line for l in builtin] == list(range(1, 9))
+    assert all(l.error is None and isinstance(l.prompt, str) for l in builtin)
+    assert builtin[0].record == {"prompt": builtin[0].prompt}
+    path = _file(tmp_path, '"x"', '"y"')
+    from_file = load_prompts(NemoGenSettings.load(overrides={"run.input": str(path)}))
+    assert [l.prompt for l in from_file] == ["x", "y"]
+
+
+def test_load_prompts_missing_file(tmp_path):
+    with pytest.raises(InputFileError):
+        load_prompts(NemoGenSettings.load(overrides={"run.input": str(tmp_path / "nope.jsonl")}))
+
+
+def test_summarize_counts(tmp_path):
+    lines = [
+        PromptLine(line=1, prompt="a"),
+        PromptLine(line=2, prompt=None, error="bad line"),
+        PromptLine(line=3, prompt="c"),
+        PromptLine(line=4, prompt="d"),
+    ]
+    results = [
+        _result(0, shard=1, weight_version=2, token_ids=[1, 2, 3]),
+        None,
+        _result(1, shard=0, weight_version=2, token_ids=[4]),
+        _result(2, shard=1, error="RequestError: too long"),
+    ]
+    fleet = SimpleNamespace(shards=[object(), object()])
+    s = summarize(fleet, lines, results, tmp_path / "o.jsonl", seconds=2.0)
+    assert s["shards"] == 2
+    assert s["requests"] == 4
+    assert s["completed"] == 2
+    assert s["failed"] == 2
+    assert s["errors"] == [{"line": 2, "error": "bad line"}, {"line": 4, "error": "RequestError: too long"}]
+    assert s["generated_tokens"] == 4
+    assert s["tokens_per_s"] == 2.0
+    assert s["weight_versions"] == [2]
+    assert s["per_shard"] == {"0": {"requests": 1, "tokens": 1}, "1": {"requests": 1, "tokens": 3}}
+    assert s["output"] == str(tmp_path / "o.jsonl")
+    json.dumps(s)
+
+
+def test_summarize_zero_seconds(tmp_path):
+    s = summarize(SimpleNamespace(shards=[]), [], [], tmp_path / "o.jsonl", seconds=0.0)
+    assert s["tokens_per_s"] == 0.0 and s["requests"] == 0 and s["failed"] == 0
