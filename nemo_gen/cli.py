@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _show_config(args)
         return _run(args, name=args.command)
-    except DataError as exc:
+    except (DataError, FileExistsError) as exc:  # FileExistsError: make-tiny-model onto another dir
         print(f"nemo-gen: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NemoGenError as exc:
@@ -91,8 +91,6 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, name: str) -> int:
-    if not args.verbose:
-        _quiet()
     from nemo_gen.settings import NemoGenSettings
 
     # Engine logs stay in Ray's log files unless asked for; a user's --set still wins.
@@ -106,6 +104,8 @@ def _run(args: argparse.Namespace, name: str) -> int:
     from nemo_gen.pipeline import load_prompts
 
     load_prompts(settings)
+    if not args.verbose:
+        _quiet()
 
     from nemo_gen import progress
     from nemo_gen.cli_view import LiveView

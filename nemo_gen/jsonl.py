@@ -32,13 +32,16 @@ def read_prompts(path: str | os.PathLike) -> list[PromptLine]:
     JSON string. Blank lines are skipped; bad lines come back with ``error`` set."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: a leading BOM is not part of line 1
     except OSError as exc:
         raise InputFileError(str(p), f"cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise InputFileError(str(p), f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     lines = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # Split on "\n" only: str.splitlines() would also split at U+2028/U+2029/U+0085, which JSON
+    # allows raw inside strings, shifting every later line number.
+    for number, raw in enumerate(text.split("\n"), start=1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         lines.append(_parse_line(number, raw))
@@ -88,6 +91,10 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             for row in rows:
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        # mkstemp creates 0600; publish with the permissions a plain open() would give.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):

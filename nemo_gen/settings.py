@@ -13,6 +13,7 @@ plain dict that NeMo-RL's functions (``configure_generation_config``) expect.
 from __future__ import annotations
 
 import contextvars
+import copy
 import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -438,8 +439,20 @@ def _overrides_to_nested(overrides: Sequence[str] | Mapping[str, Any] | None) ->
             if not isinstance(child, dict):
                 raise ConfigError("set both as a value and as a section", field=key)
             node = child
-        node[parts[-1]] = value
+        _merge(node, parts[-1], copy.deepcopy(value), key)
     return nested
+
+
+def _merge(node: dict[str, Any], key: str, value: Any, dotted: str) -> None:
+    """Set ``node[key]``, merging into a section already there (never mutating the caller's)."""
+    existing = node.get(key)
+    if isinstance(existing, dict) and isinstance(value, dict):
+        for k, v in value.items():
+            _merge(existing, k, v, f"{dotted}.{k}")
+    elif isinstance(existing, dict) or (key in node and isinstance(value, dict)):
+        raise ConfigError("set both as a value and as a section", field=dotted)
+    else:
+        node[key] = value
 
 
 def _config_error(exc: ValidationError, path: str | os.PathLike | None) -> ConfigError:
@@ -450,7 +463,7 @@ def _config_error(exc: ValidationError, path: str | os.PathLike | None) -> Confi
         if err["type"] == "extra_forbidden":
             msg = "unknown setting"
         problems.append((dotted, f"{msg} (got {err.get('input')!r})" if err["type"] != "extra_forbidden" else msg))
-    source = f" (settings file {path})" if path is not None else ""
+    source = f" (from settings file {path}, NEMO_GEN_* environment or overrides)" if path is not None else ""
     first_field = problems[0][0] if problems else None
     lines = "; ".join(f"{field}: {msg}" for field, msg in problems)
     err = ConfigError(f"invalid settings{source}: {lines}")

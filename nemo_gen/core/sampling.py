@@ -7,6 +7,7 @@ ones with an error naming the keyword, so a bad call fails before any shard is t
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from nemo_gen.errors import RequestError
@@ -36,20 +37,36 @@ def resolve_sampling(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) 
     return merged
 
 
+def _number(value: Any) -> bool:
+    """A real, finite number (bool is an int subclass, but temperature=True is a typo)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check(s: dict[str, Any]) -> None:
     mnt = s["max_new_tokens"]
-    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
+    if not _int(mnt) or mnt < 1:
         raise RequestError(f"max_new_tokens must be a positive integer, got {mnt!r}")
     temp = s["temperature"]
-    if temp is None or not isinstance(temp, (int, float)) or temp < 0:
+    if not _number(temp) or temp < 0:
         raise RequestError(f"temperature must be a number >= 0, got {temp!r}")
     top_p = s["top_p"]
-    if top_p is None or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if not _number(top_p) or not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
     top_k = s["top_k"]
-    if top_k is not None and (not isinstance(top_k, int) or (top_k < 1 and top_k != -1)):
+    if top_k is not None and (not _int(top_k) or (top_k < 1 and top_k != -1)):
         raise RequestError(f"top_k must be null, -1 or a positive integer, got {top_k!r}")
-    for key in ("stop_strings", "stop_token_ids"):
-        value = s[key]
-        if value is not None and not isinstance(value, (list, tuple)):
-            raise RequestError(f"{key} must be a list or null, got {value!r}")
+    stops = s["stop_strings"]
+    if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops)):
+        raise RequestError(f"stop_strings must be a list of non-empty strings or null, got {stops!r}")
+    ids = s["stop_token_ids"]
+    if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_int(x) and x >= 0 for x in ids)):
+        raise RequestError(f"stop_token_ids must be a list of token ids or null, got {ids!r}")
+    seed = s["seed"]
+    if seed is not None and not _int(seed):
+        raise RequestError(f"seed must be an integer or null, got {seed!r}")
+    if s["ignore_eos"] is not None and not isinstance(s["ignore_eos"], bool):
+        raise RequestError(f"ignore_eos must be true, false or null, got {s['ignore_eos']!r}")

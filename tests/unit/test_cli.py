@@ -185,9 +185,6 @@ def test_make_tiny_model(capsys, tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in target.iterdir()} == mtimes
 
 
-@pytest.mark.xfail(strict=True, raises=FileExistsError, reason="TinyModelExistsError is a "
-                   "FileExistsError, not a NemoGenError, so cli.main lets it escape as a traceback "
-                   "instead of exiting 2 with a message")
 def test_make_tiny_model_into_a_foreign_directory_exits_2(capsys, tmp_path):
     target = tmp_path / "taken"
     target.mkdir()

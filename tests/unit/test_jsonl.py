@@ -165,8 +165,6 @@ def test_empty_file_raises_naming_it(tmp_path, body):
     assert "no prompts" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="read_prompts splits with str.splitlines(), which also "
-                   "breaks at U+2028/U+2029/U+0085; those are legal raw inside JSON strings")
 def test_unicode_line_separator_inside_a_string(tmp_path):
     path = _file(
         tmp_path,
@@ -242,6 +240,17 @@ def test_keyboard_interrupt_also_cleans_up(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_jsonl(path, rows())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_written_file_honours_the_umask(tmp_path):
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = write_jsonl(tmp_path / "out.jsonl", [{"a": 1}])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
 # --------------------------------------------------------------------------------------------

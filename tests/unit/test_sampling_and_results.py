@@ -139,21 +139,15 @@ def test_stop_lists_bad(key, value):
     assert key in str(_bad(**{key: value}))
 
 
-@pytest.mark.xfail(strict=True, reason="sampling._check uses isinstance(x, (int, float)) / "
-                   "isinstance(x, int), so booleans pass as numbers (max_new_tokens rejects them)")
 @pytest.mark.parametrize("key", ["temperature", "top_k"])
 def test_booleans_are_not_numbers(key):
     _bad(**{key: True})
 
 
-@pytest.mark.xfail(strict=True, reason="temperature NaN passes `temp < 0` (top_p's chained "
-                   "comparison does reject NaN)")
 def test_nan_temperature_rejected():
     _bad(temperature=float("nan"))
 
 
-@pytest.mark.xfail(strict=True, reason="stop lists are checked for list-ness only, not their "
-                   "elements, so a bad call reaches the shards")
 def test_stop_token_ids_elements_checked():
     _bad(stop_token_ids=["</s>"])
 
