@@ -134,7 +134,9 @@ class VllmCfg(_Section):
         default_factory=dict, description="Environment variables set in every engine process."
     )
     worker_extension_cls: str | None = Field(
-        None, description="module:Class mixed into vLLM workers (vLLM backend only)."
+        None,
+        description="Class mixed into vLLM workers (vLLM backend only); must subclass "
+        "nemo_gen.refit.worker_ext.NemoGenWorkerExtension, which refit relies on.",
     )
 
 
@@ -219,6 +221,16 @@ class FleetSettings(_Section):
         30.0, gt=0, description="Deadline for the cluster to place a shard; then a PlacementError."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one generate call on a shard.")
+
+
+class RefitSettings(_Section):
+    bucket_bytes: int = Field(
+        256 * 2**20, ge=1, description="Bytes read from the source per bucket while staging a refit."
+    )
+    staging_dir: Path = Field(
+        Path("/dev/shm"), description="Directory of the shared-memory staging file (CPU transport)."
+    )
+    timeout_s: float = Field(600.0, gt=0, description="Deadline for each refit phase on a shard.")
 
 
 class HealthSettings(_Section):
@@ -321,6 +333,7 @@ class NemoGenSettings(BaseSettings):
     )
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="Fleet shape.")
     health: HealthSettings = Field(default_factory=HealthSettings, description="Fleet health policy.")
+    refit: RefitSettings = Field(default_factory=RefitSettings, description="Weight refit.")
     ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster.")
     prefect: PrefectSettings = Field(default_factory=PrefectSettings, description="Prefect API.")
     run: RunSettings = Field(default_factory=RunSettings, description="`nemo-gen run` inputs/outputs.")

@@ -13,6 +13,9 @@ from nemo_gen.errors import ConfigError
 
 Device = Literal["cpu", "gpu"]
 
+# Refit runs inside every vLLM worker through this mixin (nemo_gen/refit/worker_ext.py).
+WORKER_EXTENSION = "nemo_gen.refit.worker_ext.NemoGenWorkerExtension"
+
 _DTYPES = {"auto", "float32", "bfloat16", "float16", "half", "float"}
 
 
@@ -75,8 +78,8 @@ def engine_kwargs(
         # CPU ranks are forked processes inside the shard's bundle; on GPU vLLM schedules its
         # ranks as Ray workers in the shard's placement group.
         kwargs["distributed_executor_backend"] = "mp" if device == "cpu" else "ray"
-    if vc.get("worker_extension_cls"):
-        kwargs["worker_extension_cls"] = vc["worker_extension_cls"]
+    # A user's own extension must subclass nemo_gen's (refit calls its nemo_gen_* methods).
+    kwargs["worker_extension_cls"] = vc.get("worker_extension_cls") or WORKER_EXTENSION
     kwargs.update(gen_cfg.get("vllm_kwargs") or {})
     return kwargs
 

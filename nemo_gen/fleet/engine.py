@@ -8,6 +8,7 @@ lock, the ``AsyncLLM`` (``vllm_cfg.async_engine``) serves concurrent requests na
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -66,8 +67,13 @@ class Engine:
         self.async_engine = async_engine
         self.load_s = load_s
         self._lock = asyncio.Lock()  # the sync LLM is not re-entrant
+        # Refit needs the engine to itself: no request may run on half-loaded weights.
+        self._inflight = 0
+        self._idle = asyncio.Condition()
+        self._exclusive = False
         self._ids = itertools.count()
         self.max_model_len = self._model_config().max_model_len
+        self.dtype = str(self._model_config().dtype).removeprefix("torch.")
 
     @classmethod
     async def start(cls, kwargs: dict[str, Any], async_engine: bool) -> "Engine":
@@ -92,10 +98,43 @@ class Engine:
         """One result dict per request, in order. A request vLLM rejects gets an ``error`` entry;
         the others still run."""
         params = sampling_params(sampling)
+        async with self._serving():
+            if self.async_engine:
+                return list(await asyncio.gather(*(self._generate_async(r, params) for r in requests)))
+            async with self._lock:
+                return await asyncio.to_thread(self._generate_sync, requests, params)
+
+    @contextlib.asynccontextmanager
+    async def _serving(self):
+        async with self._idle:
+            await self._idle.wait_for(lambda: not self._exclusive)
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            async with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        """Wait for in-flight requests to finish and hold new ones back until the block ends."""
+        async with self._idle:
+            await self._idle.wait_for(lambda: not self._exclusive)
+            self._exclusive = True
+            await self._idle.wait_for(lambda: self._inflight == 0)
+        try:
+            yield
+        finally:
+            async with self._idle:
+                self._exclusive = False
+                self._idle.notify_all()
+
+    async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
         if self.async_engine:
-            return list(await asyncio.gather(*(self._generate_async(r, params) for r in requests)))
-        async with self._lock:
-            return await asyncio.to_thread(self._generate_sync, requests, params)
+            return await self._llm.collective_rpc(method, timeout=timeout, args=args)
+        return await asyncio.to_thread(self._llm.collective_rpc, method, timeout, args)
 
     def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
         from vllm.inputs import TokensPrompt

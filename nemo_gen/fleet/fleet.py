@@ -14,7 +14,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import psutil
 import ray
@@ -27,6 +27,9 @@ from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, s
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.shard import ShardHandle, ShardSpec, call_shard, launch_shard, stop_shard
 from nemo_gen.settings import NemoGenSettings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nemo_gen.core.refit import RefitReport
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,8 @@ class GenerationFleet:
                 self.health.mark_loaded(index)
         self._closed = False
         self.stats = FleetStats()
+        self._manifest_cache: dict[str, dict[str, Any]] = {}
+        self._staging = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -269,6 +274,33 @@ class GenerationFleet:
             weight_version=version,
         )
 
+    # -- refit -------------------------------------------------------------------------------
+
+    def refit(self, source: Any, version: int | None = None) -> "RefitReport":
+        """Push new weights into every shard that holds an engine; see ``nemo_gen.fleet.refit``.
+
+        ``source``: a checkpoint directory, a ``WeightSource``, or live tensors (an ``nn.Module``,
+        a name->tensor mapping, or a callable returning one). ``version`` defaults to the
+        previous + 1. Raises ``RefitError`` (nothing changed) for a bad manifest; a shard that
+        fails while loading is quarantined and listed in the report."""
+        from nemo_gen.fleet.refit import run_refit
+
+        self._check_open()
+        return run_refit(self, source, version)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype the engines compute in (refit stages floating tensors in it)."""
+        return next(h.info["dtype"] for h in self.shards if h.info.get("dtype"))
+
+    def staging(self):
+        """The fleet's shared-memory staging file, created on first refit and reused."""
+        if self._staging is None:
+            from nemo_gen.refit.staging import SharedMemoryStaging
+
+            self._staging = SharedMemoryStaging(self.settings.refit.staging_dir, self.settings.fleet.name)
+        return self._staging
+
     # -- status and shutdown -----------------------------------------------------------------
 
     @property
@@ -314,6 +346,8 @@ class GenerationFleet:
             if handle.actor_pid:
                 pids.add(handle.actor_pid)
         killed = reap(pids, reap_timeout_s)
+        if self._staging is not None:
+            self._staging.close()
         shutdown_ray(self._ray)
         return killed
 

@@ -90,6 +90,7 @@ class ShardActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "weight_version": self.weight_version,
             "max_model_len": engine.max_model_len if engine else None,
+            "dtype": engine.dtype if engine else None,
             "load_s": engine.load_s if engine else None,
             "async_engine": self._async,
         }
@@ -106,6 +107,26 @@ class ShardActor:
             "results": results,
             "seconds": time.perf_counter() - t0,
         }
+
+    async def expected_manifest(self, target: str = "policy") -> dict[str, Any]:
+        (manifest, *_) = await self.engine.rpc("nemo_gen_expected_manifest", target)
+        return manifest
+
+    async def check_refit(self, path: str, total: int, entries: list, timeout_s: float) -> int:
+        """Phase 1: every worker can read the staged tensors. Changes nothing."""
+        seen = await self.engine.rpc("nemo_gen_check_staged", path, total, entries, timeout=timeout_s)
+        return min(seen)
+
+    async def load_refit(self, path: str, total: int, groups: list, version: int, timeout_s: float) -> float:
+        """Phase 2: load each (target, entries) group, then serve as ``version``. Requests are
+        held back for the duration; on failure the shard keeps no claim to any version."""
+        t0 = time.perf_counter()
+        async with self.engine.exclusive():
+            self.weight_version = None  # half-loaded weights must never be stamped as a version
+            for target, entries in groups:
+                await self.engine.rpc("nemo_gen_load_staged", path, total, entries, target, timeout=timeout_s)
+            self.weight_version = version
+        return time.perf_counter() - t0
 
     def shutdown(self) -> list[int]:
         """Stop the engine's processes; returns the PIDs that were running, for the caller to check."""

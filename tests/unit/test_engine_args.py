@@ -158,7 +158,9 @@ def test_expert_parallel_only_on_gpu():
 
 
 def test_worker_extension_cls():
-    assert "worker_extension_cls" not in _kw("cpu")
+    from nemo_gen.core.engine_args import WORKER_EXTENSION
+
+    assert _kw("cpu")["worker_extension_cls"] == WORKER_EXTENSION
     assert _kw("cpu", worker_extension_cls="pkg.mod:Ext")["worker_extension_cls"] == "pkg.mod:Ext"
 
 

@@ -1,0 +1,366 @@
+"""What the fleet and the Prefect flow cost, measured side by side in one run.
+
+Two ratios, each against a target:
+
+1. Fleet overhead (fleet / direct generated tokens per second, target >= 0.95).
+   One N-shard fleet of vLLM CPU engines (the tiny local model) serves the same fixed-length
+   workload two ways: "direct" pre-tokenizes the prompts once, splits them evenly over the shard
+   actors and calls ``actor.generate.remote`` on all of them at once; "fleet" calls
+   ``fleet.generate(prompts, ...)`` (driver-side tokenization, least-loaded routing, health
+   ledger, ``GenerationResult`` per prompt). Both arms are warmed up once, then alternated
+   (A,B then B,A, ...) for ``--rounds`` rounds; the ratio is taken within each round.
+
+2. Prefect pipeline overhead (prefect / plain wall time, target <= 1.15).
+   The whole pipeline (configure environment, attach Ray, resolve config, launch a fleet,
+   generate the built-in prompts, write JSONL, shut down) as plain functions
+   (``nemo_gen.pipeline.run_pipeline``) against the Prefect flow
+   (``flows.pipeline.generation_pipeline``) reporting to a real local Prefect server, in
+   alternating order for ``--pipeline-rounds`` rounds. Every run launches and stops its own
+   fleet. The Prefect server and the Ray cluster are started once, by this script, before
+   any measurement, so neither arm pays for them: the server comes first (as under
+   ``nemo-gen run``) so that the raylet, and the Ray workers that run the flow's
+   ``launch-shard`` tasks, inherit ``PREFECT_API_URL``; then Ray starts as a private local
+   cluster (``ray.init(address="local")`` via ``init_ray``) that both arms attach to.
+
+The machine is shared and noisy: read the spread (min/max), not just the median, and the
+load average printed before and after.
+
+Run it from the repository root::
+
+    make bench
+    .venv/bin/python bench/fleet_overhead.py [--rounds 7] [--pipeline-rounds 2] [--json out.json]
+
+Everything it makes (tiny model, Prefect database, outputs) lives under ``.nemo-gen/bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+# Before anything imports vLLM, Ray, transformers or Prefect.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+REPO = Path(__file__).resolve().parents[1]
+FLEET_TARGET = 0.95  # fleet / direct tokens per second: at least
+PIPELINE_TARGET = 1.15  # prefect / plain wall time: at most
+NAMESPACE = "nemo_gen_bench"
+
+PROMPT_TOPICS = (
+    "The quick brown fox",
+    "Once upon a time",
+    "In a distant galaxy",
+    "The meaning of life is",
+    "Reinforcement learning is",
+    "A fleet of engines",
+    "The weather today",
+    "Hello, my name is",
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", type=int, default=2, help="shards per fleet (default 2)")
+    p.add_argument("--prompts", type=int, default=64, help="distinct prompts per fleet round (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--rounds", type=int, default=7, help="alternating direct/fleet rounds (default 7)")
+    p.add_argument("--pipeline-rounds", type=int, default=2, help="plain/prefect pipeline runs each (default 2)")
+    p.add_argument("--skip-pipeline", action="store_true", help="measure the fleet overhead only")
+    p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
+    args = p.parse_args(argv)
+    for name in ("shards", "prompts", "max_new_tokens", "rounds", "pipeline_rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def verdict(value: float, target: float, higher_is_better: bool) -> str:
+    ok = value >= target if higher_is_better else value <= target
+    return "PASS" if ok else "MISS"
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+def settings_overrides(args: argparse.Namespace, fleet_name: str, **extra: Any) -> dict[str, Any]:
+    """Dotted overrides shared by every fleet this benchmark starts."""
+    return {
+        "home": str(args.home),
+        "fleet.name": fleet_name,
+        "fleet.num_shards": args.shards,
+        "fleet.device": "cpu",
+        "generation.vllm_cfg.max_model_len": 512,
+        "ray.namespace": NAMESPACE,
+        "ray.log_to_driver": False,
+        **extra,
+    }
+
+
+def as_cli_overrides(values: dict[str, Any]) -> list[str]:
+    """The ``--set`` form the flow takes (plain values only, as a deployment would pass them)."""
+    return [f"{k}={json.dumps(v)}" for k, v in values.items()]  # JSON is YAML: strings stay strings
+
+
+def make_prompts(n: int) -> list[str]:
+    return [f"{PROMPT_TOPICS[i % len(PROMPT_TOPICS)]} (request {i})" for i in range(n)]
+
+
+# -- 1. fleet overhead -----------------------------------------------------------------------
+
+
+def direct_arm(fleet, batches, sampling: dict[str, Any]) -> Callable[[], tuple[int, dict[str, float]]]:
+    """The baseline: pre-tokenized batches straight to the shard actors, all in flight at once."""
+    import ray
+
+    actors = [handle.actor for handle in fleet.shards]
+
+    def run() -> tuple[int, dict[str, float]]:
+        outs = ray.get([actor.generate.remote(batch, sampling) for actor, batch in zip(actors, batches)])
+        tokens = sum(len(r["token_ids"]) for out in outs for r in out["results"] if not r.get("error"))
+        return tokens, {"engine_s": max(out["seconds"] for out in outs)}
+
+    return run
+
+
+def fleet_arm(fleet, prompts: list[str], sampling: dict[str, Any]) -> Callable[[], tuple[int, dict[str, float]]]:
+    """The library path a user takes. ``fleet.stats.seconds`` covers dispatch to last result,
+    so wall minus its increase is the driver's work before dispatch (tokenize + validate)."""
+
+    def run() -> tuple[int, dict[str, float]]:
+        before = fleet.stats.seconds
+        t0 = time.perf_counter()
+        results = fleet.generate(prompts, **sampling)
+        wall = time.perf_counter() - t0
+        errors = [r.error for r in results if not r.ok]
+        if errors:
+            raise RuntimeError(f"fleet.generate returned {len(errors)} errors, first: {errors[0]}")
+        return sum(len(r.token_ids) for r in results), {"pre_dispatch_s": wall - (fleet.stats.seconds - before)}
+
+    return run
+
+
+def timed(arm: Callable[[], tuple[int, dict[str, float]]]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    tokens, extra = arm()
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, **extra}
+
+
+def measure_fleet_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    from nemo_gen.core.results import GenerationRequest
+    from nemo_gen.core.sampling import resolve_sampling
+    from nemo_gen.fleet.fleet import GenerationFleet
+    from nemo_gen.fleet.resolve import load_tokenizer
+    from nemo_gen.settings import NemoGenSettings
+
+    settings = NemoGenSettings.load(overrides=settings_overrides(args, "bench-fleet"))
+    prompts = make_prompts(args.prompts)
+    # ignore_eos alone does not fix the length: the resolved config's stop_token_ids holds the
+    # EOS id, and vLLM stops on stop_token_ids whatever ignore_eos says. Clear them in both arms.
+    keywords = dict(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True, stop_token_ids=[])
+    expected = args.prompts * args.max_new_tokens
+
+    print(f"\n== 1. fleet overhead: {args.shards} shards, {args.prompts} prompts x {args.max_new_tokens} tokens ==")
+    t0 = time.monotonic()
+    fleet = GenerationFleet.launch(settings)
+    try:
+        print(f"fleet up in {time.monotonic() - t0:.1f}s")
+        tokenizer = load_tokenizer(fleet.resolved.tokenizer_dir)
+        requests = [
+            GenerationRequest(index=i, prompt_token_ids=list(tokenizer(p, add_special_tokens=True)["input_ids"]), prompt=p)
+            for i, p in enumerate(prompts)
+        ]
+        # Interleaved like the fleet's least-loaded routing deals them out.
+        batches = [requests[s :: args.shards] for s in range(args.shards)]
+        sampling = resolve_sampling(fleet.resolved.generation_config, keywords)
+        arms = {"direct": direct_arm(fleet, batches, sampling), "fleet": fleet_arm(fleet, prompts, keywords)}
+
+        for name, arm in arms.items():  # warm-up: first-call costs (imports, caches) stay out
+            w = timed(arm)
+            print(f"warm-up {name:6s} {w['seconds']:6.3f}s  {w['tokens']} tokens")
+            if w["tokens"] != expected:
+                print(f"  note: {w['tokens']} tokens generated, {expected} expected (fixed length not held)")
+
+        rounds = []
+        print(f"{'round':>5} {'order':>13} {'direct tok/s':>13} {'fleet tok/s':>12} {'fleet/direct':>13} {'pre-dispatch':>13}")
+        for r in range(args.rounds):
+            order = ("direct", "fleet") if r % 2 == 0 else ("fleet", "direct")
+            got = {name: timed(arms[name]) for name in order}
+            ratio = got["fleet"]["tokens_per_s"] / got["direct"]["tokens_per_s"]
+            rounds.append({"order": list(order), **got, "ratio": ratio})
+            print(
+                f"{r + 1:>5} {'/'.join(o[0].upper() for o in order):>13} {got['direct']['tokens_per_s']:>13.1f} "
+                f"{got['fleet']['tokens_per_s']:>12.1f} {ratio:>13.3f} {got['fleet']['pre_dispatch_s'] * 1e3:>10.1f} ms"
+            )
+    finally:
+        fleet.shutdown()
+
+    ratio = spread([r["ratio"] for r in rounds])
+    result = {
+        "ratio": ratio,
+        "target": FLEET_TARGET,
+        "verdict": verdict(ratio["median"], FLEET_TARGET, higher_is_better=True),
+        "direct_tokens_per_s": spread([r["direct"]["tokens_per_s"] for r in rounds]),
+        "fleet_tokens_per_s": spread([r["fleet"]["tokens_per_s"] for r in rounds]),
+        "fleet_pre_dispatch_ms": spread([r["fleet"]["pre_dispatch_s"] * 1e3 for r in rounds]),
+        "direct_engine_s": spread([r["direct"]["engine_s"] for r in rounds]),
+        "tokens_per_round": rounds[0]["fleet"]["tokens"],
+        "rounds": rounds,
+    }
+    print(
+        f"fleet/direct tokens/s: median {ratio['median']:.3f} (min {ratio['min']:.3f}, max {ratio['max']:.3f}) "
+        f"target >= {FLEET_TARGET}  {result['verdict']}"
+    )
+    return result
+
+
+# -- 2. Prefect pipeline overhead ------------------------------------------------------------
+
+
+def measure_pipeline_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    from flows.pipeline import generation_pipeline
+    from nemo_gen.pipeline import run_pipeline
+    from nemo_gen.settings import NemoGenSettings
+
+    out_dir = args.home / "outputs"
+
+    def overrides(arm: str, r: int) -> dict[str, Any]:
+        return settings_overrides(args, "bench-pipeline", **{"run.output": str(out_dir / f"bench-{arm}-{r}.jsonl")})
+
+    def plain(r: int) -> dict[str, Any]:
+        return run_pipeline(NemoGenSettings.load(overrides=overrides("plain", r)), name="bench-plain")
+
+    def prefect(r: int) -> dict[str, Any]:
+        return generation_pipeline(config=None, overrides=as_cli_overrides(overrides("prefect", r)), name="bench-prefect")
+
+    arms = {"plain": plain, "prefect": prefect}
+    print(f"\n== 2. Prefect pipeline overhead: {args.shards} shards, built-in prompts, {args.pipeline_rounds} rounds ==")
+    print(f"{'round':>5} {'arm':>8} {'wall s':>8} {'generate s':>11} {'tokens':>7}")
+    rounds = []
+    for r in range(args.pipeline_rounds):
+        order = ("plain", "prefect") if r % 2 == 0 else ("prefect", "plain")
+        walls = {}
+        for name in order:
+            t0 = time.perf_counter()
+            try:
+                summary = arms[name](r)
+            finally:
+                stop_leftover_shards("bench-pipeline")
+            walls[name] = time.perf_counter() - t0
+            if summary["failed"]:
+                raise RuntimeError(f"{name} pipeline: {summary['failed']} requests failed: {summary['errors'][:3]}")
+            print(f"{r + 1:>5} {name:>8} {walls[name]:>8.2f} {summary['generate_seconds']:>11.2f} {summary['generated_tokens']:>7}")
+        rounds.append({"order": list(order), **{f"{k}_s": v for k, v in walls.items()}, "ratio": walls["prefect"] / walls["plain"]})
+        print(f"{'':>5} prefect/plain {rounds[-1]['ratio']:.3f}")
+
+    ratio = spread([r["ratio"] for r in rounds])
+    result = {
+        "ratio": ratio,
+        "target": PIPELINE_TARGET,
+        "verdict": verdict(ratio["median"], PIPELINE_TARGET, higher_is_better=False),
+        "plain_s": spread([r["plain_s"] for r in rounds]),
+        "prefect_s": spread([r["prefect_s"] for r in rounds]),
+        "rounds": rounds,
+    }
+    print(
+        f"prefect/plain wall: median {ratio['median']:.3f} (min {ratio['min']:.3f}, max {ratio['max']:.3f}) "
+        f"target <= {PIPELINE_TARGET}  {result['verdict']}"
+    )
+    return result
+
+
+def stop_leftover_shards(fleet_name: str) -> None:
+    """Safety net: both pipelines stop their fleet in ``finally``; if one did not (a crash inside
+    the flow engine), kill its named shard actors so the next run can place its own."""
+    import ray
+
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(f"{fleet_name}-shard-"):
+            print(f"  leftover shard actor {entry['name']}: killing it")
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass  # went away meanwhile
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print("\n== summary ==")
+    rows = [("fleet overhead", "fleet/direct tok/s", ">=", summary.get("fleet"))]
+    rows.append(("pipeline overhead", "prefect/plain wall", "<=", summary.get("pipeline")))
+    for title, what, op, res in rows:
+        if res is None:
+            print(f"{title:18s} {what:19s} skipped")
+            continue
+        r = res["ratio"]
+        print(
+            f"{title:18s} {what:19s} median {r['median']:.3f}  [min {r['min']:.3f}, max {r['max']:.3f}]  "
+            f"target {op} {res['target']:.2f}  {res['verdict']}"
+        )
+    print(f"{summary['load_before']}  ->  {summary['load_after']};  total {summary['wall_s']:.0f}s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import contextlib
+
+    args = parse_args(argv)
+    args.home = args.home.resolve()
+    args.home.mkdir(parents=True, exist_ok=True)
+
+    from nemo_gen.environment import configure_environment
+    from nemo_gen.fleet.cluster import init_ray, shutdown_ray
+    from nemo_gen.prefect_api import prefect_api
+    from nemo_gen.settings import NemoGenSettings
+    from nemo_gen.tiny_model import make_tiny_model
+
+    started = time.monotonic()
+    summary: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    summary["load_before"] = load()
+    print(f"nemo-gen fleet overhead benchmark; {summary['load_before']}")
+
+    settings = NemoGenSettings.load(overrides=settings_overrides(args, "bench"))
+    make_tiny_model(settings.model_dir())  # made once, here, not inside either arm
+    with contextlib.ExitStack() as stack:
+        if not args.skip_pipeline:
+            api = stack.enter_context(prefect_api(settings))
+            print(f"Prefect API at {api.url} ({'started here' if api.managed else 'external'})")
+        configure_environment(settings)  # the reaping flag, before the raylet starts
+        conn = init_ray(settings.ray)
+        stack.callback(shutdown_ray, conn)
+
+        summary["fleet"] = measure_fleet_overhead(args)
+        summary["pipeline"] = None if args.skip_pipeline else measure_pipeline_overhead(args)
+
+    summary["load_after"] = load()
+    summary["wall_s"] = time.monotonic() - started
+    print_summary(summary)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0  # a MISS is a measurement, not an error: read the verdicts
+
+
+if __name__ == "__main__":  # vLLM and Ray spawn processes that re-import the main module
+    sys.exit(main())
