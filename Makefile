@@ -23,7 +23,7 @@ run: setup
 	$(VENV)/bin/nemo-gen run $(ARGS)
 
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -63,8 +63,8 @@ def generation_pipeline(
     overrides: list[str] | None = None,
     name: str = "run",
 ) -> dict[str, Any]:
-    """configure environment -> start Ray -> resolve config -> launch fleet -> generate ->
-    write outputs -> shut down. Returns the run summary."""
+    """configure environment -> start Ray -> resolve config -> launch fleet -> refit (train
+    mode) -> generate -> write outputs -> shut down. Returns the run summary."""
     settings = NemoGenSettings.load(config, overrides)
     lines = fleet_tasks.load_prompts(settings)
     progress.emit("step", name="configure-environment", status="running")
@@ -78,12 +78,13 @@ def generation_pipeline(
         progress.emit("step", name="launch-fleet", status="running", shards=len(resolved.shards))
         handles = launch_fleet(resolved)
         fleet = GenerationFleet(resolved, handles, ray_connection=conn if conn.owned else None)
+        refit = fleet_tasks.refit(fleet, settings)
         progress.emit("step", name="generate", status="running")
         t0 = time.perf_counter()
         results = fleet_tasks.generate(fleet, lines, settings.run.batch_size)
         seconds = time.perf_counter() - t0
         path = fleet_tasks.write_outputs(lines, results, pipeline.default_output(settings, name))
-        summary = pipeline.summarize(fleet, lines, results, path, seconds)
+        summary = {**pipeline.summarize(fleet, lines, results, path, seconds), "refit": refit}
         _publish(fleet, summary)
         return summary
     finally:
@@ -122,3 +123,15 @@ def _publish(fleet: GenerationFleet, summary: dict[str, Any]) -> None:
         ],
         description="Requests and generated tokens per shard",
     )
+    if summary.get("refit"):
+        r = summary["refit"]
+        create_table_artifact(
+            key="refit-timing",
+            table=[
+                {"shard": s["shard"], "ok": s["ok"], "seconds": round(s["seconds"], 4), "error": s["error"]}
+                for s in r["shards"]
+            ]
+            + [{"shard": "all", "ok": r["ok"], "seconds": round(r["seconds"], 4), "bytes": r["bytes"],
+                "gb_per_s": round(r["gb_per_s"], 3)}],
+            description=f"Refit to weight version {r['version']}",
+        )

@@ -41,6 +41,11 @@ class LiveView:
                 self._say(f"[bold]{data['name']}[/bold]{extra}")
             elif event == "shard":
                 self._shard(data)
+            elif event == "refit":
+                self._say(
+                    f"refit to version {data['version']}: {data['bytes'] / 1e6:.1f} MB in "
+                    f"{data['seconds']:.2f} s ({data['gb_per_s']:.2f} GB/s) on {len(data['shards'])} shards"
+                )
             elif event == "generate":
                 self._bar(data["done"], data["total"])
 
@@ -83,6 +88,9 @@ class LiveView:
         table.add_row("tokens/s", f"{s['tokens_per_s']:.1f}")
         table.add_row("per shard", ", ".join(f"{k}: {v['requests']} req" for k, v in s["per_shard"].items()))
         table.add_row("weight version", ", ".join(map(str, s["weight_versions"])) or "-")
+        if s.get("refit"):
+            r = s["refit"]
+            table.add_row("refit", f"{r['bytes'] / 1e6:.1f} MB, {r['seconds']:.2f} s, {r['gb_per_s']:.2f} GB/s")
         table.add_row("output", s["output"])
         if s.get("prefect_ui"):
             table.add_row("Prefect UI", s["prefect_ui"])

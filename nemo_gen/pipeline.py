@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from nemo_gen import progress
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.jsonl import PromptLine, read_prompts, result_row, write_jsonl
+from nemo_gen.errors import InfraError
 from nemo_gen.settings import NemoGenSettings
 
 
@@ -38,6 +39,19 @@ def generate_lines(fleet, lines: Sequence[PromptLine], batch_size: int, **sampli
             out[i] = result
         progress.emit("generate", done=min(start + batch_size, len(valid)), total=len(valid))
     return out
+
+
+def initial_refit(fleet, settings: NemoGenSettings) -> dict[str, Any] | None:
+    """Train mode: engines started on dummy weights; load the real ones before any request.
+    Returns the refit report (as JSON), or None in eval mode (engines loaded the checkpoint)."""
+    if settings.is_eval():
+        return None
+    progress.emit("step", name="refit", status="running")
+    report = fleet.refit(fleet.resolved.model_dir)
+    if not report.ok:
+        raise InfraError(f"initial refit failed on shards {[s.shard for s in report.failed]}: {report.failed[0].error}")
+    progress.emit("refit", **report.to_json())
+    return report.to_json()
 
 
 def default_output(settings: NemoGenSettings, name: str) -> Path:
@@ -95,11 +109,12 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
         resolved = resolve_generation(settings, cluster_resources())
         handles = launch_shards(resolved.shards, lambda i, ev, d: progress.emit("shard", **{**d, "index": i, "event": ev}))
         fleet = GenerationFleet(resolved, handles, ray_connection=conn if conn.owned else None)
+        refit = initial_refit(fleet, settings)
         t0 = time.perf_counter()
         results = generate_lines(fleet, lines, settings.run.batch_size)
         seconds = time.perf_counter() - t0
         path = write_outputs(lines, results, default_output(settings, name))
-        return summarize(fleet, lines, results, path, seconds)
+        return {**summarize(fleet, lines, results, path, seconds), "refit": refit}
     finally:
         if fleet is not None:
             fleet.shutdown()

@@ -38,3 +38,9 @@ def load_prompts(settings) -> list[PromptLine]:
 @task(name="write-outputs", cache_policy=NO_CACHE)
 def write_outputs(lines: Sequence[PromptLine], results: Sequence[GenerationResult | None], path) -> Any:
     return pipeline.write_outputs(lines, results, path)
+
+
+@task(name="refit", cache_policy=NO_CACHE)
+def refit(fleet, settings) -> dict[str, Any] | None:
+    """Train mode's first refit: the real weights, before any request (None in eval mode)."""
+    return pipeline.initial_refit(fleet, settings)

@@ -30,6 +30,7 @@ from nemo_gen.core.refit import (
     next_version,
     split_draft,
 )
+from nemo_gen.core.retry import is_retriable
 from nemo_gen.refit.sources import as_source
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -125,30 +126,33 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
     ]
     all_entries = [e for _, entries in entry_groups for e in entries]
 
-    # Phase 1: every shard reads the staged tensors; nothing changes yet.
+    # Phase 1: every shard reads the staged tensors; nothing changes yet. A shard that is dead
+    # or hung is condemned and left out; any other failure refuses the refit everywhere.
     t1 = time.perf_counter()
     path = str(staging.path)
+    report = RefitReport(version=new_version, bytes=total, tensors=len(items), stage_seconds=stage_s, load_seconds=0.0)
     checks = {i: fleet._shards[i].actor.check_refit.remote(path, total, all_entries, settings.timeout_s) for i in targets}
     for i, ref in checks.items():
         try:
             ray.get(ref, timeout=settings.timeout_s)
-        except Exception as exc:  # any failure refuses the whole refit: no shard has changed
-            raise RefitError(f"refit refused, no weight was changed: shard {i} cannot read the staged weights: {_why(exc)}") from None
+        except Exception as exc:
+            if not is_retriable(exc):
+                raise RefitError(
+                    f"refit refused, no weight was changed: shard {i} cannot read the staged weights: {_why(exc)}"
+                ) from None
+            _quarantine(fleet, report, i, f"lost before loading version {new_version}: {_why(exc)}")
+    targets = [i for i in targets if i not in {s.shard for s in report.shards}]
 
     # Phase 2: load everywhere at once.
     loads = {
         i: fleet._shards[i].actor.load_refit.remote(path, total, entry_groups, new_version, settings.timeout_s)
         for i in targets
     }
-    report = RefitReport(version=new_version, bytes=total, tensors=len(items), stage_seconds=stage_s, load_seconds=0.0)
     for i, ref in loads.items():
         try:
             seconds = ray.get(ref, timeout=settings.timeout_s + 60)
         except Exception as exc:
-            reason = f"refit to version {new_version} failed: {_why(exc)}"
-            fleet.health.mark_dead(i, reason)
-            report.shards.append(ShardRefit(i, ok=False, error=reason))
-            log.warning("shard %d quarantined: %s", i, reason)
+            _quarantine(fleet, report, i, f"refit to version {new_version} failed: {_why(exc)}")
             continue
         fleet.health.report_refit(i, new_version)
         report.shards.append(ShardRefit(i, ok=True, seconds=seconds))
@@ -156,6 +160,13 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
     if any(s.ok for s in report.shards):
         fleet.weight_version = new_version
     return report
+
+
+def _quarantine(fleet: "GenerationFleet", report: RefitReport, shard: int, reason: str) -> None:
+    """The shard may hold half-loaded weights or none: it leaves serving until restarted and refit."""
+    fleet.health.mark_dead(shard, reason)
+    report.shards.append(ShardRefit(shard, ok=False, error=reason))
+    log.warning("shard %d quarantined: %s", shard, reason)
 
 
 def _is_float(dtype: str) -> bool:

@@ -1,5 +1,6 @@
-"""`nemo-gen generate` as a user runs it: its own Ray, its own Prefect server, a JSONL with a
-malformed line — and nothing left running afterwards."""
+"""`nemo-gen generate` as a user runs it: its own Ray, its own Prefect server, training mode
+(dummy weights, then the pipeline's refit), a JSONL with a malformed line — and nothing left
+running afterwards."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def test_generate_cli_end_to_end(tiny_model_dir, tmp_path):
         sys.executable, "-m", "nemo_gen.cli", "generate", "--input", str(prompts), "--output", str(out),
         "--set", f"home={tmp_path / 'home'}", "--set", f"model.path={tiny_model_dir}",
         "--set", "fleet.num_shards=1", "--set", "fleet.name=cli-test",
-        "--set", "generation.max_new_tokens=8", "--set", "generation.vllm_cfg.max_model_len=256", "--json",
+        "--set", "generation.max_new_tokens=8", "--set", "generation.vllm_cfg.max_model_len=256",
+        # Training mode: engines start on dummy weights and the pipeline's refit loads the real ones.
+        "--set", "fleet.mode=train", "--json",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-3000:]  # ran, but one line was malformed
@@ -54,6 +57,9 @@ def test_generate_cli_end_to_end(tiny_model_dir, tmp_path):
     assert summary["requests"] == 4 and summary["completed"] == 3 and summary["failed"] == 1
     assert summary["errors"] == [{"line": 2, "error": "not valid JSON (Expecting value at column 1)"}]
     assert summary["prefect_ui"].startswith("http://127.0.0.1:")
+    refit = summary["refit"]
+    assert refit["ok"] and refit["version"] == 0 and refit["bytes"] > 1_000_000 and refit["gb_per_s"] > 0
+    assert [s["shard"] for s in refit["shards"]] == [0]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["line"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["id"] == "a" and rows[2]["id"] == "c"

@@ -1,0 +1,151 @@
+"""Refit on real vLLM CPU engines: a 2-shard fleet on model A, and a fresh engine on model B
+(same architecture and tokenizer, other weights) as the reference for what B generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nemo_gen import GenerationFleet
+from nemo_gen.core.fleet_health import ShardState
+from nemo_gen.core.refit import RefitError
+from nemo_gen.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fleet of engines"]
+
+
+@pytest.fixture(scope="module")
+def model_b(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models-b") / "tiny-b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def fleets(ray_cluster, make_settings, model_b):
+    with ThreadPoolExecutor(2) as pool:
+        main = pool.submit(GenerationFleet.launch, make_settings(fleet__name="refit", fleet__num_shards=2,
+                                                                  refit__timeout_s=5))
+        fresh = pool.submit(GenerationFleet.launch, make_settings(fleet__name="fresh-b", fleet__num_shards=1,
+                                                                   model__path=str(model_b)))
+        fleets = {"main": main.result(), "fresh_b": fresh.result()}
+    yield fleets
+    for f in fleets.values():
+        f.shutdown()
+
+
+def greedy(fleet):
+    return [r.token_ids for r in fleet.generate(PROMPTS * 2, temperature=0)]
+
+
+def broken_checkpoint(src_dir, dst_dir, mutate):
+    tensors = load_file(str(src_dir / "model.safetensors"))
+    mutate(tensors)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst_dir / "model.safetensors"))
+    return dst_dir
+
+
+def test_refit_to_a_checkpoint_matches_a_fresh_engine_and_back(fleets, tiny_model_dir, model_b):
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    original = greedy(fleet)
+    expected_b = greedy(fresh)
+    assert original != expected_b
+
+    report = fleet.refit(str(model_b))
+    assert report.ok and report.version == 1 and fleet.weight_version == 1
+    assert [s.shard for s in report.shards] == [0, 1]
+    assert report.bytes >= sum(os.path.getsize(model_b / "model.safetensors") for _ in [0]) - 4096
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert {r.shard for r in results} == {0, 1}
+    assert all(r.weight_version == 1 for r in results)
+    assert [r.token_ids for r in results] == expected_b
+
+    back = fleet.refit(str(tiny_model_dir))
+    assert back.ok and back.version == 2
+    assert greedy(fleet) == original
+
+
+def test_live_tensors_refit_without_disk(fleets, tiny_model_dir, model_b):
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    tensors = load_file(str(model_b / "model.safetensors"))
+    before = fleet.weight_version
+    report = fleet.refit(lambda: tensors)  # a trainer's named tensors, no file
+    assert report.ok and report.version == before + 1
+    assert greedy(fleet) == greedy(fresh)
+    fleet.refit(str(tiny_model_dir))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t: t.__setitem__("model.norm.weight", torch.ones(7)), "model.norm.weight: shape [7] but the model has [128]"),
+        (lambda t: t.pop("model.layers.1.mlp.down_proj.weight"), "missing tensors: model.layers.1.mlp.down_proj.weight"),
+        (lambda t: t.__setitem__("model.layers.9.extra.weight", torch.zeros(3)), "unexpected tensors: model.layers.9.extra.weight"),
+    ],
+    ids=["wrong-shape", "missing", "extra"],
+)
+def test_bad_checkpoint_is_refused_before_any_shard_changes(fleets, tiny_model_dir, tmp_path, mutate, message):
+    fleet = fleets["main"]
+    version, outputs = fleet.weight_version, greedy(fleet)
+    bad = broken_checkpoint(tiny_model_dir, tmp_path / "bad", mutate)
+    with pytest.raises(RefitError, match="no weight was changed") as err:
+        fleet.refit(str(bad))
+    assert message in str(err.value)
+    assert fleet.weight_version == version
+    assert {s.state for s in fleet.status()} == {"healthy"}
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert [r.token_ids for r in results] == outputs
+    assert all(r.weight_version == version for r in results)
+
+
+def test_versions_only_move_forward(fleets, tiny_model_dir):
+    fleet = fleets["main"]
+    with pytest.raises(RefitError, match="not newer"):
+        fleet.refit(str(tiny_model_dir), version=fleet.weight_version)
+    report = fleet.refit(str(tiny_model_dir), version=fleet.weight_version + 10)
+    assert report.version == fleet.weight_version
+
+
+def test_sharded_checkpoint_with_index(fleets, tiny_model_dir, model_b, tmp_path):
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    tensors = load_file(str(model_b / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    ckpt = tmp_path / "sharded"
+    ckpt.mkdir()
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(ckpt / fname))
+        weight_map.update({n: fname for n in part})
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert fleet.refit(str(ckpt)).ok
+    assert greedy(fleet) == greedy(fresh)
+    fleet.refit(str(tiny_model_dir))
+
+
+def test_a_shard_lost_during_refit_never_serves(fleets, model_b):
+    """Runs last: shard 1's actor is frozen (SIGSTOP) while the refit runs, then killed."""
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    victim = fleet.status()[1]
+    os.kill(victim.actor_pid, signal.SIGSTOP)
+    try:
+        report = fleet.refit(str(model_b))  # refit.timeout_s=5 in this fleet
+    finally:
+        os.kill(victim.actor_pid, signal.SIGKILL)
+    assert [s.shard for s in report.shards if s.ok] == [0]
+    (lost,) = report.failed
+    assert lost.shard == 1 and "GetTimeoutError" in lost.error
+    assert fleet.health.state_of(1) is ShardState.DEAD
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert {r.shard for r in results} == {0}
+    assert all(r.weight_version == report.version for r in results)
+    assert [r.token_ids for r in results] == greedy(fresh)
