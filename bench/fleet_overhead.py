@@ -40,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -53,6 +54,7 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 REPO = Path(__file__).resolve().parents[1]
 FLEET_TARGET = 0.95  # fleet / direct tokens per second: at least
 PIPELINE_TARGET = 1.15  # prefect / plain wall time: at most
+NOISY_SHARE = 0.10  # other processes' share of the CPUs above which a result is flagged
 NAMESPACE = "nemo_gen_bench"
 
 PROMPT_TOPICS = (
@@ -99,6 +101,69 @@ def verdict(value: float, target: float, higher_is_better: bool) -> str:
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+class ForeignCpu:
+    """CPU used by processes outside this benchmark's process tree (someone's test run on the
+    same machine), sampled every ``interval`` seconds. Ray's cluster, the engines and the Prefect
+    server are all descendants of this process, so they count as ours. An estimate: a process
+    that starts and ends between two samples is missed."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self._first: dict[tuple[int, float], float] = {}  # (pid, create_time) -> cpu seconds
+        self._last: dict[tuple[int, float], float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._since = time.time()
+        self._thread = threading.Thread(target=self._run, name="foreign-cpu", daemon=True)
+
+    def __enter__(self) -> "ForeignCpu":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        import psutil
+
+        procs = list(psutil.process_iter(["ppid", "create_time", "cpu_times"]))
+        parent = {p.pid: p.info["ppid"] for p in procs}
+        mine = {os.getpid()}
+        for pid in parent:  # walk up to init: ours if we pass through this process
+            chain, up = [], pid
+            while up and up not in mine and up in parent and len(chain) < 64:
+                chain.append(up)
+                up = parent[up]
+            if up in mine:
+                mine.update(chain)
+        with self._lock:
+            for p in procs:
+                times, created = p.info["cpu_times"], p.info["create_time"]
+                if p.pid in mine or times is None or created is None:
+                    continue
+                key, used = (p.pid, created), times.user + times.system
+                # A process born after we started counts from zero; older ones from first sight.
+                self._first.setdefault(key, 0.0 if created > self._since else used)
+                self._last[key] = used
+
+    def cpu_s(self) -> float:
+        """Foreign CPU seconds used since the monitor started (read it twice for a window)."""
+        self._sample()  # up to date at the window's edge, not up to ``interval`` old
+        with self._lock:
+            return sum(self._last[k] - self._first[k] for k in self._last)
+
+    @staticmethod
+    def share(cpu_s: float, wall_s: float) -> float:
+        """As a fraction of the machine: 1.0 means every core was busy with someone else's work."""
+        return cpu_s / (wall_s * (os.cpu_count() or 1)) if wall_s > 0 else 0.0
 
 
 def settings_overrides(args: argparse.Namespace, fleet_name: str, **extra: Any) -> dict[str, Any]:
@@ -165,7 +230,7 @@ def timed(arm: Callable[[], tuple[int, dict[str, float]]]) -> dict[str, float]:
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, **extra}
 
 
-def measure_fleet_overhead(args: argparse.Namespace) -> dict[str, Any]:
+def measure_fleet_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> dict[str, Any]:
     from nemo_gen.core.results import GenerationRequest
     from nemo_gen.core.sampling import resolve_sampling
     from nemo_gen.fleet.fleet import GenerationFleet
@@ -201,15 +266,18 @@ def measure_fleet_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  note: {w['tokens']} tokens generated, {expected} expected (fixed length not held)")
 
         rounds = []
-        print(f"{'round':>5} {'order':>13} {'direct tok/s':>13} {'fleet tok/s':>12} {'fleet/direct':>13} {'pre-dispatch':>13}")
+        print(f"{'round':>5} {'order':>5} {'direct tok/s':>13} {'fleet tok/s':>12} {'fleet/direct':>13} {'pre-dispatch':>13} {'others':>7}")
         for r in range(args.rounds):
             order = ("direct", "fleet") if r % 2 == 0 else ("fleet", "direct")
+            cpu0, t0 = foreign.cpu_s(), time.perf_counter()
             got = {name: timed(arms[name]) for name in order}
+            others = ForeignCpu.share(foreign.cpu_s() - cpu0, time.perf_counter() - t0)
             ratio = got["fleet"]["tokens_per_s"] / got["direct"]["tokens_per_s"]
-            rounds.append({"order": list(order), **got, "ratio": ratio})
+            rounds.append({"order": list(order), **got, "ratio": ratio, "others_cpu_share": others})
             print(
-                f"{r + 1:>5} {'/'.join(o[0].upper() for o in order):>13} {got['direct']['tokens_per_s']:>13.1f} "
-                f"{got['fleet']['tokens_per_s']:>12.1f} {ratio:>13.3f} {got['fleet']['pre_dispatch_s'] * 1e3:>10.1f} ms"
+                f"{r + 1:>5} {'/'.join(o[0].upper() for o in order):>5} {got['direct']['tokens_per_s']:>13.1f} "
+                f"{got['fleet']['tokens_per_s']:>12.1f} {ratio:>13.3f} {got['fleet']['pre_dispatch_s'] * 1e3:>10.1f} ms "
+                f"{others:>6.0%}"
             )
     finally:
         fleet.shutdown()
@@ -224,6 +292,7 @@ def measure_fleet_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "fleet_pre_dispatch_ms": spread([r["fleet"]["pre_dispatch_s"] * 1e3 for r in rounds]),
         "direct_engine_s": spread([r["direct"]["engine_s"] for r in rounds]),
         "tokens_per_round": rounds[0]["fleet"]["tokens"],
+        "others_cpu_share": statistics.mean(r["others_cpu_share"] for r in rounds),
         "rounds": rounds,
     }
     print(
@@ -236,8 +305,45 @@ def measure_fleet_overhead(args: argparse.Namespace) -> dict[str, Any]:
 # -- 2. Prefect pipeline overhead ------------------------------------------------------------
 
 
-def measure_pipeline_overhead(args: argparse.Namespace) -> dict[str, Any]:
+class PhaseClock:
+    """Where a pipeline run's wall time goes, from the progress events both arms emit in this
+    process: shard "loading"/"ready" (with the engine's own ``load_s``) and "generate" counts."""
+
+    PHASES = ("setup", "launch", "engine_load", "pre_generate", "generate", "finish")
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.marks: dict[str, float] = {}
+        self.engine_load_s = 0.0
+
+    def on_event(self, kind: str, data: dict[str, Any]) -> None:
+        now = time.perf_counter() - self.t0
+        if kind == "shard" and data.get("event") == "loading":
+            self.marks.setdefault("launch_start", now)
+        elif kind == "shard" and data.get("event") == "ready":
+            self.marks["launch_end"] = now
+            self.engine_load_s = max(self.engine_load_s, data.get("load_s") or 0.0)
+        elif kind == "generate":
+            if data["done"] == 0:
+                self.marks.setdefault("generate_start", now)
+            if data["done"] == data["total"]:
+                self.marks["generate_end"] = now
+
+    def phases(self, wall: float) -> dict[str, float]:
+        m = self.marks
+        return {
+            "setup": m["launch_start"],  # settings, prompts, environment, Ray attach, resolve
+            "launch": m["launch_end"] - m["launch_start"],  # placement + actors + engines, in parallel
+            "engine_load": self.engine_load_s,  # the slowest engine's own start, inside the launch
+            "pre_generate": m["generate_start"] - m["launch_end"],  # GenerationFleet (tokenizer load)
+            "generate": m["generate_end"] - m["generate_start"],
+            "finish": wall - m["generate_end"],  # write JSONL, artifacts, stop shards, reap, return
+        }
+
+
+def measure_pipeline_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> dict[str, Any]:
     from flows.pipeline import generation_pipeline
+    from nemo_gen import progress
     from nemo_gen.pipeline import run_pipeline
     from nemo_gen.settings import NemoGenSettings
 
@@ -254,31 +360,38 @@ def measure_pipeline_overhead(args: argparse.Namespace) -> dict[str, Any]:
 
     arms = {"plain": plain, "prefect": prefect}
     print(f"\n== 2. Prefect pipeline overhead: {args.shards} shards, built-in prompts, {args.pipeline_rounds} rounds ==")
-    print(f"{'round':>5} {'arm':>8} {'wall s':>8} {'generate s':>11} {'tokens':>7}")
+    header = "".join(f"{p:>13}" for p in PhaseClock.PHASES)
+    print(f"{'round':>5} {'arm':>8} {'wall s':>8}{header} {'tokens':>7} {'others':>7}")
     rounds = []
     for r in range(args.pipeline_rounds):
         order = ("plain", "prefect") if r % 2 == 0 else ("prefect", "plain")
-        walls = {}
+        got: dict[str, dict[str, Any]] = {}
         for name in order:
-            t0 = time.perf_counter()
+            cpu0, clock = foreign.cpu_s(), PhaseClock()
             try:
-                summary = arms[name](r)
+                with progress.listening(clock.on_event):
+                    summary = arms[name](r)
             finally:
                 stop_leftover_shards("bench-pipeline")
-            walls[name] = time.perf_counter() - t0
+            wall = time.perf_counter() - clock.t0
             if summary["failed"]:
                 raise RuntimeError(f"{name} pipeline: {summary['failed']} requests failed: {summary['errors'][:3]}")
-            print(f"{r + 1:>5} {name:>8} {walls[name]:>8.2f} {summary['generate_seconds']:>11.2f} {summary['generated_tokens']:>7}")
-        rounds.append({"order": list(order), **{f"{k}_s": v for k, v in walls.items()}, "ratio": walls["prefect"] / walls["plain"]})
-        print(f"{'':>5} prefect/plain {rounds[-1]['ratio']:.3f}")
+            others = ForeignCpu.share(foreign.cpu_s() - cpu0, wall)
+            got[name] = {"wall_s": wall, "phases_s": clock.phases(wall), "tokens": summary["generated_tokens"], "others_cpu_share": others}
+            cols = "".join(f"{v:>13.2f}" for v in got[name]["phases_s"].values())
+            print(f"{r + 1:>5} {name:>8} {wall:>8.2f}{cols} {summary['generated_tokens']:>7} {others:>6.0%}")
+        ratio = got["prefect"]["wall_s"] / got["plain"]["wall_s"]
+        rounds.append({"order": list(order), **got, "ratio": ratio})
+        print(f"{'':>5} prefect/plain {ratio:.3f}")
 
     ratio = spread([r["ratio"] for r in rounds])
     result = {
         "ratio": ratio,
         "target": PIPELINE_TARGET,
         "verdict": verdict(ratio["median"], PIPELINE_TARGET, higher_is_better=False),
-        "plain_s": spread([r["plain_s"] for r in rounds]),
-        "prefect_s": spread([r["prefect_s"] for r in rounds]),
+        "plain_s": spread([r["plain"]["wall_s"] for r in rounds]),
+        "prefect_s": spread([r["prefect"]["wall_s"] for r in rounds]),
+        "others_cpu_share": statistics.mean(r[a]["others_cpu_share"] for r in rounds for a in ("plain", "prefect")),
         "rounds": rounds,
     }
     print(
@@ -313,10 +426,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         if res is None:
             print(f"{title:18s} {what:19s} skipped")
             continue
-        r = res["ratio"]
+        r, others = res["ratio"], res["others_cpu_share"]
+        noisy = f"  NOISY: other processes used {others:.0%} of the CPUs" if others > NOISY_SHARE else ""
         print(
             f"{title:18s} {what:19s} median {r['median']:.3f}  [min {r['min']:.3f}, max {r['max']:.3f}]  "
-            f"target {op} {res['target']:.2f}  {res['verdict']}"
+            f"target {op} {res['target']:.2f}  {res['verdict']}{noisy}"
         )
     print(f"{summary['load_before']}  ->  {summary['load_after']};  total {summary['wall_s']:.0f}s")
 
@@ -349,8 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         conn = init_ray(settings.ray)
         stack.callback(shutdown_ray, conn)
 
-        summary["fleet"] = measure_fleet_overhead(args)
-        summary["pipeline"] = None if args.skip_pipeline else measure_pipeline_overhead(args)
+        foreign = stack.enter_context(ForeignCpu())
+        summary["fleet"] = measure_fleet_overhead(args, foreign)
+        summary["pipeline"] = None if args.skip_pipeline else measure_pipeline_overhead(args, foreign)
 
     summary["load_after"] = load()
     summary["wall_s"] = time.monotonic() - started

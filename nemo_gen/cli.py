@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from nemo_gen.errors import DataError, NemoGenError
 

@@ -9,7 +9,6 @@ version produced it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -120,7 +119,6 @@ class GenerationFleet:
             for index in self._shards:
                 self.health.mark_loaded(index)
         self._closed = False
-        self.stats = FleetStats()
         self._manifest_cache: dict[str, dict[str, Any]] = {}
         self._staging = None
 
@@ -187,7 +185,6 @@ class GenerationFleet:
         params = self._sampling(sampling)
         requests, results = self._requests(prompts)
         pending = requests
-        t0 = time.perf_counter()
         while pending:
             assignment = self._assign(pending)
             refs = {shard: self._shards[shard].actor.generate.remote(batch, params) for shard, batch in assignment.items()}
@@ -207,7 +204,6 @@ class GenerationFleet:
                 self.health.report_success(shard)
                 for req, raw in zip(batch, out["results"]):
                     results[req.index] = self._result(req, raw, out["shard"], out["weight_version"])
-        self.stats.record(results.values(), time.perf_counter() - t0)
         return [results[i] for i in range(len(prompts))]
 
     async def generate_async(self, prompt: Prompt, **sampling: Any) -> GenerationResult:
@@ -247,8 +243,14 @@ class GenerationFleet:
     def _assign(self, requests: list[GenerationRequest]) -> dict[int, list[GenerationRequest]]:
         """Least-loaded routing, one request at a time, so a batch spreads over the shards."""
         assignment: dict[int, list[GenerationRequest]] = {}
-        for req in requests:
-            assignment.setdefault(self._pick(), []).append(req)
+        try:
+            for req in requests:
+                assignment.setdefault(self._pick(), []).append(req)
+        except BaseException:
+            for shard, batch in assignment.items():  # nothing was sent: give the slots back
+                for _ in batch:
+                    self.selector.release(shard)
+            raise
         return assignment
 
     def _condemn(self, shard: int, exc: BaseException) -> None:
@@ -354,35 +356,6 @@ class GenerationFleet:
     def _check_open(self) -> None:
         if self._closed:
             raise NemoGenError("the fleet has been shut down")
-
-
-@dataclass
-class FleetStats:
-    """Throughput counters the CLI summary and artifacts read."""
-
-    requests: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    seconds: float = 0.0
-    per_shard: dict[int, dict[str, int]] = field(default_factory=dict)
-
-    def record(self, results: Iterable[GenerationResult], seconds: float) -> None:
-        self.seconds += seconds
-        for r in results:
-            self.requests += 1
-            if not r.ok:
-                self.errors += 1
-                continue
-            self.prompt_tokens += len(r.prompt_token_ids)
-            self.generated_tokens += len(r.token_ids)
-            shard = self.per_shard.setdefault(r.shard, {"requests": 0, "tokens": 0})
-            shard["requests"] += 1
-            shard["tokens"] += len(r.token_ids)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
 
 
 def reap(pids: Iterable[int], timeout_s: float) -> list[int]:

@@ -13,7 +13,7 @@ import json
 from abc import ABC, abstractmethod
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from nemo_gen.core.refit import RefitError, TensorMeta
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

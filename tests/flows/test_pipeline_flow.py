@@ -29,7 +29,7 @@ def _overrides(tiny_model_dir, tmp_path, **extra):
 
 async def _runs(flow_run_id):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, TaskRunFilter
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     async with get_client() as client:
         parent = await client.read_flow_run(flow_run_id)

@@ -1,0 +1,163 @@
+"""Refit benchmark: a ~440 MB model refit into a running 2-shard fleet, measured side by side.
+
+Prints, all measured in this one run (the machine is shared and noisy: each arm is repeated
+and the median reported):
+
+- this machine's memory-copy bandwidth (torch copy between two pre-touched buffers);
+- refit wall time and effective bandwidth (model bytes / refit seconds), from a checkpoint
+  directory and from live tensors, as a fraction of the copy bandwidth (target >= 0.5);
+- the speed-up over the alternative of restarting the engines on the new checkpoint
+  (target >= 20x);
+- the speed-up over sending one tensor per RPC (OpenRLHF's pattern), the slow baseline.
+
+Run: ``make bench-refit`` or ``.venv/bin/python bench/refit.py [--rounds 3] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+# ~110 M parameters, ~440 MB in float32: hidden 1024, 6 layers, head_dim 64, vocab 16384.
+MODEL = dict(hidden_size=1024, num_layers=6, num_heads=16, intermediate_size=2816, vocab_size=16384,
+             max_position_embeddings=1024)
+
+
+def copy_bandwidth(nbytes: int, rounds: int = 5) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # touched: measure copies, not page faults
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def per_tensor_refit(fleet, path: str) -> float:
+    """The slow baseline: one RPC round trip per tensor (stage it, then load it alone)."""
+    import ray
+
+    from nemo_gen.core.refit import layout
+    from nemo_gen.refit.sources import CheckpointSource
+
+    src = CheckpointSource(path)
+    metas = src.manifest()
+    placed, total = layout(metas)
+    staging = fleet.staging()
+    staging.ensure(total)
+    import torch
+
+    dtype = getattr(torch, fleet.engine_dtype)
+    t0 = time.perf_counter()
+    for place in placed:
+        (name, tensor), = src.read([place.name])
+        staging.write(place, tensor, dtype)
+        entry = staging.entries([place])
+        refs = [h.actor.load_refit.remote(str(staging.path), total, [("policy", entry)], fleet.weight_version, 600)
+                for h in fleet.shards]
+        ray.get(refs, timeout=600)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--skip-restart", action="store_true", help="skip the engine-restart baseline")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    from safetensors.torch import load_file
+
+    from nemo_gen import GenerationFleet, NemoGenSettings
+    from nemo_gen.tiny_model import make_tiny_model
+
+    home = Path(os.environ.get("NEMO_GEN_BENCH_HOME", Path(tempfile.gettempdir()) / "nemo-gen-bench"))
+    a = make_tiny_model(home / "bench-a", seed=0, **MODEL)
+    b = make_tiny_model(home / "bench-b", seed=1, **MODEL)
+    model_bytes = os.path.getsize(b / "model.safetensors")
+    print(f"model: {model_bytes / 1e6:.0f} MB on disk, {args.shards} shards")
+
+    def settings(name, path, shards):
+        return NemoGenSettings.load(overrides={
+            "home": str(home), "model.path": str(path), "fleet.name": name, "fleet.num_shards": shards,
+            "fleet.device": "cpu", "ray.log_to_driver": False, "generation.vllm_cfg.max_model_len": 512,
+            "fleet.cpu_kvcache_space_gb": 1,
+        })
+
+    out: dict = {"model_bytes": model_bytes, "shards": args.shards}
+    copy_bw = copy_bandwidth(model_bytes)
+    out["copy_gb_per_s"] = copy_bw / 1e9
+    print(f"memory copy bandwidth: {copy_bw / 1e9:.2f} GB/s")
+
+    t0 = time.perf_counter()
+    fleet = GenerationFleet.launch(settings("bench-refit", a, args.shards))
+    cold_start = time.perf_counter() - t0
+    try:
+        live = load_file(str(b / "model.safetensors"))
+        ckpt_times, live_times, reports = [], [], []
+        fleet.refit(str(b))  # first touch of the staging pages; not measured
+        for i in range(args.rounds):
+            for src, times in ((str(a if i % 2 else b), ckpt_times), (live, live_times)):
+                t = time.perf_counter()
+                report = fleet.refit(src)
+                times.append(time.perf_counter() - t)
+                assert report.ok, report.to_json()
+                reports.append(report.to_json())
+        ckpt_s, live_s = statistics.median(ckpt_times), statistics.median(live_times)
+        last = reports[-1]
+        out.update({
+            "refit_checkpoint_s": ckpt_s, "refit_live_s": live_s,
+            "refit_checkpoint_all_s": ckpt_times, "refit_live_all_s": live_times,
+            "stage_s": last["stage_seconds"], "load_s": last["load_seconds"],
+            "checkpoint_fraction_of_copy": (model_bytes / ckpt_s) / copy_bw,
+            "live_fraction_of_copy": (model_bytes / live_s) / copy_bw,
+        })
+        print(f"refit from checkpoint: {ckpt_s:.2f} s median ({model_bytes / ckpt_s / 1e9:.2f} GB/s, "
+              f"{out['checkpoint_fraction_of_copy']:.2f} of copy bandwidth)  runs {[round(t, 2) for t in ckpt_times]}")
+        print(f"refit from live tensors: {live_s:.2f} s median ({model_bytes / live_s / 1e9:.2f} GB/s, "
+              f"{out['live_fraction_of_copy']:.2f} of copy bandwidth)  runs {[round(t, 2) for t in live_times]}")
+        print(f"  last refit: stage {last['stage_seconds']:.2f} s, verify+load {last['load_seconds']:.2f} s "
+              f"(per shard {[round(s['seconds'], 2) for s in last['shards']]})")
+        per_tensor = per_tensor_refit(fleet, str(b))
+        out["per_tensor_rpc_s"] = per_tensor
+        out["speedup_vs_per_tensor_rpc"] = per_tensor / ckpt_s
+        print(f"one tensor per RPC: {per_tensor:.2f} s -> bucketed refit is {per_tensor / ckpt_s:.1f}x faster")
+    finally:
+        fleet.shutdown()
+
+    if not args.skip_restart:
+        # The alternative to a refit: stop the engines and start them on the new checkpoint.
+        t0 = time.perf_counter()
+        restarted = GenerationFleet.launch(settings("bench-restart", b, args.shards))
+        restart_s = time.perf_counter() - t0
+        restarted.shutdown()
+        out["restart_s"] = restart_s
+        out["first_launch_s"] = cold_start
+        out["speedup_vs_restart"] = restart_s / ckpt_s
+        print(f"restart {args.shards} engines on the checkpoint: {restart_s:.1f} s (first launch {cold_start:.1f} s) "
+              f"-> refit is {restart_s / ckpt_s:.0f}x faster")
+
+    print("\nsummary")
+    print(f"  bandwidth, checkpoint: {out['checkpoint_fraction_of_copy']:.2f} of copy (target >= 0.5)")
+    print(f"  bandwidth, live:       {out['live_fraction_of_copy']:.2f} of copy (target >= 0.5)")
+    if "speedup_vs_restart" in out:
+        print(f"  vs restart:            {out['speedup_vs_restart']:.0f}x (target >= 20x)")
+    print(f"  vs one tensor per RPC: {out['speedup_vs_per_tensor_rpc']:.1f}x")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
