@@ -112,6 +112,8 @@ class ForeignCpu:
     def __init__(self, interval: float = 1.0):
         self.interval = interval
         self._first: dict[tuple[int, float], float] = {}  # (pid, create_time) -> cpu seconds
+        self._ours: set[tuple[int, float]] = set()  # once ours, always: a stopped shard's engine
+        # processes are orphaned (re-parented to init) for a moment before they exit
         self._last: dict[tuple[int, float], float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -147,9 +149,13 @@ class ForeignCpu:
         with self._lock:
             for p in procs:
                 times, created = p.info["cpu_times"], p.info["create_time"]
-                if p.pid in mine or times is None or created is None:
+                if times is None or created is None:
                     continue
                 key, used = (p.pid, created), times.user + times.system
+                if p.pid in mine:
+                    self._ours.add(key)
+                if key in self._ours:
+                    continue
                 # A process born after we started counts from zero; older ones from first sight.
                 self._first.setdefault(key, 0.0 if created > self._since else used)
                 self._last[key] = used
