@@ -231,6 +231,16 @@ class RefitSettings(_Section):
         Path("/dev/shm"), description="Directory of the shared-memory staging file (CPU transport)."
     )
     timeout_s: float = Field(600.0, gt=0, description="Deadline for each refit phase on a shard.")
+    draft: bool = Field(
+        False,
+        description="Refits carry the speculative drafter's weights (names under 'draft.'): "
+        "configure_generation_config(has_refit_draft_weights=True).",
+    )
+    draft_full: bool = Field(
+        False,
+        description="Draft refits carry the drafter's full state dict, not a partial set "
+        "(NeMo-RL's draft_full_refit_enabled, true for Automodel draft co-training).",
+    )
 
 
 class HealthSettings(_Section):

@@ -71,7 +71,13 @@ def resolve_generation(
     tokenizer_dir = settings.tokenizer_dir() if settings.model.tokenizer else model_dir
     if tokenizer is None:
         tokenizer = load_tokenizer(tokenizer_dir)
-    gen_cfg = configure_generation_config(copy.deepcopy(gen_cfg), tokenizer, is_eval=settings.is_eval())
+    gen_cfg = configure_generation_config(
+        copy.deepcopy(gen_cfg),
+        tokenizer,
+        is_eval=settings.is_eval(),
+        has_refit_draft_weights=settings.refit.draft,
+        draft_full_refit=settings.refit.draft_full,
+    )
     _resolve_max_model_len(gen_cfg, model_dir)
 
     device = _device(settings, cluster)

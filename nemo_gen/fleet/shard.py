@@ -112,6 +112,10 @@ class ShardActor:
         (manifest, *_) = await self.engine.rpc("nemo_gen_expected_manifest", target)
         return manifest
 
+    async def digest(self, target: str = "policy") -> float:
+        (value, *_) = await self.engine.rpc("nemo_gen_digest", target)
+        return value
+
     async def check_refit(self, path: str, total: int, entries: list, timeout_s: float) -> int:
         """Phase 1: every worker can read the staged tensors. Changes nothing."""
         seen = await self.engine.rpc("nemo_gen_check_staged", path, total, entries, timeout=timeout_s)

@@ -49,19 +49,50 @@ def hf_manifest(hf_config: Any, dtype: Any) -> dict[str, tuple[tuple[int, ...], 
 class NemoGenWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
+    def _drafter(self):
+        drafter = getattr(self.model_runner, "drafter", None)
+        return drafter if drafter is not None and getattr(drafter, "model", None) is not None else None
+
+    def _shared_with_policy(self) -> list[str]:
+        """Checkpoint names of drafter tensors that are the policy's own storage (EAGLE-style
+        drafters share embed_tokens / lm_head): a draft refit must never write through them."""
+        drafter, policy = self._drafter(), self.model_runner.get_model()
+        policy_ptrs = {p.data_ptr() for p in policy.parameters()}
+        shared = []
+        for name, module_path in (("model.embed_tokens.weight", "model.embed_tokens"), ("lm_head.weight", "lm_head")):
+            try:
+                param = drafter.model.get_submodule(module_path).weight
+            except AttributeError:
+                continue
+            if param.data_ptr() in policy_ptrs:
+                shared.append(name)
+        return shared
+
     def nemo_gen_expected_manifest(self, target: str = "policy") -> dict[str, Any]:
-        """What a refit of ``target`` ("policy" or "draft") must provide, and which names may be
-        left out (tied output embeddings)."""
+        """What a refit of ``target`` ("policy" or "draft") must provide: names, shapes, dtypes,
+        which names may be left out (tied output embeddings), and which drafter names are the
+        policy's own tensors (accepted, never written)."""
+        shared: list[str] = []
         if target == "draft":
-            drafter = getattr(self.model_runner, "drafter", None)
-            if drafter is None or getattr(drafter, "model", None) is None:
-                return {"tensors": {}, "optional": [], "available": False}
-            cfg = drafter.vllm_config.speculative_config.draft_model_config
+            drafter = self._drafter()
+            if drafter is None:
+                return {"tensors": {}, "optional": [], "shared": [], "available": False}
+            cfg = drafter.speculative_config.draft_model_config
+            shared = self._shared_with_policy()
         else:
             cfg = self.model_runner.model_config
         hf = cfg.hf_config
         optional = ["lm_head.weight"] if getattr(hf, "tie_word_embeddings", False) else []
-        return {"tensors": hf_manifest(hf, cfg.dtype), "optional": optional, "available": True}
+        return {"tensors": hf_manifest(hf, cfg.dtype), "optional": optional + shared, "shared": shared, "available": True}
+
+    def nemo_gen_digest(self, target: str = "policy") -> float:
+        """A cheap fingerprint of the loaded weights (sum of every parameter, in float64), so tests
+        and operators can tell which weights a model holds without moving them."""
+        import torch
+
+        model = self._drafter().model if target == "draft" else self.model_runner.get_model()
+        with torch.no_grad():
+            return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
     def nemo_gen_check_staged(self, path: str, total: int, entries: list[Entry]) -> int:
         """Phase 1: the staged bytes are readable here; returns the byte count seen."""
@@ -84,8 +115,11 @@ class NemoGenWorkerExtension:
 
         weights = open_staged(path, total, entries)
         if target == "draft":
-            drafter = self.model_runner.drafter
-            reload_weights(drafter.vllm_config, drafter.model, weights, None, True)
+            drafter = self._drafter()
+            shared = set(self._shared_with_policy())
+            weights = ((n, t) for n, t in weights if n not in shared)
+            config = drafter._create_draft_vllm_config() if hasattr(drafter, "_create_draft_vllm_config") else drafter.vllm_config
+            reload_weights(config, drafter.model, weights, None, True)
         else:
             self.model_runner.reload_weights(weights_iterator=weights)
         return len(entries)

@@ -105,6 +105,13 @@ def test_bad_checkpoint_is_refused_before_any_shard_changes(fleets, tiny_model_d
     assert all(r.weight_version == version for r in results)
 
 
+def test_draft_tensors_need_a_drafter(fleets, tiny_model_dir):
+    fleet = fleets["main"]
+    tensors = {"draft." + k: v for k, v in load_file(str(tiny_model_dir / "model.safetensors")).items()}
+    with pytest.raises(RefitError, match="engines run no draft model"):
+        fleet.refit(tensors)
+
+
 def test_versions_only_move_forward(fleets, tiny_model_dir):
     fleet = fleets["main"]
     with pytest.raises(RefitError, match="not newer"):
