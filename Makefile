@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup run test unit bench clean
+.PHONY: setup run test unit bench bench-refit clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ unit: setup
 
 bench: setup
 	$(PY) bench/fleet_overhead.py
+
+bench-refit: setup
+	$(PY) bench/refit.py
 
 clean:
 	rm -rf $(VENV) .nemo-gen
