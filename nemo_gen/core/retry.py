@@ -54,6 +54,9 @@ RAY_INFRA_NAMES: Final[frozenset[str]] = frozenset(
 # HTTP-client transport failures (aiohttp names; an engine died mid-request or refused the
 # connection). aiohttp's ClientOSError derives from OSError but not ConnectionError, so the
 # isinstance check below would miss it.
+# vLLM's own: the EngineCore process died under a live actor.
+ENGINE_INFRA_NAMES: Final[frozenset[str]] = frozenset({"EngineDeadError", "EngineGenerateError"})
+
 TRANSPORT_INFRA_NAMES: Final[frozenset[str]] = frozenset(
     {
         "ClientConnectionError",
@@ -101,7 +104,7 @@ def _single_is_infra(exc: BaseException) -> bool:
     if status is not None:
         return http_status_is_infra(status)
     names = {cls.__name__ for cls in type(exc).__mro__}
-    if names & RAY_INFRA_NAMES or names & TRANSPORT_INFRA_NAMES:
+    if names & RAY_INFRA_NAMES or names & TRANSPORT_INFRA_NAMES or names & ENGINE_INFRA_NAMES:
         return True
     # ValueError, TypeError, KeyError and everything else unknown fall through to data.
     return isinstance(exc, _STDLIB_INFRA_TYPES)

@@ -19,6 +19,7 @@ import psutil
 import ray
 
 from nemo_gen.core.fleet_health import FleetHealthPolicy, GenerationFleetHealth, HealthyShardSelector, ShardState
+from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.core.results import GenerationRequest, GenerationResult, too_long_error
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import NemoGenError, RequestError, ShardDiedError, ShardUnavailableError
@@ -189,21 +190,25 @@ class GenerationFleet:
             assignment = self._assign(pending)
             refs = {shard: self._shards[shard].actor.generate.remote(batch, params) for shard, batch in assignment.items()}
             pending = []
-            for shard, ref in refs.items():
-                batch = assignment[shard]
-                try:
-                    out = ray.get(ref, timeout=self.settings.fleet.request_timeout_s)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                    # The shard is gone or wedged: condemn it and send its work elsewhere.
-                    self._condemn(shard, exc)
-                    pending.extend(batch)
-                    continue
-                finally:
+            try:
+                for shard, ref in refs.items():
+                    batch = assignment[shard]
+                    try:
+                        out = ray.get(ref, timeout=self.settings.fleet.request_timeout_s)
+                    except Exception as exc:
+                        if not is_retriable(exc):
+                            raise
+                        # The shard or its engine is gone or wedged: condemn it, re-route its work.
+                        self._condemn(shard, exc)
+                        pending.extend(batch)
+                        continue
+                    self.health.report_success(shard)
+                    for req, raw in zip(batch, out["results"]):
+                        results[req.index] = self._result(req, raw, out["shard"], out["weight_version"])
+            finally:
+                for shard, batch in assignment.items():
                     for _ in batch:
                         self.selector.release(shard)
-                self.health.report_success(shard)
-                for req, raw in zip(batch, out["results"]):
-                    results[req.index] = self._result(req, raw, out["shard"], out["weight_version"])
         return [results[i] for i in range(len(prompts))]
 
     async def generate_async(self, prompt: Prompt, **sampling: Any) -> GenerationResult:
@@ -218,7 +223,9 @@ class GenerationFleet:
             shard = self._pick()
             try:
                 out = await self._shards[shard].actor.generate.remote([req], params)
-            except ray.exceptions.RayActorError as exc:
+            except Exception as exc:
+                if not is_retriable(exc):
+                    raise
                 self._condemn(shard, exc)
                 continue
             finally:
@@ -255,8 +262,8 @@ class GenerationFleet:
 
     def _condemn(self, shard: int, exc: BaseException) -> None:
         log.warning("shard %d failed: %s; re-routing its requests", shard, exc)
-        # A dead actor is certain, not a streak: straight to DEAD.
-        self.health.mark_dead(shard, str(ShardDiedError(shard, type(exc).__name__)))
+        # A dead actor or engine is certain, not a streak: straight to DEAD.
+        self.health.mark_dead(shard, describe(exc).splitlines()[0])
 
     def _result(self, req: GenerationRequest, raw: dict[str, Any], shard: int, version: int | None) -> GenerationResult:
         if raw.get("error"):

@@ -172,3 +172,17 @@ def test_http_response_errors_classified_by_status() -> None:
 def test_describe_is_type_colon_message() -> None:
     assert describe(ValueError("bad prompt")) == "ValueError: bad prompt"
     assert describe(ShardDiedError(3, "gone")) == "ShardDiedError: shard 3 died: gone"
+
+
+def test_vllm_engine_death_is_infra_even_wrapped_by_ray():
+    class EngineDeadError(Exception):
+        pass
+
+    class RayTaskError(Exception):
+        def __init__(self, cause):
+            super().__init__("ray::ShardActor.generate() failed")
+            self.cause = cause
+
+    assert is_retriable(EngineDeadError("EngineCore encountered an issue"))
+    assert is_retriable(RayTaskError(EngineDeadError("dead")))
+    assert not is_retriable(RayTaskError(ValueError("bad sampling params")))
