@@ -67,6 +67,7 @@ class Engine:
         self.async_engine = async_engine
         self.load_s = load_s
         self._lock = asyncio.Lock()  # the sync LLM is not re-entrant
+        self._rpc_lock = asyncio.Lock()
         # Refit needs the engine to itself: no request may run on half-loaded weights.
         self._inflight = 0
         self._idle = asyncio.Condition()
@@ -133,8 +134,12 @@ class Engine:
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
         if self.async_engine:
-            return await self._llm.collective_rpc(method, timeout=timeout, args=args)
-        return await asyncio.to_thread(self._llm.collective_rpc, method, timeout, args)
+            async with self._rpc_lock:  # one control message at a time on the engine's queue
+                return await self._llm.collective_rpc(method, timeout=timeout, args=args)
+        # The sync LLM is not thread-safe: RPCs and generate calls take turns (two concurrent
+        # collective_rpc calls from worker threads deadlocked here).
+        async with self._lock:
+            return await asyncio.to_thread(self._llm.collective_rpc, method, timeout, args)
 
     def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
         from vllm.inputs import TokensPrompt
