@@ -21,6 +21,7 @@ from prefect.futures import as_completed
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
+from flows.refit import publish_refit
 from nemo_gen import pipeline, progress
 from nemo_gen.fleet.fleet import GenerationFleet
 from nemo_gen.fleet.resolve import ResolvedGeneration
@@ -124,14 +125,4 @@ def _publish(fleet: GenerationFleet, summary: dict[str, Any]) -> None:
         description="Requests and generated tokens per shard",
     )
     if summary.get("refit"):
-        r = summary["refit"]
-        create_table_artifact(
-            key="refit-timing",
-            table=[
-                {"shard": s["shard"], "ok": s["ok"], "seconds": round(s["seconds"], 4), "error": s["error"]}
-                for s in r["shards"]
-            ]
-            + [{"shard": "all", "ok": r["ok"], "seconds": round(r["seconds"], 4), "bytes": r["bytes"],
-                "gb_per_s": round(r["gb_per_s"], 3)}],
-            description=f"Refit to weight version {r['version']}",
-        )
+        publish_refit(summary["refit"])

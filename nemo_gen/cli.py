@@ -42,6 +42,21 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--input", type=Path, required=True, help="JSONL of prompts")
     gen.add_argument("--output", type=Path, required=True, help="JSONL to write, one line per input line")
 
+    fleet = sub.add_parser("fleet", help="a fleet that outlives one command (needs ray.address)")
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
+    for verb, text in (("up", "launch the fleet and leave it running"),
+                       ("status", "show each shard's state, weight version and PIDs"),
+                       ("down", "stop every shard and wait for its engine processes to exit")):
+        fp = fleet_sub.add_parser(verb, help=text)
+        fp.add_argument("--config", "-c", type=Path)
+        fp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+        fp.add_argument("--json", action="store_true")
+
+    refit = sub.add_parser("refit", help="push a checkpoint into a running fleet")
+    settings_args(refit)
+    refit.add_argument("--checkpoint", type=Path, required=True, help="HF safetensors checkpoint directory")
+    refit.add_argument("--version", type=int, help="weight version to install (default: previous + 1)")
+
     tiny = sub.add_parser("make-tiny-model", help="make a small random-weight Llama + tokenizer locally")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--overwrite", action="store_true")
@@ -59,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             return _make_tiny_model(args)
         if args.command == "config":
             return _show_config(args)
+        if args.command == "fleet":
+            return _fleet(args)
+        if args.command == "refit":
+            return _refit(args)
         return _run(args, name=args.command)
     except (DataError, FileExistsError) as exc:  # FileExistsError: make-tiny-model onto another dir
         print(f"nemo-gen: error: {exc}", file=sys.stderr)
@@ -87,6 +106,89 @@ def _show_config(args: argparse.Namespace) -> int:
     settings = NemoGenSettings.load(args.config, args.overrides)
     print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
     return EXIT_OK
+
+
+def _persistent_settings(args: argparse.Namespace):
+    from nemo_gen.errors import ConfigError
+    from nemo_gen.settings import NemoGenSettings
+
+    # Worker output would land in our stdout (breaking --json); it stays in Ray's log files.
+    quiet = [] if getattr(args, "verbose", False) else ["ray.log_to_driver=false"]
+    args.overrides = quiet + list(args.overrides)
+    settings = NemoGenSettings.load(args.config, args.overrides)
+    if settings.ray.address is None:
+        raise ConfigError(
+            "a fleet that outlives one command needs a Ray cluster that does too: start one with "
+            "deployments/ray/start-node.sh and set ray.address (e.g. --set ray.address=auto)",
+            field="ray.address",
+        )
+    return settings
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from nemo_gen.fleet.fleet import GenerationFleet
+
+    settings = _persistent_settings(args)
+    if args.fleet_command == "up":
+        _quiet()
+        from nemo_gen import progress
+        from nemo_gen.cli_view import LiveView
+
+        with LiveView(enabled=not args.json) as view, progress.listening(view.on_event):
+            fleet = GenerationFleet.launch(
+                settings, progress=lambda i, ev, d: progress.emit("shard", **{**d, "index": i, "event": ev})
+            )
+        rows = [s.to_json() for s in fleet.status()]
+        fleet.detach()
+    elif args.fleet_command == "status":
+        fleet = GenerationFleet.attach(settings)
+        rows = [s.to_json() for s in fleet.status()]
+        fleet.detach()
+    else:
+        fleet = GenerationFleet.attach(settings)
+        rows = [s.to_json() for s in fleet.status()]
+        killed = fleet.shutdown()
+        rows = [{**r, "state": "stopped"} for r in rows]
+        if killed:
+            print(f"killed engine processes that outlived their shard: {killed}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"fleet": settings.fleet.name, "shards": rows}, indent=2))
+    else:
+        from nemo_gen.cli_view import status_table
+
+        status_table(settings.fleet.name, rows)
+    return EXIT_OK
+
+
+def _refit(args: argparse.Namespace) -> int:
+    settings = _persistent_settings(args)
+    if not args.verbose:
+        _quiet()
+    checkpoint = str(args.checkpoint.resolve())
+    if args.no_prefect:
+        from nemo_gen.fleet.fleet import GenerationFleet
+
+        fleet = GenerationFleet.attach(settings)
+        try:
+            report = fleet.refit(checkpoint, version=args.version).to_json()
+        finally:
+            fleet.detach()
+    else:
+        from nemo_gen.prefect_api import prefect_api
+
+        with prefect_api(settings):
+            from flows.refit import refit
+
+            report = refit(checkpoint=checkpoint, version=args.version,
+                           config=str(args.config) if args.config else None, overrides=list(args.overrides))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"refit to weight version {report['version']}: {report['bytes'] / 1e6:.1f} MB in "
+              f"{report['seconds']:.2f} s ({report['gb_per_s']:.2f} GB/s)")
+        for s in report["shards"]:
+            print(f"  shard {s['shard']}: " + ("ok" if s["ok"] else f"QUARANTINED: {s['error']}"))
+    return EXIT_OK if report["ok"] else EXIT_PARTIAL
 
 
 def _run(args: argparse.Namespace, name: str) -> int:

@@ -100,3 +100,15 @@ class LiveView:
             self.console.print(f"[yellow]line {err['line']}[/yellow]: {err['error']}")
         if len(s["errors"]) > 10:
             self.console.print(f"… and {len(s['errors']) - 10} more failed lines (see the output file)")
+
+
+def status_table(fleet: str, rows: list[dict[str, Any]]) -> None:
+    table = Table(title=f"fleet {fleet}", title_justify="left")
+    for col in ("shard", "state", "weight version", "actor pid", "engine pids", "restarts", "last error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            str(r["index"]), r["state"], str(r["weight_version"]), str(r["actor_pid"]),
+            " ".join(map(str, r["engine_pids"])), str(r["restarts"]), r["last_error"] or "",
+        )
+    Console().print(table)

@@ -44,3 +44,17 @@ def write_outputs(lines: Sequence[PromptLine], results: Sequence[GenerationResul
 def refit(fleet, settings) -> dict[str, Any] | None:
     """Train mode's first refit: the real weights, before any request (None in eval mode)."""
     return pipeline.initial_refit(fleet, settings)
+
+
+@task(name="attach-fleet", cache_policy=NO_CACHE)
+def attach_fleet(settings):
+    """Connect to the running fleet named in settings (detached actors on ray.address)."""
+    from nemo_gen.fleet.fleet import GenerationFleet
+
+    return GenerationFleet.attach(settings)
+
+
+@task(name="refit-checkpoint", cache_policy=NO_CACHE)
+def refit_checkpoint(fleet, checkpoint: str, version: int | None) -> dict[str, Any]:
+    """Push a checkpoint directory into every shard; the report as JSON."""
+    return fleet.refit(checkpoint, version=version).to_json()

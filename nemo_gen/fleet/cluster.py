@@ -47,6 +47,7 @@ def init_ray(settings: RaySettings) -> RayConnection:
         ray.init(**kwargs, **common)
         owned = True
     else:
+        _use_token_auth()
         ray.init(address=settings.address, **common)
         owned = False
         _warn_if_reaping_unknown()
@@ -68,6 +69,18 @@ def _gcs_address() -> str:
         return ray.get_runtime_context().gcs_address
     except Exception:  # older Ray: not worth failing a launch over a label
         return "unknown"
+
+
+def _use_token_auth() -> None:
+    """Clusters started by Ray >= 2.59 require token auth, and a client naming an address must
+    opt in. Ray caches RAY_AUTH_MODE when it is imported, so setting the variable now is not
+    enough: refresh the cached config the way Ray's own ``_enable_token_auth`` does. An
+    operator's explicit RAY_AUTH_MODE=disabled is left alone."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    _enable_token_auth()
 
 
 def _warn_if_reaping_unknown() -> None:

@@ -96,6 +96,7 @@ class GenerationFleet:
         shards: Sequence[ShardHandle],
         ray_connection: RayConnection | None = None,
         tokenizer=None,
+        attached: bool = False,
     ):
         self.resolved = resolved
         self.settings = resolved.settings
@@ -104,7 +105,7 @@ class GenerationFleet:
         self._tokenizer = tokenizer or load_tokenizer(resolved.tokenizer_dir)
         h = self.settings.health
         self.health = GenerationFleetHealth(
-            shard_count=len(shards),
+            shard_count=max(h.index for h in shards) + 1,
             policy=FleetHealthPolicy(
                 unhealthy_threshold=h.unhealthy_threshold,
                 healthy_threshold=h.healthy_threshold,
@@ -116,7 +117,19 @@ class GenerationFleet:
         # eval: engines loaded the checkpoint (version 0). train: dummy weights, STALE until the
         # first refit — nothing re-admits a shard but a refit.
         self.weight_version: int | None = 0 if self.settings.is_eval() else None
-        if not self.settings.is_eval():
+        if attached:
+            # The shards remember what they hold; the fleet's version is the newest of them.
+            versions = {h.index: h.info.get("weight_version") for h in shards}
+            known = [v for v in versions.values() if v is not None]
+            self.weight_version = max(known) if known else None
+            for index in range(self.health.shard_count):
+                if versions.get(index, "missing") == "missing":
+                    self.health.mark_dead(index, "shard actor not found when attaching")
+                elif versions[index] is None or versions[index] != self.weight_version:
+                    self.health.mark_loaded(index)
+                else:
+                    self.health.report_refit(index, versions[index])
+        elif not self.settings.is_eval():
             for index in self._shards:
                 self.health.mark_loaded(index)
         self._closed = False
@@ -143,6 +156,34 @@ class GenerationFleet:
                 shutdown_ray(conn)
             raise
         return cls(resolved, shards, ray_connection=conn if conn.owned else None)
+
+    @classmethod
+    def attach(cls, settings: NemoGenSettings) -> "GenerationFleet":
+        """Connect to a fleet that is already running (its detached, named shard actors on the
+        Ray cluster at ``ray.address``). Shards at the newest weight version serve; any that lag
+        behind stay STALE until the next refit. ``detach()`` leaves the fleet running."""
+        from nemo_gen.environment import configure_environment
+        from nemo_gen.fleet.shard import find_shard
+
+        configure_environment(settings)
+        conn = init_ray(settings.ray)
+        resolved = resolve_generation(settings, cluster=None)
+        handles = [find_shard(spec) for spec in resolved.shards]
+        found = [h for h in handles if h is not None]
+        if not found:
+            if conn.owned:
+                shutdown_ray(conn)
+            raise ShardUnavailableError(
+                f"no fleet named {settings.fleet.name!r} is running in Ray namespace "
+                f"{settings.ray.namespace!r} at {conn.address} (start one with `nemo-gen fleet up`)"
+            )
+        fleet = cls(resolved, found, ray_connection=conn if conn.owned else None, attached=True)
+        return fleet
+
+    def detach(self) -> None:
+        """Disconnect from an attached fleet without stopping it."""
+        self._closed = True
+        shutdown_ray(self._ray)
 
     def __enter__(self) -> "GenerationFleet":
         return self

@@ -198,6 +198,22 @@ def launch_shard(spec: ShardSpec) -> ShardHandle:
     return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
 
 
+def find_shard(spec: ShardSpec) -> ShardHandle | None:
+    """The running shard ``spec`` names (a detached actor and its placement group), or None."""
+    from ray.util import get_placement_group
+
+    try:
+        actor = ray.get_actor(spec.actor_name, namespace=spec.namespace)
+        info = ray.get(actor.info.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+    try:
+        pg = get_placement_group(f"{spec.actor_name}-pg")
+    except ValueError:
+        pg = None
+    return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
+
+
 def stop_shard(handle: ShardHandle, timeout_s: float = 60.0) -> list[int]:
     """Stop the engine cleanly if the actor still answers, then kill the actor and free its
     placement group. Returns the engine PIDs known for the shard (for reap checks)."""

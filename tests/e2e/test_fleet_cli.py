@@ -1,0 +1,109 @@
+"""A fleet that outlives one command: a Ray head started the way clusters are
+(deployments/ray/start-node.sh), `nemo-gen fleet up`, `nemo-gen refit --checkpoint` through the
+Prefect refit flow, `fleet status`, `fleet down` — and every process stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_cli import _marked
+from tests.helpers import wait_gone
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head of its own (blocking `ray start`, own process group), stopped by PID."""
+    marker = uuid.uuid4().hex
+    port = _free_port()
+    env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    temp_dir = f"/tmp/rn{marker[:8]}"
+    proc = subprocess.Popen(
+        [str(ROOT / "deployments/ray/start-node.sh"), "--head", f"--port={port}", "--num-cpus=4",
+         f"--temp-dir={temp_dir}", "--block"],
+        env=env, stdout=open(tmp_path / "ray.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None, (tmp_path / "ray.log").read_text()[-2000:]
+            time.sleep(0.5)
+    time.sleep(2)  # the raylet registers just after the GCS port opens
+    yield {"address": f"127.0.0.1:{port}", "marker": marker, "env": env}
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    left = wait_gone(_marked(marker), 30)
+    for pid in left:  # stragglers that left the group: still ours, still by PID
+        os.kill(pid, signal.SIGKILL)
+    assert wait_gone(left, 10) == []
+
+
+def nemo_gen(args, ray_head, tmp_path, timeout=400):
+    env = dict(ray_head["env"])
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, "-m", "nemo_gen.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=tmp_path)
+    return proc
+
+
+def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
+    from nemo_gen.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "ckpt-b", seed=3)
+    common = ["--set", f"ray.address={ray_head['address']}", "--set", f"home={tmp_path / 'home'}",
+              "--set", f"model.path={tiny_model_dir}", "--set", "fleet.name=persistent",
+              "--set", "fleet.num_shards=1", "--set", "generation.vllm_cfg.max_model_len=256", "--json"]
+
+    up = nemo_gen(["fleet", "up", *common], ray_head, tmp_path)
+    assert up.returncode == 0, up.stderr[-3000:]
+    (shard,) = json.loads(up.stdout)["shards"]
+    assert shard["state"] == "healthy" and shard["weight_version"] == 0
+    pids = [shard["actor_pid"], *shard["engine_pids"]]
+
+    # The command that launched it has exited; the fleet is still there.
+    status = nemo_gen(["fleet", "status", *common], ray_head, tmp_path)
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert json.loads(status.stdout)["shards"][0]["actor_pid"] == shard["actor_pid"]
+
+    refit = nemo_gen(["refit", "--checkpoint", str(other), "--version", "7", *common], ray_head, tmp_path)
+    assert refit.returncode == 0, refit.stderr[-3000:]
+    report = json.loads(refit.stdout)
+    assert report["ok"] and report["version"] == 7 and report["bytes"] > 1_000_000
+    assert (tmp_path / "home" / "prefect" / "prefect.db").exists()  # it ran as a Prefect flow
+
+    after = json.loads(nemo_gen(["fleet", "status", *common], ray_head, tmp_path).stdout)["shards"][0]
+    assert after["state"] == "healthy" and after["weight_version"] == 7
+
+    bad = nemo_gen(["refit", "--checkpoint", str(tmp_path / "nowhere"), "--no-prefect", *common], ray_head, tmp_path)
+    assert bad.returncode == 2 and "nowhere" in bad.stderr
+
+    down = nemo_gen(["fleet", "down", *common], ray_head, tmp_path)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert wait_gone(pids, 30) == []
+    gone = nemo_gen(["fleet", "status", *common], ray_head, tmp_path)
+    assert gone.returncode == 1 and "no fleet named 'persistent'" in gone.stderr
