@@ -379,10 +379,14 @@ def measure_pipeline_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> 
         return run_pipeline(NemoGenSettings.load(overrides=overrides("plain", r)), name="bench-plain")
 
     def prefect(r: int) -> dict[str, Any]:
-        return generation_pipeline(config=None, overrides=as_cli_overrides(overrides("prefect", r)), name="bench-prefect")
+        cli_overrides = as_cli_overrides(overrides("prefect", r))
+        return generation_pipeline(config=None, overrides=cli_overrides, name="bench-prefect")
 
     arms = {"plain": plain, "prefect": prefect}
-    print(f"\n== 2. Prefect pipeline overhead: {args.shards} shards, built-in prompts, {args.pipeline_rounds} rounds ==")
+    print(
+        f"\n== 2. Prefect pipeline overhead: {args.shards} shards, built-in prompts, "
+        f"{args.pipeline_rounds} rounds =="
+    )
     header = "".join(f"{p:>13}" for p in PhaseClock.PHASES)
     print(f"{'round':>5} {'arm':>8} {'wall s':>8}{header} {'rest':>8} {'tokens':>7} {'others':>7}")
     rounds = []
@@ -404,9 +408,10 @@ def measure_pipeline_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> 
             # Engine start and generation dominate the wall time and vary run to run on a busy
             # machine; what is left is where an orchestrator's cost shows.
             rest = wall - phases["engine_load"] - phases["generate"]
-            got[name] = {"wall_s": wall, "phases_s": phases, "rest_s": rest, "tokens": summary["generated_tokens"], "others_cpu_share": others}
+            tokens = summary["generated_tokens"]
+            got[name] = {"wall_s": wall, "phases_s": phases, "rest_s": rest, "tokens": tokens, "others_cpu_share": others}
             cols = "".join(f"{v:>13.2f}" for v in phases.values())
-            print(f"{r + 1:>5} {name:>8} {wall:>8.2f}{cols} {rest:>8.2f} {summary['generated_tokens']:>7} {others:>7.0%}")
+            print(f"{r + 1:>5} {name:>8} {wall:>8.2f}{cols} {rest:>8.2f} {tokens:>7} {others:>7.0%}")
         ratio = got["prefect"]["wall_s"] / got["plain"]["wall_s"]
         rounds.append({"order": list(order), **got, "ratio": ratio})
         print(f"{'':>5} prefect/plain {ratio:.3f}")
@@ -424,9 +429,10 @@ def measure_pipeline_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> 
         "rounds": rounds,
     }
     extra = result["prefect_extra_rest_s"]
+    share = extra["median"] / result["plain_s"]["median"]
     print(
         f"Prefect's own seconds per run (rest, prefect - plain): median {extra['median']:.2f}s "
-        f"(min {extra['min']:.2f}, max {extra['max']:.2f}) = {extra['median'] / result['plain_s']['median']:.1%} of a plain run"
+        f"(min {extra['min']:.2f}, max {extra['max']:.2f}) = {share:.1%} of a plain run"
     )
     print(
         f"prefect/plain wall: median {ratio['median']:.3f} (min {ratio['min']:.3f}, max {ratio['max']:.3f}) "

@@ -32,6 +32,11 @@ def resolve_sampling(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) 
             f"unknown sampling keyword(s) {unknown}; known: {list(SAMPLING_KEYS)}"
         )
     merged = {key: defaults.get(key) for key in SAMPLING_KEYS}
+    if overrides.get("ignore_eos") and "stop_token_ids" not in overrides:
+        # The configured stop ids are the tokenizer's EOS (configure_generation_config's rule 2),
+        # and vLLM stops on stop_token_ids whatever ignore_eos says: ignoring EOS means dropping
+        # them, unless the call names its own.
+        merged["stop_token_ids"] = None
     merged.update(overrides)
     _check(merged)
     return merged

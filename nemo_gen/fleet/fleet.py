@@ -390,11 +390,11 @@ class GenerationFleet:
         if self._closed:
             return []
         self._closed = True
-        pids: set[int] = set()
-        for handle in self.shards:
-            pids.update(stop_shard(handle))
-            if handle.actor_pid:
-                pids.add(handle.actor_pid)
+        pids: set[int] = {h.actor_pid for h in self.shards if h.actor_pid}
+        # In parallel: a clean engine stop takes ~4 s per shard here.
+        with ThreadPoolExecutor(max_workers=max(1, len(self.shards))) as pool:
+            for stopped in pool.map(stop_shard, self.shards):
+                pids.update(stopped)
         killed = reap(pids, reap_timeout_s)
         if self._staging is not None:
             self._staging.close()

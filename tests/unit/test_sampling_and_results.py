@@ -238,3 +238,12 @@ def test_request_is_frozen():
     req = GenerationRequest(index=0, prompt_token_ids=[1])
     with pytest.raises(AttributeError):
         req.index = 1  # type: ignore[misc]
+
+
+def test_ignore_eos_drops_the_configured_eos_stop_unless_the_call_names_stops():
+    from nemo_gen.core.sampling import resolve_sampling
+
+    defaults = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "stop_token_ids": [2]}
+    assert resolve_sampling(defaults, {})["stop_token_ids"] == [2]
+    assert resolve_sampling(defaults, {"ignore_eos": True})["stop_token_ids"] is None
+    assert resolve_sampling(defaults, {"ignore_eos": True, "stop_token_ids": [7]})["stop_token_ids"] == [7]
