@@ -57,22 +57,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
+from nemo_gen.settings import RunSettings  # noqa: E402  (pydantic only: nothing heavy)
+
 REPO = Path(__file__).resolve().parents[1]
 FLEET_TARGET = 0.95  # fleet / direct tokens per second: at least
 PIPELINE_TARGET = 1.15  # prefect / plain wall time: at most
 NOISY_SHARE = 0.10  # other processes' share of the CPUs above which a result is flagged
 NAMESPACE = "nemo_gen_bench"
 
-PROMPT_TOPICS = (
-    "The quick brown fox",
-    "Once upon a time",
-    "In a distant galaxy",
-    "The meaning of life is",
-    "Reinforcement learning is",
-    "A fleet of engines",
-    "The weather today",
-    "Hello, my name is",
-)
+# The built-in prompts of `nemo-gen run` (one definition, in settings).
+PROMPT_TOPICS = tuple(RunSettings().prompts)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
