@@ -181,8 +181,11 @@ class GenerationFleet:
         return fleet
 
     def detach(self) -> None:
-        """Disconnect from an attached fleet without stopping it."""
+        """Disconnect from an attached fleet without stopping it (the staging file this
+        process wrote is removed: the shards only read it during a refit)."""
         self._closed = True
+        if self._staging is not None:
+            self._staging.close()
         shutdown_ray(self._ray)
 
     def __enter__(self) -> "GenerationFleet":

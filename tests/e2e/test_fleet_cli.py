@@ -79,6 +79,7 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
               "--set", f"model.path={tiny_model_dir}", "--set", "fleet.name=persistent",
               "--set", "fleet.num_shards=1", "--set", "generation.vllm_cfg.max_model_len=256", "--json"]
 
+    staging_before = set(Path("/dev/shm").glob("nemo_gen-persistent-*"))
     up = nemo_gen(["fleet", "up", *common], ray_head, tmp_path)
     assert up.returncode == 0, up.stderr[-3000:]
     (shard,) = json.loads(up.stdout)["shards"]
@@ -96,6 +97,7 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
     assert report["ok"] and report["version"] == 7 and report["bytes"] > 1_000_000
     assert (tmp_path / "home" / "prefect" / "prefect.db").exists()  # it ran as a Prefect flow
 
+    assert set(Path("/dev/shm").glob("nemo_gen-persistent-*")) <= staging_before, "refit left its staging file"
     after = json.loads(nemo_gen(["fleet", "status", *common], ray_head, tmp_path).stdout)["shards"][0]
     assert after["state"] == "healthy" and after["weight_version"] == 7
 
