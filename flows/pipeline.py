@@ -39,7 +39,7 @@ def launch_fleet(resolved: ResolvedGeneration) -> list[ShardHandle]:
     with remote_options(num_cpus=0, max_retries=0):
         futures = [fleet_tasks.launch_shard.submit(spec) for spec in resolved.shards]
     for spec in resolved.shards:
-        progress.emit("shard", index=spec.index, event="loading")
+        progress.shard_event(spec.index, "loading", {})
     handles: list[ShardHandle] = []
     errors: list[BaseException] = []
     for fut in as_completed(futures):
@@ -49,8 +49,7 @@ def launch_fleet(resolved: ResolvedGeneration) -> list[ShardHandle]:
             errors.append(exc)
             continue
         handles.append(handle)
-        info = {k: v for k, v in handle.info.items() if k != "index"}
-        progress.emit("shard", index=handle.index, event="ready", seconds=time.monotonic() - started, **info)
+        progress.shard_event(handle.index, "ready", {**handle.info, "seconds": time.monotonic() - started})
     if errors:
         for handle in handles:
             stop_shard(handle)

@@ -136,7 +136,7 @@ def _fleet(args: argparse.Namespace) -> int:
 
         with LiveView(enabled=not args.json) as view, progress.listening(view.on_event):
             fleet = GenerationFleet.launch(
-                settings, progress=lambda i, ev, d: progress.emit("shard", **{**d, "index": i, "event": ev})
+                settings, progress=progress.shard_event
             )
         rows = [s.to_json() for s in fleet.status()]
         fleet.detach()

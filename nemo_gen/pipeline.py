@@ -107,7 +107,7 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
     fleet = None
     try:
         resolved = resolve_generation(settings, cluster_resources())
-        handles = launch_shards(resolved.shards, lambda i, ev, d: progress.emit("shard", **{**d, "index": i, "event": ev}))
+        handles = launch_shards(resolved.shards, progress.shard_event)
         fleet = GenerationFleet(resolved, handles, ray_connection=conn if conn.owned else None)
         refit = initial_refit(fleet, settings)
         t0 = time.perf_counter()

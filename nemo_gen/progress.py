@@ -36,3 +36,8 @@ def listening(listener: Listener) -> Iterator[None]:
     finally:
         with _lock:
             _listeners.remove(listener)
+
+
+def shard_event(index: int, event: str, detail: dict[str, Any]) -> None:
+    """Adapter from ``launch_shards``' ``progress(index, event, detail)`` callback to ``emit``."""
+    emit("shard", **{**detail, "index": index, "event": event})

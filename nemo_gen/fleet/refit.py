@@ -31,6 +31,7 @@ from nemo_gen.core.refit import (
     split_draft,
 )
 from nemo_gen.core.retry import is_retriable
+from nemo_gen.fleet.shard import root_cause
 from nemo_gen.refit.sources import as_source
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,9 +139,9 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
         except Exception as exc:
             if not is_retriable(exc):
                 raise RefitError(
-                    f"refit refused, no weight was changed: shard {i} cannot read the staged weights: {_why(exc)}"
+                    f"refit refused, no weight was changed: shard {i} cannot read the staged weights: {root_cause(exc)}"
                 ) from None
-            _quarantine(fleet, report, i, f"lost before loading version {new_version}: {_why(exc)}")
+            _quarantine(fleet, report, i, f"lost before loading version {new_version}: {root_cause(exc)}")
     targets = [i for i in targets if i not in {s.shard for s in report.shards}]
 
     # Phase 2: load everywhere at once.
@@ -152,7 +153,7 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
         try:
             seconds = ray.get(ref, timeout=settings.timeout_s + 60)
         except Exception as exc:
-            _quarantine(fleet, report, i, f"refit to version {new_version} failed: {_why(exc)}")
+            _quarantine(fleet, report, i, f"refit to version {new_version} failed: {root_cause(exc)}")
             continue
         fleet.health.report_refit(i, new_version)
         report.shards.append(ShardRefit(i, ok=True, seconds=seconds))
@@ -171,9 +172,3 @@ def _quarantine(fleet: "GenerationFleet", report: RefitReport, shard: int, reaso
 
 def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
-
-
-def _why(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None) or exc
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"

@@ -194,7 +194,7 @@ def launch_shard(spec: ShardSpec) -> ShardHandle:
         raise EngineStartError(spec.index, f"{exc} (another fleet named {spec.fleet!r} is running?)") from None
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
         _teardown(actor, pg)
-        raise EngineStartError(spec.index, _root_cause(exc)) from None
+        raise EngineStartError(spec.index, root_cause(exc)) from None
     return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
 
 
@@ -233,7 +233,7 @@ def call_shard(handle: ShardHandle, method: str, *args, timeout_s: float) -> Any
     except ray.exceptions.GetTimeoutError:
         raise ShardDiedError(handle.index, f"{method} did not answer within {timeout_s:g}s") from None
     except ray.exceptions.RayActorError as exc:
-        raise ShardDiedError(handle.index, _root_cause(exc)) from None
+        raise ShardDiedError(handle.index, root_cause(exc)) from None
 
 
 def _teardown(actor: Any, pg: Any) -> None:
@@ -253,7 +253,8 @@ def _available() -> dict[str, float]:
     return {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
 
 
-def _root_cause(exc: BaseException) -> str:
+def root_cause(exc: BaseException) -> str:
+    """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame)."""
     cause = getattr(exc, "cause", None) or exc
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
