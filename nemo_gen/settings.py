@@ -221,6 +221,10 @@ class FleetSettings(_Section):
         30.0, gt=0, description="Deadline for the cluster to place a shard; then a PlacementError."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one generate call on a shard.")
+    spares: int = Field(
+        0, ge=0, description="Warm spares: extra engines loaded and refit with the fleet but given no "
+        "traffic; one takes a dead shard's place at once.",
+    )
 
 
 class RefitSettings(_Section):
@@ -253,6 +257,30 @@ class HealthSettings(_Section):
     healthy_threshold: int = Field(2, ge=1, description="Probe successes that clear a SUSPECT shard.")
     max_restart_attempts_per_shard: int = Field(5, ge=0, description="Restarts before RETIRED.")
     min_healthy_shards: int = Field(1, ge=1, description="Below this the fleet raises FleetExhausted.")
+    probe_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between real-generation probes (one token) of each serving shard."
+    )
+    probe_timeout_s: float = Field(
+        10.0, gt=0, description="A probe not answered within this counts as a failure (a hung engine)."
+    )
+    watch_interval_s: float = Field(
+        0.2, gt=0, description="How often a shard actor checks that its engine processes are alive."
+    )
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="First delay between restart attempts; doubles per attempt."
+    )
+    restart_backoff_max_s: float = Field(30.0, ge=0, description="Cap on the delay between restart attempts.")
+    restart_jitter: float = Field(
+        0.5, ge=0, description="Random extra delay, as a fraction of each backoff (restarts spread out)."
+    )
+    reap_timeout_s: float = Field(
+        10.0, gt=0, description="How long a dead shard's engine processes get to exit before nemo_gen "
+        "kills them (unless RAY_process_group_cleanup_enabled=0 was set)."
+    )
+    auto_recover: bool = Field(
+        True, description="GenerationFleet restarts dead shards itself (in a background thread) "
+        "when used as a library; the heal flow does it under Prefect's retry policy.",
+    )
 
 
 class RaySettings(_Section):
@@ -282,6 +310,12 @@ class PrefectSettings(_Section):
     host: str = Field("127.0.0.1", description="Bind address of the managed local server.")
     port: int | None = Field(None, ge=1, le=65535, description="Port of the managed server; unset: a free one.")
     server_start_timeout_s: float = Field(120.0, gt=0, description="Deadline for the managed server.")
+    work_pool: str = Field("nemo-gen", description="Process work pool the deployments run on.")
+    allowed_paths: list[Path] = Field(
+        default_factory=list,
+        description="Directories deployment parameters (checkpoints, prompt and output files) may "
+        "point into; empty: the current directory and `home`.",
+    )
 
 
 class RunSettings(_Section):
