@@ -73,6 +73,11 @@ class Engine:
         self._idle = asyncio.Condition()
         self._exclusive = False
         self._ids = itertools.count()
+        # Liveness evidence for probes: when the (sync) engine is busy with a batch, the time
+        # of its last completed step says whether it is generating or wedged.
+        self._generating = False
+        self._rpc_active = 0
+        self.last_step_at = time.monotonic()
         self.max_model_len = self._model_config().max_model_len
         self.dtype = str(self._model_config().dtype).removeprefix("torch.")
 
@@ -103,7 +108,14 @@ class Engine:
             if self.async_engine:
                 return list(await asyncio.gather(*(self._generate_async(r, params) for r in requests)))
             async with self._lock:
-                return await asyncio.to_thread(self._generate_sync, requests, params)
+                # Busy from here on: a probe judges liveness by the age of the last step, and
+                # the batch's own enqueueing must not count against it.
+                self._generating = True
+                self.last_step_at = time.monotonic()
+                try:
+                    return await asyncio.to_thread(self._generate_sync, requests, params)
+                finally:
+                    self._generating = False
 
     @contextlib.asynccontextmanager
     async def _serving(self):
@@ -133,13 +145,34 @@ class Engine:
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
-        if self.async_engine:
-            async with self._rpc_lock:  # one control message at a time on the engine's queue
-                return await self._llm.collective_rpc(method, timeout=timeout, args=args)
-        # The sync LLM is not thread-safe: RPCs and generate calls take turns (two concurrent
-        # collective_rpc calls from worker threads deadlocked here).
-        async with self._lock:
-            return await asyncio.to_thread(self._llm.collective_rpc, method, timeout, args)
+        self._rpc_active += 1
+        try:
+            if self.async_engine:
+                async with self._rpc_lock:  # one control message at a time on the engine's queue
+                    return await self._llm.collective_rpc(method, timeout=timeout, args=args)
+            # The sync LLM is not thread-safe: RPCs and generate calls take turns (two concurrent
+            # collective_rpc calls from worker threads deadlocked here).
+            async with self._lock:
+                return await asyncio.to_thread(self._llm.collective_rpc, method, timeout, args)
+        finally:
+            self._rpc_active -= 1
+
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float) -> dict[str, Any]:
+        """Is the engine generating? Idle: generate one real token. Busy with a batch (the sync
+        engine runs one at a time): it is alive if a step completed within ``stall_s``.
+        During a refit or control RPC the answer is ``skipped`` (the engine is held on purpose)."""
+        if self._exclusive or self._rpc_active:
+            return {"ok": True, "skipped": "refit or control call in progress"}
+        if not self.async_engine and self._lock.locked():
+            age = time.monotonic() - self.last_step_at
+            if self._generating and age <= stall_s:
+                return {"ok": True, "busy": True, "step_age_s": age}
+            return {"ok": False, "error": f"engine busy and no generation step for {age:.1f}s"}
+        t0 = time.monotonic()
+        (out,) = await self.generate([GenerationRequest(index=0, prompt_token_ids=token_ids)], sampling)
+        if out.get("error"):
+            return {"ok": False, "error": out["error"]}
+        return {"ok": True, "seconds": time.monotonic() - t0}
 
     def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
         from vllm.inputs import TokensPrompt
@@ -157,14 +190,26 @@ class Engine:
                 continue
             enqueued.append(req)
         if enqueued:
-            # wait_for_completion returns outputs sorted by vLLM's request counter, i.e. in
-            # enqueue order (enqueue hands back internal ids that differ from output.request_id).
-            outputs = self._llm.wait_for_completion(use_tqdm=False)
+            outputs = self._run_to_completion()
             if len(outputs) != len(enqueued):
                 raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(enqueued)} requests")
             for req, out in zip(enqueued, outputs):
                 results[req.index] = _result_dict(req, out)
         return [results[r.index] for r in requests]
+
+    def _run_to_completion(self) -> list[Any]:
+        """``LLM.wait_for_completion`` with a heartbeat: each finished engine step is stamped,
+        so a probe can tell a busy engine from a wedged one."""
+        engine = self._llm.llm_engine
+        outputs = []
+        self.last_step_at = time.monotonic()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs.append(out)
+            self.last_step_at = time.monotonic()
+        # As vLLM sorts them: by request counter, i.e. in enqueue order.
+        return sorted(outputs, key=lambda o: int(o.request_id))
 
     async def _generate_async(self, req: GenerationRequest, params) -> dict:
         from vllm.inputs import TokensPrompt

@@ -12,7 +12,9 @@ is restarted and refit); the others serve the new version.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -45,10 +47,23 @@ _REFITTABLE = (ShardState.HEALTHY, ShardState.SUSPECT, ShardState.STALE)
 
 
 def _expected(fleet: "GenerationFleet", target: str) -> dict[str, Any]:
+    """The engine's own manifest for ``target`` (cached: every shard runs the same model).
+    Asked of each refittable shard in turn, so a shard lost right now does not fail the refit."""
     cache = fleet._manifest_cache
     if target not in cache:
-        shard = fleet._shards[_targets(fleet)[0]]
-        cache[target] = ray.get(shard.actor.expected_manifest.remote(target), timeout=120)
+        errors = []
+        for index in _targets(fleet):
+            try:
+                cache[target] = ray.get(
+                    fleet._shards[index].actor.expected_manifest.remote(target), timeout=fleet.settings.refit.timeout_s
+                )
+                break
+            except Exception as exc:
+                if not is_retriable(exc):
+                    raise
+                errors.append(f"shard {index}: {root_cause(exc)}")
+        else:
+            raise RefitError(f"no shard could describe its weights: {'; '.join(errors)}")
     return cache[target]
 
 
@@ -91,13 +106,64 @@ def _metas(expected: dict[str, Any]) -> dict[str, TensorMeta]:
     return {name: TensorMeta.of(name, shape, dtype) for name, (shape, dtype) in expected["tensors"].items()}
 
 
+@dataclass
+class StagedRefit:
+    """A refit's bytes in the staging file and the metadata the shards need to load them.
+    Kept by the fleet after a refit succeeds: a replacement or spare catches up from it."""
+
+    version: int
+    path: str
+    total: int
+    groups: list  # (target, [(name, shape, dtype, offset)]) in load order
+    tensors: int
+    stage_seconds: float
+    source: str | None  # the checkpoint directory, when the weights came from one
+
+    @property
+    def entries(self) -> list:
+        return [e for _, entries in self.groups for e in entries]
+
+
 def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> RefitReport:
+    with fleet.refit_lock:
+        new_version = next_version(fleet.weight_version, version)
+        targets = _targets(fleet)
+        staged = stage(fleet, source, new_version)
+        report = RefitReport(
+            version=new_version, bytes=staged.total, tensors=staged.tensors,
+            stage_seconds=staged.stage_seconds, load_seconds=0.0,
+        )
+        t1 = time.perf_counter()
+        handles: dict[Any, Any] = {i: fleet._shards[i] for i in targets}
+        # Warm spares take every refit too, so one can serve the moment it is promoted.
+        handles.update({("spare", h.name): h for h in fleet.spare_handles()})
+        outcome = apply_staged(fleet.settings.refit.timeout_s, staged, handles)
+        for key, (ok, seconds, error) in outcome.items():
+            if not isinstance(key, tuple) and not fleet.is_current(key, handles[key].name):
+                continue  # replaced meanwhile (recovery waits for this refit before installing)
+            if isinstance(key, tuple):
+                if not ok:
+                    fleet.drop_spare(key[1], error)
+                continue
+            if ok:
+                fleet.health.report_refit(key, new_version)
+                report.shards.append(ShardRefit(key, ok=True, seconds=seconds))
+            else:
+                _quarantine(fleet, report, key, error)
+        report.load_seconds = time.perf_counter() - t1
+        if any(s.ok for s in report.shards):
+            fleet.weight_version = new_version
+            fleet.staged_refit = staged
+        return report
+
+
+def stage(fleet: "GenerationFleet", source: Any, version: int) -> StagedRefit:
+    """Check the source's manifest against the engine's, then copy its tensors into the
+    fleet's staging file (one copy per node). Raises ``RefitError`` before a byte moves."""
     import torch
 
     settings = fleet.settings.refit
     src = as_source(source)
-    new_version = next_version(fleet.weight_version, version)
-    targets = _targets(fleet)
     engine_dtype = getattr(torch, fleet.engine_dtype)
     # Floating tensors are staged in the engine's dtype, so the check compares like with like.
     metas = [
@@ -105,8 +171,8 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
     ]
     groups = _check(fleet, metas)
 
-    # Stage: one copy per node, bucket by bucket, into reused shared-memory pages. Tensors are
-    # placed under their source names (a drafter's "draft.x" and the policy's "x" both exist).
+    # Bucket by bucket into reused shared-memory pages. Tensors are placed under their source
+    # names (a drafter's "draft.x" and the policy's "x" both exist).
     t0 = time.perf_counter()
     items = [
         (target, (DRAFT_PREFIX + m.name) if target == "draft" else m.name, m) for target, group in groups for m in group
@@ -115,52 +181,61 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
     placed, total = layout(staged)
     where = {p.name: p for p in placed}
     staging = fleet.staging()
+    fleet.staged_refit = None  # the file no longer holds the current version's bytes
     staging.ensure(total)
     for bucket in buckets(staged, settings.bucket_bytes):
         for name, tensor in src.read([m.name for m in bucket]):
             staging.write(where[name], tensor, engine_dtype)
-    stage_s = time.perf_counter() - t0
     # Workers get target-space names: the drafter's tensors without their prefix.
     entry_groups = [
         (target, [(m.name, m.shape, m.dtype, where[src_name].offset) for t, src_name, m in items if t == target])
         for target, _ in groups
     ]
-    all_entries = [e for _, entries in entry_groups for e in entries]
+    return StagedRefit(
+        version=version,
+        path=str(staging.path),
+        total=total,
+        groups=entry_groups,
+        tensors=len(items),
+        stage_seconds=time.perf_counter() - t0,
+        source=str(source) if isinstance(source, (str, os.PathLike)) else None,
+    )
 
-    # Phase 1: every shard reads the staged tensors; nothing changes yet. A shard that is dead
-    # or hung is condemned and left out; any other failure refuses the refit everywhere.
-    t1 = time.perf_counter()
-    path = str(staging.path)
-    report = RefitReport(version=new_version, bytes=total, tensors=len(items), stage_seconds=stage_s, load_seconds=0.0)
-    checks = {i: fleet._shards[i].actor.check_refit.remote(path, total, all_entries, settings.timeout_s) for i in targets}
-    for i, ref in checks.items():
+
+def apply_staged(timeout_s: float, staged: StagedRefit, handles: dict[Any, Any]) -> dict[Any, tuple[bool, float, str | None]]:
+    """Phase 1 then phase 2 on ``handles`` (key -> ShardHandle); returns key -> (ok, seconds,
+    error). Phase 1: every shard reads the staged tensors, nothing changes; a shard that is dead
+    or hung is left out, any other failure refuses the refit everywhere (``RefitError``).
+    Phase 2: all load at once; a failure there leaves that shard with no version."""
+    outcome: dict[Any, tuple[bool, float, str | None]] = {}
+    checks = {
+        k: h.actor.check_refit.remote(staged.path, staged.total, staged.entries, timeout_s) for k, h in handles.items()
+    }
+    for key, ref in checks.items():
         try:
-            ray.get(ref, timeout=settings.timeout_s)
+            ray.get(ref, timeout=timeout_s)
         except Exception as exc:
             if not is_retriable(exc):
                 raise RefitError(
-                    f"refit refused, no weight was changed: shard {i} cannot read the staged weights: {root_cause(exc)}"
+                    f"refit refused, no weight was changed: shard {_label(key)} cannot read the staged "
+                    f"weights: {root_cause(exc)}"
                 ) from None
-            _quarantine(fleet, report, i, f"lost before loading version {new_version}: {root_cause(exc)}")
-    targets = [i for i in targets if i not in {s.shard for s in report.shards}]
-
-    # Phase 2: load everywhere at once.
+            outcome[key] = (False, 0.0, f"lost before loading version {staged.version}: {root_cause(exc)}")
     loads = {
-        i: fleet._shards[i].actor.load_refit.remote(path, total, entry_groups, new_version, settings.timeout_s)
-        for i in targets
+        k: h.actor.load_refit.remote(staged.path, staged.total, staged.groups, staged.version, timeout_s, staged.source)
+        for k, h in handles.items()
+        if k not in outcome
     }
-    for i, ref in loads.items():
+    for key, ref in loads.items():
         try:
-            seconds = ray.get(ref, timeout=settings.timeout_s + 60)
+            outcome[key] = (True, ray.get(ref, timeout=timeout_s + 60), None)
         except Exception as exc:
-            _quarantine(fleet, report, i, f"refit to version {new_version} failed: {root_cause(exc)}")
-            continue
-        fleet.health.report_refit(i, new_version)
-        report.shards.append(ShardRefit(i, ok=True, seconds=seconds))
-    report.load_seconds = time.perf_counter() - t1
-    if any(s.ok for s in report.shards):
-        fleet.weight_version = new_version
-    return report
+            outcome[key] = (False, 0.0, f"refit to version {staged.version} failed: {root_cause(exc)}")
+    return outcome
+
+
+def _label(key: Any) -> str:
+    return key[1] if isinstance(key, tuple) else str(key)
 
 
 def _quarantine(fleet: "GenerationFleet", report: RefitReport, shard: int, reason: str) -> None:

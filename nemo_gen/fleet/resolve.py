@@ -9,6 +9,7 @@ naming the field — never as a hung placement group or a crashed engine.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ class ResolvedGeneration:
     tokenizer_dir: str
     plan: FleetPlacementPlan
     shards: tuple[ShardSpec, ...]
+    spares: tuple[ShardSpec, ...] = ()  # fleet.spares warm engines (serve no slot until promoted)
 
     @property
     def max_model_len(self) -> int | None:
@@ -82,8 +84,9 @@ def resolve_generation(
 
     device = _device(settings, cluster)
     vc = gen_cfg["vllm_cfg"]
+    # Spares are engines like the others: they are planned, and must fit, with the fleet.
     plan = plan_fleet_placement(
-        settings.fleet.num_shards,
+        settings.fleet.num_shards + settings.fleet.spares,
         vc["tensor_parallel_size"],
         vc["pipeline_parallel_size"],
         device,
@@ -119,14 +122,20 @@ def resolve_generation(
         )
         for shard in plan.shards
     )
+    num = settings.fleet.num_shards
+    spares = tuple(
+        dataclasses.replace(spec, name=f"{settings.fleet.name}-spare-{spec.index - num}", spare=True)
+        for spec in specs[num:]
+    )
     return ResolvedGeneration(
+        spares=spares,
         settings=settings,
         generation_config=gen_cfg,
         device=device,
         model_dir=str(model_dir),
         tokenizer_dir=str(tokenizer_dir),
         plan=plan,
-        shards=specs,
+        shards=specs[:num],
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util import get_node_ip_address
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -38,10 +39,14 @@ class ShardSpec:
     weight_version: int | None
     placement_timeout_s: float
     engine_start_timeout_s: float
+    # The actor's name; unset: "<fleet>-shard-<index>". Replacements and spares get their own
+    # (a dead actor's name is not free the moment it dies), and attach finds them all by prefix.
+    name: str | None = None
+    spare: bool = False  # a warm spare: loaded and refit, but serves no slot until promoted
 
     @property
     def actor_name(self) -> str:
-        return f"{self.fleet}-shard-{self.index}"
+        return self.name or f"{self.fleet}-shard-{self.index}"
 
 
 @dataclass
@@ -67,27 +72,79 @@ class ShardHandle:
 class ShardActor:
     """Hosts one engine. Async actor: info/pids answer while a generate call is running."""
 
-    def __init__(self, index: int, engine_kwargs: dict[str, Any], async_engine: bool, weight_version: int | None):
+    def __init__(
+        self,
+        index: int,
+        engine_kwargs: dict[str, Any],
+        async_engine: bool,
+        weight_version: int | None,
+        slot: int | None = None,
+        fleet: str = "",
+    ):
         self.index = index
+        self.slot = slot  # the fleet position it serves; None while a spare
+        self.fleet = fleet
         self._kwargs = engine_kwargs
         self._async = async_engine
         self.weight_version = weight_version
+        self.weight_source: str | None = None  # the checkpoint the current version came from
         self.engine = None
+        self._engine_pids: list[int] = []
 
     async def start(self) -> dict[str, Any]:
         from nemo_gen.fleet.engine import Engine
 
         if self.engine is None:
             self.engine = await Engine.start(self._kwargs, self._async)
+            self._engine_pids = self.engine.child_pids()
         return self.info()
+
+    def assign(self, slot: int) -> dict[str, Any]:
+        """Promote a spare: from now on it serves (and stamps its results with) ``slot``."""
+        self.slot = slot
+        return self.info()
+
+    async def watch(self, interval_s: float) -> str:
+        """Returns, with the reason, when one of the engine's processes exits (the actor lives
+        on: the EngineCore was killed). If the actor itself dies, the driver's pending call
+        fails at once — either way the driver learns within ``interval_s``."""
+        import asyncio
+
+        import psutil
+
+        procs = []
+        for pid in self._engine_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                return f"engine process {pid} was gone before the watch began"
+        while True:
+            for proc in procs:
+                try:
+                    dead = proc.status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    dead = True
+                if dead:
+                    return f"engine process {proc.pid} exited"
+            await asyncio.sleep(interval_s)
+
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float) -> dict[str, Any]:
+        """A real generation of one token (or, while a batch runs, proof of a recent step)."""
+        if self.engine is None:
+            return {"ok": False, "error": "no engine"}
+        return await self.engine.probe(sampling, token_ids, stall_s)
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
         return {
             "index": self.index,
+            "slot": self.slot,
+            "fleet": self.fleet,
+            "weight_source": self.weight_source,
             "actor_pid": os.getpid(),
             "engine_pids": engine.child_pids() if engine else [],
             "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": get_node_ip_address(),
             "weight_version": self.weight_version,
             "max_model_len": engine.max_model_len if engine else None,
             "dtype": engine.dtype if engine else None,
@@ -102,7 +159,7 @@ class ShardActor:
         t0 = time.perf_counter()
         results = await self.engine.generate(requests, sampling)
         return {
-            "shard": self.index,
+            "shard": self.slot,
             "weight_version": version,
             "results": results,
             "seconds": time.perf_counter() - t0,
@@ -121,15 +178,19 @@ class ShardActor:
         seen = await self.engine.rpc("nemo_gen_check_staged", path, total, entries, timeout=timeout_s)
         return min(seen)
 
-    async def load_refit(self, path: str, total: int, groups: list, version: int, timeout_s: float) -> float:
+    async def load_refit(
+        self, path: str, total: int, groups: list, version: int, timeout_s: float, source: str | None = None
+    ) -> float:
         """Phase 2: load each (target, entries) group, then serve as ``version``. Requests are
         held back for the duration; on failure the shard keeps no claim to any version."""
         t0 = time.perf_counter()
         async with self.engine.exclusive():
             self.weight_version = None  # half-loaded weights must never be stamped as a version
+            self.weight_source = None
             for target, entries in groups:
                 await self.engine.rpc("nemo_gen_load_staged", path, total, entries, target, timeout=timeout_s)
             self.weight_version = version
+            self.weight_source = source
         return time.perf_counter() - t0
 
     def shutdown(self) -> list[int]:
@@ -181,7 +242,12 @@ def launch_shard(spec: ShardSpec) -> ShardHandle:
     actor = None
     try:
         actor = ShardActor.options(**options).remote(
-            spec.index, spec.engine_kwargs, spec.async_engine, spec.weight_version
+            spec.index,
+            spec.engine_kwargs,
+            spec.async_engine,
+            spec.weight_version,
+            None if spec.spare else spec.index,
+            spec.fleet,
         )
         info = ray.get(actor.start.remote(), timeout=spec.engine_start_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -198,20 +264,40 @@ def launch_shard(spec: ShardSpec) -> ShardHandle:
     return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
 
 
-def find_shard(spec: ShardSpec) -> ShardHandle | None:
-    """The running shard ``spec`` names (a detached actor and its placement group), or None."""
-    from ray.util import get_placement_group
+def find_fleet_actors(fleet: str, namespace: str) -> list[ShardHandle]:
+    """Every live actor of fleet ``fleet`` (shards, replacements, spares), found by name prefix.
+    A handle's ``index`` is the slot it serves (``info["slot"]``; None for a spare)."""
+    from ray.util import get_placement_group, list_named_actors
 
-    try:
-        actor = ray.get_actor(spec.actor_name, namespace=spec.namespace)
-        info = ray.get(actor.info.remote(), timeout=30)
-    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return None
-    try:
-        pg = get_placement_group(f"{spec.actor_name}-pg")
-    except ValueError:
-        pg = None
-    return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
+    prefixes = (f"{fleet}-shard-", f"{fleet}-spare-")
+    names = [
+        a["name"]
+        for a in list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(prefixes)
+    ]
+    handles = []
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue  # died between the listing and the call
+        try:
+            info = ray.get(actor.info.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            # Alive but not answering (hung, stopped) or dying: kept by the slot its name
+            # gives, so recovery kills it instead of leaving it to hold the slot's resources.
+            slot = _slot_from_name(fleet, name)
+            if slot is None:
+                continue
+            info = {"slot": slot, "weight_version": None, "unresponsive": root_cause(exc)}
+        if info.get("fleet", fleet) != fleet:
+            continue  # another fleet whose name starts with ours
+        try:
+            pg = get_placement_group(f"{name}-pg")
+        except ValueError:
+            pg = None
+        handles.append(ShardHandle(index=info.get("slot"), name=name, actor=actor, placement_group=pg, info=info))
+    return handles
 
 
 def stop_shard(handle: ShardHandle, timeout_s: float = 60.0) -> list[int]:
@@ -224,6 +310,19 @@ def stop_shard(handle: ShardHandle, timeout_s: float = 60.0) -> list[int]:
         pass  # already dead or wedged: killing the actor below is what remains
     _teardown(handle.actor, handle.placement_group)
     return sorted(pids)
+
+
+def _slot_from_name(fleet: str, name: str) -> int | None:
+    """``<fleet>-shard-<i>`` and its replacements ``<fleet>-shard-<i>-r<n>`` serve slot i."""
+    rest = name[len(f"{fleet}-shard-"):] if name.startswith(f"{fleet}-shard-") else ""
+    head = rest.split("-r", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def stop_actor(handle: ShardHandle) -> None:
+    """Kill the shard's actor without asking it first (it may be dead, hung or stopped) and
+    free its placement group. The raylet tears the actor's process group down with it."""
+    _teardown(handle.actor, handle.placement_group)
 
 
 def call_shard(handle: ShardHandle, method: str, *args, timeout_s: float) -> Any:

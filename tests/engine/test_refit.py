@@ -31,7 +31,7 @@ def model_b(tmp_path_factory):
 def fleets(ray_cluster, make_settings, model_b):
     with ThreadPoolExecutor(2) as pool:
         main = pool.submit(GenerationFleet.launch, make_settings(fleet__name="refit", fleet__num_shards=2,
-                                                                  refit__timeout_s=5))
+                                                                  refit__timeout_s=5, health__auto_recover=False))
         fresh = pool.submit(GenerationFleet.launch, make_settings(fleet__name="fresh-b", fleet__num_shards=1,
                                                                    model__path=str(model_b)))
         fleets = {"main": main.result(), "fresh_b": fresh.result()}

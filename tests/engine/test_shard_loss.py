@@ -1,0 +1,221 @@
+"""Shard loss on real vLLM CPU engines: SIGKILL an actor or its EngineCore, SIGSTOP an engine,
+lose a shard during a refit, lose them all. Every test asserts: each request answered exactly
+once, no sample from a shard behind the fleet's version, nothing left running (by PID), and
+the ledger's path DEAD -> RESTARTING -> STALE -> HEALTHY.
+
+One fleet of 2 shards + 1 warm spare is shared by the module (engines take ~25 s to start);
+the tests run in file order and each leaves the fleet back at full strength."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from nemo_gen import GenerationFleet
+from nemo_gen.core.fleet_health import ShardState
+from nemo_gen.errors import FleetExhausted
+from nemo_gen.tiny_model import make_tiny_model
+from tests.helpers import alive, wait_gone
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fleet of engines"] * 4
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster, make_settings):
+    f = GenerationFleet.launch(
+        make_settings(
+            fleet__name="loss",
+            fleet__num_shards=2,
+            fleet__spares=1,
+            health__probe_interval_s=0.5,
+            health__probe_timeout_s=6,
+            health__unhealthy_threshold=2,
+            health__restart_backoff_s=0.2,
+            health__reap_timeout_s=5,
+            generation__max_new_tokens=48,
+        )
+    )
+    yield f
+    f.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_b(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("loss-models") / "tiny-b", seed=1)
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+def full_strength(fleet, with_spare: bool = True, timeout_s: float = 240):
+    """Every slot HEALTHY at the fleet's version (and the spare back, when asked)."""
+
+    def ok():
+        serving = fleet.health.serving_shards() == [0, 1]
+        versions = all(s.weight_version == fleet.weight_version for s in fleet.health.snapshot())
+        spare = not with_spare or any(s.state == "spare" and s.weight_version == fleet.weight_version
+                                      for s in fleet.status())
+        return serving and versions and spare
+
+    wait_until(ok, timeout_s, f"full strength; ledger {fleet.health.state_summary()}")
+
+
+def generate_in_background(fleet, prompts=PROMPTS):
+    pool = ThreadPoolExecutor(1)
+    started = threading.Event()
+
+    def run():
+        started.set()
+        # Long answers (EOS ignored), so the kill lands while the batches are on the shards.
+        return fleet.generate(prompts, temperature=0, max_new_tokens=200, ignore_eos=True)
+
+    future = pool.submit(run)
+    started.wait()
+    time.sleep(0.5)  # the batches are on the shards
+    pool.shutdown(wait=False)
+    return future
+
+
+def assert_answered_once(results, fleet, n=len(PROMPTS)):
+    assert len(results) == n
+    assert [r.index for r in results] == list(range(n))
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    # Strict on-policy: nothing from a shard behind the fleet's version.
+    assert {r.weight_version for r in results} == {fleet.weight_version}
+    assert {r.shard for r in results} <= {0, 1}
+
+
+def path_of(fleet, shard, since):
+    return [h["new"] for h in fleet.health.history(shard) if h["time"] >= since]
+
+
+def pids_of(status_row):
+    return [status_row.actor_pid, *status_row.engine_pids]
+
+
+def engine_core_pid(status_row) -> int:
+    for pid in status_row.engine_pids:
+        if "EngineCore" in psutil.Process(pid).name() or "EngineCore" in " ".join(psutil.Process(pid).cmdline()):
+            return pid
+    return min(status_row.engine_pids)
+
+
+def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
+    full_strength(fleet)
+    expected = fleet.generate(PROMPTS, temperature=0, max_new_tokens=200, ignore_eos=True)
+    status = {s.name: s for s in fleet.status()}
+    victim = next(s for s in status.values() if s.index == 1 and s.state == "healthy")
+    spare = next(s for s in status.values() if s.state == "spare")
+    since = time.monotonic()
+    running = generate_in_background(fleet)
+    killed_at = time.monotonic()
+    os.kill(victim.actor_pid, signal.SIGKILL)
+    results = running.result(timeout=120)
+
+    assert_answered_once(results, fleet)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]  # same weights everywhere
+    detection = wait_until(lambda: next((d for d in fleet.monitor.detections if d["name"] == victim.name), None),
+                           5, "the death watch")
+    assert detection["at"] - killed_at < 1.0, detection
+    wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, 30, "shard 1 back")
+    assert fleet.handle(1).name == spare.name  # the spare took the slot, already at the version
+    assert path_of(fleet, 1, since) == ["dead", "restarting", "stale", "healthy"]
+    assert wait_gone(pids_of(victim), 10) == []
+    full_strength(fleet)  # a new spare is started in the background
+
+
+def test_sigkill_engine_core_under_a_live_actor(fleet):
+    full_strength(fleet)
+    victim = next(s for s in fleet.status() if s.index == 0)
+    core = engine_core_pid(victim)
+    since = time.monotonic()
+    running = generate_in_background(fleet)
+    killed_at = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+    results = running.result(timeout=120)
+
+    assert_answered_once(results, fleet)
+    detection = wait_until(lambda: next((d for d in fleet.monitor.detections if d["name"] == victim.name), None),
+                           5, "the death watch")
+    assert detection["at"] - killed_at < 1.0, detection
+    wait_until(lambda: fleet.health.state_of(0) is ShardState.HEALTHY, 30, "shard 0 back")
+    assert path_of(fleet, 0, since) == ["dead", "restarting", "stale", "healthy"]
+    # The actor outlived its engine; recovery killed it and reaped both.
+    assert wait_gone(pids_of(victim), 10) == []
+    full_strength(fleet)
+
+
+def test_sigstop_engine_is_condemned_by_probes(fleet):
+    full_strength(fleet)
+    victim = next(s for s in fleet.status() if s.index == 1)
+    core = engine_core_pid(victim)
+    since = time.monotonic()
+    running = generate_in_background(fleet)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        results = running.result(timeout=120)
+        assert_answered_once(results, fleet)
+        wait_until(lambda: "dead" in path_of(fleet, 1, since), 30, "the probes to condemn shard 1")
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, 60, "shard 1 back")
+    finally:
+        if alive([core]):
+            os.kill(core, signal.SIGCONT)
+    history = fleet.health.history(1)
+    condemned = next(h for h in history if h["time"] >= since and h["new"] == "dead")
+    assert "probe" in condemned["reason"] or "generation step" in condemned["reason"], condemned
+    assert path_of(fleet, 1, since)[-4:] == ["dead", "restarting", "stale", "healthy"]
+    assert wait_gone(pids_of(victim), 10) == []
+    full_strength(fleet)
+
+
+def test_shard_killed_during_a_refit_recovers_at_the_new_version(fleet, model_b):
+    full_strength(fleet)
+    victim = next(s for s in fleet.status() if s.index == 0)
+    since = time.monotonic()
+    # Freeze the actor so the refit is certainly in progress on it, then kill it.
+    os.kill(victim.actor_pid, signal.SIGSTOP)
+    timer = threading.Timer(1.5, os.kill, (victim.actor_pid, signal.SIGKILL))
+    timer.start()
+    report = fleet.refit(str(model_b))
+    timer.join()
+    assert fleet.weight_version == report.version
+    assert [s.shard for s in report.shards if s.ok] == [1]
+    assert path_of(fleet, 0, since)[0] == "dead"
+    # Until it is back, nothing it answers can reach a caller; afterwards it is at the new version.
+    results = fleet.generate(PROMPTS, temperature=0)
+    assert_answered_once(results, fleet)
+    full_strength(fleet)
+    assert fleet.status()[0].weight_version == report.version
+    assert path_of(fleet, 0, since)[-3:] == ["restarting", "stale", "healthy"]
+    assert wait_gone(pids_of(victim), 10) == []
+    again = fleet.generate(PROMPTS, temperature=0)
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]
+
+
+def test_losing_every_shard_raises_fleet_exhausted(fleet):
+    """Runs last: recovery is switched off and both slots are killed."""
+    full_strength(fleet, with_spare=False)
+    fleet.settings.health.auto_recover = False
+    victims = [s for s in fleet.status() if s.index in (0, 1) and s.state == "healthy"]
+    for v in victims:
+        os.kill(v.actor_pid, signal.SIGKILL)
+    wait_until(lambda: fleet.health.serving_shards() == [], 5, "both shards condemned")
+    with pytest.raises(FleetExhausted, match=r"only 0 generation shard\(s\) serving, below min_healthy_shards=1; "
+                       r"fleet state is \{'dead': 2\}"):
+        fleet.generate(PROMPTS)
+    assert wait_gone([p for v in victims for p in pids_of(v)], 10) == []
