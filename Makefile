@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup run test unit bench bench-refit clean
+.PHONY: setup chromium run test unit bench bench-refit bench-recovery clean
 
 setup: $(STAMP)
 
@@ -17,12 +17,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[cpu,test]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, transformers, prefect, prefect_ray, ray; print('nemo-gen environment ready: vllm', vllm.__version__, 'ray', ray.__version__, 'prefect', prefect.__version__)"
+	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
+
+# The browser test drives Debian's headless Chromium against the Prefect UI. Installed when
+# missing and we may (root, apt); otherwise say how, and that test reports it missing.
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (headless browser for the UI test)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "note: /usr/bin/chromium missing; run: sudo apt-get install -y chromium chromium-driver"; fi
 
 run: setup
 	$(VENV)/bin/nemo-gen run $(ARGS)
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: setup
@@ -34,5 +44,11 @@ bench: setup
 bench-refit: setup
 	$(PY) bench/refit.py
 
+bench-control-plane: setup
+	$(PY) bench/control_plane.py $(ARGS)
+
+bench-recovery: setup
+	$(PY) bench/recovery.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) .nemo-gen
+	rm -rf $(VENV) .nemo-gen test-artifacts

@@ -16,11 +16,11 @@ import time
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
 from prefect.futures import as_completed
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
+from flows.artifacts import publish_fleet_health, publish_throughput
 from flows.refit import publish_refit
 from nemo_gen import pipeline, progress
 from nemo_gen.fleet.fleet import GenerationFleet
@@ -98,30 +98,8 @@ def generation_pipeline(
 
 
 def _publish(fleet: GenerationFleet, summary: dict[str, Any]) -> None:
-    """Artifacts a person reads instead of logs: fleet health and throughput."""
-    create_table_artifact(
-        key="fleet-health",
-        table=[
-            {k: s.to_json()[k] for k in ("index", "state", "weight_version", "restarts", "last_error")}
-            for s in fleet.status()
-        ],
-        description="Shard states at the end of the run",
-    )
-    create_table_artifact(
-        key="generation-throughput",
-        table=[
-            {"shard": shard, "requests": v["requests"], "tokens": v["tokens"]}
-            for shard, v in summary["per_shard"].items()
-        ]
-        + [
-            {
-                "shard": "all",
-                "requests": summary["completed"],
-                "tokens": summary["generated_tokens"],
-                "tokens_per_s": round(summary["tokens_per_s"], 1),
-            }
-        ],
-        description="Requests and generated tokens per shard",
-    )
+    """Artifacts a person reads instead of logs: fleet health, throughput, refit timing."""
+    publish_fleet_health(fleet.settings.fleet.name, fleet.status())
+    publish_throughput(summary)
     if summary.get("refit"):
         publish_refit(summary["refit"])

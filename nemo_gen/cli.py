@@ -1,5 +1,6 @@
-"""The ``nemo-gen`` command: run the pipeline, generate over a JSONL file, make the tiny model,
-show settings.
+"""The ``nemo-gen`` command: run the pipeline, generate over a JSONL file, a fleet that outlives
+one command (``fleet up|status|down``, ``refit``), register the Prefect deployments (``deploy``),
+make the tiny model, show settings.
 
 Exit codes: 0 all requests generated; 3 the job ran but some lines or requests failed (they
 are in the output with their reasons); 2 bad settings or input (nothing was started);
@@ -57,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     refit.add_argument("--checkpoint", type=Path, required=True, help="HF safetensors checkpoint directory")
     refit.add_argument("--version", type=int, help="weight version to install (default: previous + 1)")
 
+    dep = sub.add_parser("deploy", help="register deployments/prefect.yaml with the Prefect API in PREFECT_API_URL "
+                         "(work pool, deployments, the automation that re-runs crashed flow runs)")
+    dep.add_argument("--config", "-c", type=Path)
+    dep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    dep.add_argument("--json", action="store_true")
+
     tiny = sub.add_parser("make-tiny-model", help="make a small random-weight Llama + tokenizer locally")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--overwrite", action="store_true")
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             return _fleet(args)
         if args.command == "refit":
             return _refit(args)
+        if args.command == "deploy":
+            return _deploy(args)
         return _run(args, name=args.command)
     except (DataError, FileExistsError) as exc:  # FileExistsError: make-tiny-model onto another dir
         print(f"nemo-gen: error: {exc}", file=sys.stderr)
@@ -109,20 +118,43 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _persistent_settings(args: argparse.Namespace):
-    from nemo_gen.errors import ConfigError
+    from flows.params import require_ray_address
     from nemo_gen.settings import NemoGenSettings
 
     # Worker output would land in our stdout (breaking --json); it stays in Ray's log files.
     quiet = [] if getattr(args, "verbose", False) else ["ray.log_to_driver=false"]
     args.overrides = quiet + list(args.overrides)
     settings = NemoGenSettings.load(args.config, args.overrides)
-    if settings.ray.address is None:
-        raise ConfigError(
-            "a fleet that outlives one command needs a Ray cluster that does too: start one with "
-            "deployments/ray/start-node.sh and set ray.address (e.g. --set ray.address=auto)",
-            field="ray.address",
-        )
+    require_ray_address(settings)
     return settings
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    """Register the deployments with an existing Prefect server (never a managed one: it would
+    stop, and its deployments with it, when this command ends)."""
+    from nemo_gen.errors import ConfigError
+    from nemo_gen.settings import NemoGenSettings
+
+    settings = NemoGenSettings.load(args.config, args.overrides)
+    if not (settings.prefect.api_url or os.environ.get("PREFECT_API_URL")):
+        raise ConfigError("nemo-gen deploy registers with a running Prefect server: start one "
+                          "(`prefect server start`) and set PREFECT_API_URL", field="prefect.api_url")
+    _quiet()
+    from nemo_gen.prefect_api import prefect_api
+
+    with prefect_api(settings):
+        from flows.deploy import AUTOMATION, deploy
+
+        results = deploy(settings)
+    rows = [{"deployment": r.deployment, "id": str(r.id) if r.id else None, "error": r.error} for r in results]
+    if args.json:
+        print(json.dumps({"work_pool": settings.prefect.work_pool, "automation": AUTOMATION, "deployments": rows},
+                         indent=2))
+    else:
+        from nemo_gen.cli_view import deploy_table
+
+        deploy_table(settings.prefect.work_pool, AUTOMATION, rows)
+    return EXIT_PARTIAL if any(r.error for r in results) else EXIT_OK
 
 
 def _fleet(args: argparse.Namespace) -> int:

@@ -112,3 +112,13 @@ def status_table(fleet: str, rows: list[dict[str, Any]]) -> None:
             " ".join(map(str, r["engine_pids"])), str(r["restarts"]), r["last_error"] or "",
         )
     Console().print(table)
+
+
+def deploy_table(work_pool: str, automation: str, rows: list[dict[str, Any]]) -> None:
+    table = Table(title=f"deployments on work pool {work_pool!r} (crashed runs re-run by {automation!r})",
+                  title_justify="left")
+    for col in ("deployment", "id", "error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["deployment"], r["id"] or "", r["error"] or "")
+    Console().print(table)
