@@ -13,4 +13,9 @@ set -euo pipefail
 export RAY_process_group_cleanup_enabled="${RAY_process_group_cleanup_enabled:-1}"
 export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
-exec ray start --include-dashboard=false --disable-usage-stats "$@"
+# The dashboard (an HTTP endpoint) stays off unless asked for; only a head may be told so.
+extra=()
+for arg in "$@"; do
+  if [[ "$arg" == "--head" ]]; then extra=(--include-dashboard=false); fi
+done
+exec ray start "${extra[@]}" --disable-usage-stats "$@"

@@ -39,22 +39,24 @@ class ClusterResources:
 
     total: Mapping[str, float]
     nodes: Sequence[Mapping[str, float]] = ()
+    node_ids: Sequence[str] = ()  # parallel to ``nodes`` when known
 
     @classmethod
-    def from_nodes(cls, nodes: Iterable[Mapping[str, float]]) -> ClusterResources:
+    def from_nodes(cls, nodes: Iterable[Mapping[str, float]], node_ids: Sequence[str] = ()) -> ClusterResources:
         """Totals summed from per-node resource dicts."""
         node_list = [dict(node) for node in nodes]
         total: dict[str, float] = {}
         for node in node_list:
             for name, amount in node.items():
                 total[name] = total.get(name, 0.0) + float(amount)
-        return cls(total=total, nodes=node_list)
+        return cls(total=total, nodes=node_list, node_ids=tuple(node_ids))
 
     @classmethod
     def from_ray_nodes(cls, ray_nodes: Iterable[Mapping[str, Any]]) -> ClusterResources:
-        """From ``ray.nodes()`` output: alive nodes only, their ``Resources`` dicts."""
+        """From ``ray.nodes()`` output: alive nodes only, their ``Resources`` dicts and IDs."""
+        alive = [node for node in ray_nodes if node.get("Alive", True)]
         return cls.from_nodes(
-            node.get("Resources", {}) for node in ray_nodes if node.get("Alive", True)
+            (node.get("Resources", {}) for node in alive), [str(node.get("NodeID", "")) for node in alive]
         )
 
 
@@ -201,3 +203,24 @@ def check_fits(plan: FleetPlacementPlan, cluster: ClusterResources) -> None:
 def _offer(bundle: Mapping[str, float], node: Mapping[str, float]) -> dict[str, float]:
     """A node's resources, restricted to those a bundle asks for (readable errors)."""
     return {name: float(node.get(name, 0.0)) for name in bundle}
+
+
+def spread_shards(plan: FleetPlacementPlan, cluster: ClusterResources) -> dict[int, str]:
+    """A node for each shard that one node can hold whole, spread across nodes: each shard
+    goes to the node with the most whole-shard room left (ties: the earlier node). Losing a
+    node then costs the fewest shards. Shards no node can hold whole get no entry (Ray may
+    split them across nodes). Empty when nodes are unknown or there is only one."""
+    if len(cluster.nodes) < 2 or len(cluster.node_ids) != len(cluster.nodes):
+        return {}
+    room = [
+        _bundles_on_node(plan.bundle, node) // plan.workers_per_shard if plan.bundle else 0
+        for node in cluster.nodes
+    ]
+    out: dict[int, str] = {}
+    for shard in plan.shards:
+        best = max(range(len(room)), key=lambda i: (room[i], -i))
+        if room[best] <= 0:
+            continue
+        room[best] -= 1
+        out[shard.shard] = cluster.node_ids[best]
+    return out

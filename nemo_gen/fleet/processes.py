@@ -7,6 +7,7 @@ process group the raylet is tearing down) is still there for a few hundred ms.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 import psutil
@@ -33,20 +34,47 @@ def processes(pids: Iterable[int]) -> list[psutil.Process]:
     return out
 
 
+def wait_exit(procs: list[psutil.Process], timeout_s: float) -> tuple[list[int], list[psutil.Process]]:
+    """Poll until ``procs`` have exited or ``timeout_s`` passes: (exited PIDs, still running).
+
+    A zombie counts as exited: its memory is returned, and only its parent (or, for an
+    orphan, an init process that may reap every few seconds) can remove the table entry —
+    ``psutil.wait_procs`` would wait for that too."""
+    left, exited = list(procs), []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        still = []
+        for proc in left:
+            if _running(proc):
+                still.append(proc)
+            else:
+                exited.append(proc.pid)
+        left = still
+        if not left or time.monotonic() >= deadline:
+            return exited, left
+        time.sleep(0.02)
+
+
 def wait_or_kill(procs: list[psutil.Process], timeout_s: float) -> tuple[list[int], list[int]]:
     """Wait up to ``timeout_s`` for ``procs`` to exit; SIGKILL the rest and wait for them too.
     Returns (PIDs that exited on their own, PIDs that had to be killed)."""
-    gone, left = psutil.wait_procs(procs, timeout=timeout_s)
-    exited, killed = [p.pid for p in gone], []
+    exited, left = wait_exit(procs, timeout_s)
+    killed = []
     for proc in left:
         try:
             proc.kill()
             killed.append(proc.pid)
         except psutil.NoSuchProcess:
             exited.append(proc.pid)
-    if left:
-        psutil.wait_procs(left, timeout=10)
+    wait_exit(left, 10)
     return sorted(exited), sorted(killed)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def reap(pids: Iterable[int], timeout_s: float) -> list[int]:

@@ -32,7 +32,7 @@ from nemo_gen.core.fleet_health import SERVING_STATES, ShardState
 from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.environment import REAPING_FLAG
 from nemo_gen.errors import NemoGenError, ShardDiedError
-from nemo_gen.fleet.processes import processes, wait_or_kill
+from nemo_gen.fleet.processes import processes, wait_exit, wait_or_kill
 from nemo_gen.fleet.refit import apply_staged, stage
 from nemo_gen.fleet.shard import ShardHandle, launch_shard, stop_actor
 
@@ -84,7 +84,7 @@ def reap_shard(handle: ShardHandle, timeout_s: float) -> ReapReport:
     engine = processes(handle.engine_pids)
     if cleanup_disabled():
         # Honour the operator: wait for the actor only, then report what it left behind.
-        psutil.wait_procs(actor, timeout=timeout_s)
+        wait_exit(actor, timeout_s)
         time.sleep(0.5)  # what Ray's cleanup would have needed: the orphans are really orphans
         for proc in engine:
             try:

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gen.core import engine_args
-from nemo_gen.core.placement import ClusterResources, FleetPlacementPlan, check_fits, plan_fleet_placement
+from nemo_gen.core.placement import (
+    ClusterResources,
+    FleetPlacementPlan,
+    check_fits,
+    plan_fleet_placement,
+    spread_shards,
+)
 from nemo_gen.errors import ConfigError
 from nemo_gen.fleet.shard import ShardSpec
 from nemo_gen.generation import configure_generation_config, resolve_generation_class
@@ -92,8 +98,12 @@ def resolve_generation(
         device,
         settings.fleet.cpus_per_worker,
     )
+    hints: dict[int, str] = {}
     if cluster is not None:
         check_fits(plan, cluster)
+        # Several nodes: spread shards across them (PACK within a shard), so losing a node
+        # costs the fewest shards.
+        hints = spread_shards(plan, cluster)
     kwargs = engine_args.engine_kwargs(
         gen_cfg, model_dir=str(model_dir), tokenizer_dir=str(tokenizer_dir), device=device
     )
@@ -105,7 +115,10 @@ def resolve_generation(
             namespace=settings.ray.namespace,
             index=shard.shard,
             bundles=[dict(b) for b in shard.bundles],
-            strategy=shard.strategy,
+            # Ray honours a node hint only for STRICT_PACK; the hint is soft (a full or dead
+            # node: placed elsewhere), the whole shard still lands on one node.
+            strategy="STRICT_PACK" if shard.shard in hints else shard.strategy,
+            node_hint=hints.get(shard.shard),
             engine_kwargs=kwargs,
             engine_env=engine_args.engine_env(
                 gen_cfg,

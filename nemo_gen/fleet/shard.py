@@ -43,6 +43,7 @@ class ShardSpec:
     # (a dead actor's name is not free the moment it dies), and attach finds them all by prefix.
     name: str | None = None
     spare: bool = False  # a warm spare: loaded and refit, but serves no slot until promoted
+    node_hint: str | None = None  # preferred node (hex ID) when the cluster has several
 
     @property
     def actor_name(self) -> str:
@@ -207,7 +208,11 @@ def reserve_placement(spec: ShardSpec):
     """Reserve the shard's placement group, or raise PlacementError at the deadline (Ray
     itself would wait forever for resources that never come)."""
     pg = placement_group(
-        spec.bundles, strategy=spec.strategy, name=f"{spec.actor_name}-pg", lifetime="detached"
+        spec.bundles,
+        strategy=spec.strategy,
+        name=f"{spec.actor_name}-pg",
+        lifetime="detached",
+        _soft_target_node_id=spec.node_hint,
     )
     try:
         ray.get(pg.ready(), timeout=spec.placement_timeout_s)

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
                 break
             time.sleep(0.2)
         results = fleet.generate(["The quick brown fox"], temperature=0)
-        print(json.dumps({"victim": victim.to_json(), "after": row.to_json(), "ok": results[0].ok}), flush=True)
+        print("REPORT " + json.dumps({"victim": victim.to_json(), "after": row.to_json(), "ok": results[0].ok}), flush=True)
     finally:
         fleet.shutdown()
     """
@@ -54,7 +54,7 @@ def test_cleanup_disabled_keeps_and_reports_the_orphans(tiny_model_dir, tmp_path
         env=env, capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("REPORT ")))
     victim, after = report["victim"], report["after"]
     orphans = after["orphans"]
     try:

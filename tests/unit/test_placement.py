@@ -127,3 +127,25 @@ def test_fractional_resources_do_not_fail_on_rounding() -> None:
     # 3 x 0.1 is 0.30000000000000004 in floating point, a hair above the node's 0.3.
     cluster = ClusterResources.from_nodes([{"CPU": 0.3}])
     plan_fleet_placement(3, 1, 1, "cpu", 0.1, cluster)
+
+
+def test_spread_shards_one_per_node_then_round_robin():
+    from nemo_gen.core.placement import ClusterResources, spread_shards
+
+    plan = plan_fleet_placement(3, 1, 1, "cpu", 1.0, None)
+    cluster = ClusterResources.from_nodes([{"CPU": 2}, {"CPU": 2}], ["head", "node2"])
+    assert spread_shards(plan, cluster) == {0: "head", 1: "node2", 2: "head"}
+    # A node that can hold no whole shard gets none; a single node needs no hints.
+    tp2 = plan_fleet_placement(2, 2, 1, "cpu", 1.0, None)
+    uneven = ClusterResources.from_nodes([{"CPU": 1}, {"CPU": 4}], ["small", "big"])
+    assert spread_shards(tp2, uneven) == {0: "big", 1: "big"}
+    assert spread_shards(plan, ClusterResources.from_nodes([{"CPU": 8}], ["only"])) == {}
+    assert spread_shards(plan, ClusterResources.from_nodes([{"CPU": 2}, {"CPU": 2}])) == {}
+
+
+def test_spread_shards_prefers_the_node_with_most_room():
+    from nemo_gen.core.placement import ClusterResources, spread_shards
+
+    plan = plan_fleet_placement(4, 1, 1, "gpu", 0, None)
+    cluster = ClusterResources.from_nodes([{"GPU": 1}, {"GPU": 3}], ["a", "b"])
+    assert spread_shards(plan, cluster) == {0: "b", 1: "b", 2: "a", 3: "b"}

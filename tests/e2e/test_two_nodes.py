@@ -1,0 +1,158 @@
+"""Two Ray nodes started the way clusters are (deployments/ray/start-node.sh: a head, then a
+second raylet joining it by address), a fleet spread across them, and the second node lost —
+its raylet SIGKILLed by PID mid-generation. The fleet recovers on the head: every request is
+answered exactly once at the fleet's version, the lost shard's processes are gone, and the
+driver warned that it cannot vouch for an attached raylet's process-group cleanup.
+
+The driver runs in a subprocess: this pytest process already owns a private Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.test_cli import _marked
+from tests.e2e.test_fleet_cli import ROOT, _free_port
+from tests.helpers import wait_gone
+
+pytestmark = pytest.mark.e2e
+
+DRIVER = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
+    from nemo_gen import GenerationFleet
+    from nemo_gen.settings import NemoGenSettings
+
+    address, model, home, raylet_pid = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    settings = NemoGenSettings.load(overrides={
+        "ray.address": address, "home": home, "model.path": model, "fleet.device": "cpu",
+        "fleet.name": "two-nodes", "fleet.num_shards": 2, "generation.vllm_cfg.max_model_len": 256,
+        "health.restart_backoff_s": 0.5, "health.reap_timeout_s": 5,
+    })
+    fleet = GenerationFleet.launch(settings)
+    try:
+        import ray
+        head = ray.get_runtime_context().get_node_id()
+        before = [s.to_json() for s in fleet.status()]
+        prompts = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fleet of engines"] * 6
+        pool = ThreadPoolExecutor(1)
+        running = pool.submit(fleet.generate, prompts, temperature=0, max_new_tokens=200, ignore_eos=True)
+        time.sleep(1.0)
+        os.kill(raylet_pid, signal.SIGKILL)  # the second node is gone, with its shard
+        killed_at = time.monotonic()
+        results = running.result(timeout=300)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and fleet.health.serving_shards() != [0, 1]:
+            time.sleep(0.2)
+        back_s = time.monotonic() - killed_at
+        again = fleet.generate(prompts[:8], temperature=0)
+        print("REPORT " + json.dumps({
+            "before": before, "after": [s.to_json() for s in fleet.status()],
+            "history": fleet.health.history(),
+            "results": [[r.index, r.ok, r.shard, r.weight_version] for r in results],
+            "again": [[r.index, r.ok, r.shard, r.weight_version] for r in again],
+            "version": fleet.weight_version, "back_s": back_s,
+            "nodes": {n["NodeID"]: n["Alive"] for n in ray.nodes()},
+        }), flush=True)
+    finally:
+        fleet.shutdown()
+    """
+)
+
+
+def _start_node(args, env, log):
+    return subprocess.Popen(
+        [str(ROOT / "deployments/ray/start-node.sh"), *args, "--num-cpus=2", "--block"],
+        env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def _wait_nodes(address, env, count, timeout_s=90):
+    code = f"import ray; ray.init(address='{address}', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{count} Ray nodes never came up: {out.stderr[-1500:]}")
+
+
+def _raylet(ray_start: subprocess.Popen) -> int:
+    for child in psutil.Process(ray_start.pid).children(recursive=True):
+        if "raylet" in child.name():
+            return child.pid
+    raise AssertionError("the second node's raylet was not found")
+
+
+def _stop(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_lost_node_costs_no_request(tiny_model_dir, tmp_path):
+    marker = uuid.uuid4().hex
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    # Node death is noticed by the GCS health check: made quick here so the test is.
+    env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
+           "RAY_health_check_initial_delay_ms": "0", "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_process_group_cleanup_enabled", None)
+    temp_dir = f"/tmp/rn{marker[:8]}"
+    head = _start_node(["--head", f"--port={port}", f"--temp-dir={temp_dir}"], env, tmp_path / "head.log")
+    second = None
+    try:
+        _wait_nodes(address, env, 1)
+        second = _start_node([f"--address={address}"], env, tmp_path / "node2.log")
+        _wait_nodes(address, env, 2)
+        raylet = _raylet(second)
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER, address, str(tiny_model_dir), str(tmp_path / "home"), str(raylet)],
+            env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        report = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("REPORT ")))
+    finally:
+        for node in (second, head):
+            if node is not None:
+                _stop(node)
+        left = wait_gone(_marked(marker), 30)
+        for pid in left:  # stragglers that left their group: still ours, still by PID
+            os.kill(pid, signal.SIGKILL)
+        assert wait_gone(left, 10) == []
+
+    before = {s["index"]: s for s in report["before"]}
+    # Spread: one shard per node.
+    assert len({before[0]["node_id"], before[1]["node_id"]}) == 2
+    lost_node = next(n for n, up in report["nodes"].items() if not up)
+    lost = next(i for i, s in before.items() if s["node_id"] == lost_node)
+    # Every request answered exactly once, at the fleet's version.
+    assert [r[0] for r in report["results"]] == list(range(24))
+    assert all(ok for _, ok, _, _ in report["results"])
+    assert {v for *_, v in report["results"]} == {report["version"]}
+    # Recovered on the surviving node; the ledger took the recovery path.
+    after = {s["index"]: s for s in report["after"]}
+    assert after[lost]["state"] == "healthy" and after[lost]["node_id"] != lost_node
+    path = [h["new"] for h in report["history"] if h["shard"] == lost]
+    assert path[-4:] == ["dead", "restarting", "stale", "healthy"], path
+    assert {r[2] for r in report["again"]} == {0, 1} and all(r[1] for r in report["again"])
+    # The lost shard's processes are gone (killed by nemo_gen if the raylet's death left any).
+    assert wait_gone([before[lost]["actor_pid"], *before[lost]["engine_pids"]], 5) == []
+    assert "RAY_process_group_cleanup_enabled" in proc.stderr  # the attach warning
