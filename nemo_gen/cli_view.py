@@ -104,12 +104,14 @@ class LiveView:
 
 def status_table(fleet: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=f"fleet {fleet}", title_justify="left")
-    for col in ("shard", "state", "weight version", "actor pid", "engine pids", "restarts", "last error"):
+    for col in ("shard", "state", "weight version", "actor pid", "engine pids", "restarts", "last error", "orphans"):
         table.add_column(col)
     for r in rows:
+        # Processes a dead actor left running (RAY_process_group_cleanup_enabled=0): pid (memory).
+        orphans = " ".join(f"{o['pid']} ({o['rss_bytes'] / 2**30:.1f} GiB)" for o in r.get("orphans") or [])
         table.add_row(
             str(r["index"]), r["state"], str(r["weight_version"]), str(r["actor_pid"]),
-            " ".join(map(str, r["engine_pids"])), str(r["restarts"]), r["last_error"] or "",
+            " ".join(map(str, r["engine_pids"])), str(r.get("restarts", 0)), r.get("last_error") or "", orphans,
         )
     Console().print(table)
 
