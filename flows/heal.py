@@ -4,7 +4,7 @@ attach (no background monitor: recovery here is this flow's, with its retry poli
 -> probe every serving shard (one real token; crashes condemned at once, hangs after
 ``health.unhealthy_threshold`` unanswered probes) -> ``restart-shard`` for every DEAD,
 RESTARTING or lagging STALE slot, with Prefect retries (backoff + jitter, infra failures only)
--> publish fleet health -> detach. The run fails if a shard could not be brought back, so a
+-> top up the warm spares -> publish fleet health -> detach. The run fails if a shard could not be brought back, so a
 person sees it; the shards that could be are serving again either way.
 """
 
@@ -45,6 +45,8 @@ def heal(config: str | None = None, overrides: list[str] | None = None) -> dict[
                 restarts.append(state.result())
             else:
                 failed.append(f"shard {index}: {state.message}")
+        # Top the warm spares back up (fleet.spares); detaching waits for them to be ready.
+        fleet.replenish_spares()
         rows = publish_fleet_health(settings.fleet.name, fleet.status(), "after heal")
     finally:
         fleet.detach()

@@ -145,6 +145,7 @@ class GenerationFleet:
         self._closed_event = threading.Event()
         self._recovering_slots: set[int] = set()
         self._spares_starting = 0
+        self._detached = False
         if attached:
             # The shards remember what they hold; the fleet's version is the newest of them.
             versions = {h.index: h.info.get("weight_version") for h in shards}
@@ -235,7 +236,9 @@ class GenerationFleet:
 
     def detach(self) -> None:
         """Disconnect from an attached fleet without stopping it (the staging file this
-        process wrote is removed: the shards only read it during a refit)."""
+        process wrote is removed: the shards only read it during a refit). Spares being started
+        are waited for and left running: they belong to the fleet, not to this process."""
+        self._detached = True
         self._close_background()
         if self._staging is not None:
             self._staging.close()
@@ -523,7 +526,7 @@ class GenerationFleet:
         )
         try:
             handle = launch_shard(spec)
-            if self._closed:
+            if self._closed and not self._detached:  # shut down meanwhile: it has no fleet
                 stop_shard(handle)
                 return
             catch_up(self, ("spare", handle.name), handle)
