@@ -395,6 +395,15 @@ class GenerationFleetHealth:
                 shard, ShardState.RESTARTING, f"restart attempt {shard.restart_attempts}/{limit}"
             )
 
+    def restore_restart_attempts(self, shard_idx: int, attempts: int) -> None:
+        """Carry a restart count kept elsewhere (the shard's actor) into this ledger, so the
+        budget spans every process that attaches to a long-lived fleet. Never lowers it."""
+        if attempts < 0:
+            raise ValueError(f"restart attempts must be >= 0, got {attempts}")
+        with self._lock:
+            shard = self._get(shard_idx)
+            shard.restart_attempts = max(shard.restart_attempts, attempts)
+
     def mark_loaded(self, shard_idx: int, base_url: str | None = None) -> None:
         """The replacement engine is up; it holds stale weights until refit (-> STALE).
 

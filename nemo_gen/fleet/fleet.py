@@ -157,6 +157,8 @@ class GenerationFleet:
                 None,
             )
             for index in range(self.health.shard_count):
+                if index in self._shards:  # the budget spans every process that attaches
+                    self.health.restore_restart_attempts(index, int(self._shards[index].info.get("restarts") or 0))
                 if versions.get(index, "missing") == "missing":
                     self.health.mark_dead(index, "shard actor not found when attaching")
                 elif self._shards[index].info.get("unresponsive"):

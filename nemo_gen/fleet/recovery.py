@@ -144,7 +144,7 @@ def restart_shard(fleet: "GenerationFleet", index: int) -> dict[str, Any]:
         with fleet.refit_lock:
             spare = fleet.take_spare()
             if spare is not None:
-                ray.get(spare.actor.assign.remote(index), timeout=30)
+                ray.get(spare.actor.assign.remote(index, _attempts(fleet, index)), timeout=30)
                 fleet.install(index, spare)
                 health.mark_loaded(index)
                 if fleet.weight_version is not None:  # else: train mode before its first refit
@@ -153,11 +153,12 @@ def restart_shard(fleet: "GenerationFleet", index: int) -> dict[str, Any]:
         if spare is not None:
             fleet.replenish_spares()
         else:
-            attempt = next(s.restart_attempts for s in health.snapshot() if s.dp_shard_idx == index)
+            attempt = _attempts(fleet, index)
             spec = dataclasses.replace(
                 fleet.resolved.shards[index], name=f"{fleet.settings.fleet.name}-shard-{index}-r{attempt}"
             )
             handle = launch_shard(spec)
+            ray.get(handle.actor.assign.remote(index, attempt), timeout=30)
             fleet.install(index, handle)
             health.mark_loaded(index)
             try:
@@ -262,6 +263,10 @@ def _stale(fleet: "GenerationFleet", key: Any, version: int) -> NemoGenError:
 class StaleShard(NemoGenError):
     """The replacement is up but nothing can bring it to the fleet's version until the next
     refit. Not retriable: restarting again would not help."""
+
+
+def _attempts(fleet: "GenerationFleet", index: int) -> int:
+    return next(s.restart_attempts for s in fleet.health.snapshot() if s.dp_shard_idx == index)
 
 
 def _last_error(fleet: "GenerationFleet", index: int) -> str:

@@ -89,6 +89,7 @@ class ShardActor:
         self._async = async_engine
         self.weight_version = weight_version
         self.weight_source: str | None = None  # the checkpoint the current version came from
+        self.restarts = 0  # restarts of the slot it serves, as of its installation
         self.engine = None
         self._engine_pids: list[int] = []
 
@@ -100,9 +101,11 @@ class ShardActor:
             self._engine_pids = self.engine.child_pids()
         return self.info()
 
-    def assign(self, slot: int) -> dict[str, Any]:
-        """Promote a spare: from now on it serves (and stamps its results with) ``slot``."""
+    def assign(self, slot: int, restarts: int = 0) -> dict[str, Any]:
+        """Serve ``slot`` (a promoted spare, a replacement) and remember the slot's restart
+        count, so a later attach continues the restart budget instead of resetting it."""
         self.slot = slot
+        self.restarts = restarts
         return self.info()
 
     async def watch(self, interval_s: float) -> str:
@@ -142,6 +145,7 @@ class ShardActor:
             "slot": self.slot,
             "fleet": self.fleet,
             "weight_source": self.weight_source,
+            "restarts": self.restarts,
             "actor_pid": os.getpid(),
             "engine_pids": engine.child_pids() if engine else [],
             "node_id": ray.get_runtime_context().get_node_id(),

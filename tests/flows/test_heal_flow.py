@@ -107,6 +107,8 @@ def test_heal_restarts_a_killed_shard_with_a_visible_retry(prefect_harness, ray_
         # The healed fleet serves from both slots, at the fleet's version.
         healed = GenerationFleet.attach(settings, watch=False)
         assert healed.health.state_of(1) is ShardState.HEALTHY
+        # The restart budget outlives the heal run: the actor carries it to the next attach.
+        assert healed.health.snapshot()[1].restart_attempts == 2
         results = healed.generate(["The quick brown fox"] * 6, temperature=0)
         assert all(r.ok for r in results) and {r.shard for r in results} == {0, 1}
         assert {r.weight_version for r in results} == {0}

@@ -511,3 +511,15 @@ def test_mark_dead_is_immediate_and_only_for_live_shards(clock: FakeClock) -> No
     fleet.retire(2, "node gone")
     fleet.mark_dead(2, "late death notice")
     assert fleet.state_of(2) is ShardState.RETIRED
+
+
+def test_restore_restart_attempts_carries_the_budget_and_never_lowers_it():
+    health = GenerationFleetHealth(2, FleetHealthPolicy(max_restart_attempts_per_shard=2))
+    health.restore_restart_attempts(0, 2)
+    health.restore_restart_attempts(0, 1)  # an older count: ignored
+    assert health.snapshot()[0].restart_attempts == 2
+    health.mark_dead(0, "gone")
+    health.mark_restarting(0)  # the third restart exceeds the budget carried in
+    assert health.state_of(0) is ShardState.RETIRED
+    with pytest.raises(ValueError):
+        health.restore_restart_attempts(1, -1)
