@@ -5,8 +5,8 @@ deployments on it, and install the automation that re-runs crashed flow runs.
 Why an automation: flow ``retries`` only cover a flow that raises. A flow-run process that is
 killed (OOM killer, a node going away, SIGKILL) is reported Crashed and never retried. The
 automation moves such a run back to ``AwaitingRetry`` — the same run, same parameters, the UI's
-"Retry" — and the worker runs it again; a run that crashes ``MAX_CRASH_RERUNS + 1`` times stays
-Crashed (the event's ``prefect.run-count`` label bounds the loop).
+"Retry" — and the worker runs it again; a run that crashes ``prefect.crash_reruns + 1`` times
+stays Crashed (the event's ``prefect.run-count`` label bounds the loop).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from nemo_gen.settings import NemoGenSettings
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "deployments" / "prefect.yaml"
 AUTOMATION = "nemo-gen-rerun-crashed"
-MAX_CRASH_RERUNS = 2
 
 
 @dataclass
@@ -105,7 +104,7 @@ def deploy(settings: NemoGenSettings, spec: Path = SPEC) -> list[Registered]:
         results.append(Registered(f"{fl.name}/{entry['name']}", id=deployment_id))
     ids = [r.id for r in results if r.id is not None]
     if ids:
-        asyncio.run(ensure_crash_automation(ids))
+        asyncio.run(ensure_crash_automation(ids, settings.prefect.crash_reruns))
     return results
 
 
@@ -144,9 +143,9 @@ async def ensure_work_pool(name: str) -> bool:
         return True
 
 
-async def ensure_crash_automation(deployment_ids: list[UUID]) -> UUID:
+async def ensure_crash_automation(deployment_ids: list[UUID], reruns: int) -> UUID | None:
     """(Re)create the automation: a Crashed run of one of these deployments goes back to
-    AwaitingRetry, at most MAX_CRASH_RERUNS times per run."""
+    AwaitingRetry, at most ``reruns`` times per run."""
     from prefect.automations import Automation, EventTrigger, Posture
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -155,16 +154,18 @@ async def ensure_crash_automation(deployment_ids: list[UUID]) -> UUID:
     async with get_client() as client:
         for old in await client.read_automations_by_name(AUTOMATION):
             await client.delete_automation(old.id)
+    if reruns == 0:  # prefect.crash_reruns=0: crashed runs stay Crashed
+        return None
     automation = Automation(
         name=AUTOMATION,
         description="Re-runs a crashed nemo-gen flow run (same run, same parameters), "
-        f"at most {MAX_CRASH_RERUNS} times. Created by `nemo-gen deploy`.",
+        f"at most {reruns} times. Created by `nemo-gen deploy`.",
         trigger=EventTrigger(
             expect={"prefect.flow-run.Crashed"},
             match={
                 "prefect.resource.id": "prefect.flow-run.*",
                 # run-count is 1 on the first attempt; later attempts that crash stay Crashed
-                "prefect.run-count": [str(n) for n in range(1, MAX_CRASH_RERUNS + 1)],
+                "prefect.run-count": [str(n) for n in range(1, reruns + 1)],
             },
             match_related={
                 "prefect.resource.role": "deployment",

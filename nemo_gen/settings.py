@@ -311,6 +311,10 @@ class PrefectSettings(_Section):
     port: int | None = Field(None, ge=1, le=65535, description="Port of the managed server; unset: a free one.")
     server_start_timeout_s: float = Field(120.0, gt=0, description="Deadline for the managed server.")
     work_pool: str = Field("nemo-gen", description="Process work pool the deployments run on.")
+    crash_reruns: int = Field(
+        2, ge=0, description="How many times `nemo-gen deploy`'s automation re-runs a Crashed flow run "
+        "(a killed flow-run process) of a nemo-gen deployment.",
+    )
     allowed_paths: list[Path] = Field(
         default_factory=list,
         description="Directories deployment parameters (checkpoints, prompt and output files) may "
