@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup chromium run test unit bench bench-refit bench-recovery clean
+.PHONY: setup chromium postgresql run test unit bench bench-refit bench-recovery clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[cpu,test]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, transformers, prefect, prefect_ray, ray; print('nemo-gen environment ready: vllm', vllm.__version__, 'ray', ray.__version__, 'prefect', prefect.__version__)"
-	$(MAKE) --no-print-directory chromium
+	$(MAKE) --no-print-directory chromium postgresql
 	touch $(STAMP)
 
 # The browser test drives Debian's headless Chromium against the Prefect UI. Installed when
@@ -29,10 +29,19 @@ chromium:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "note: /usr/bin/chromium missing; run: sudo apt-get install -y chromium chromium-driver"; fi
 
+# The Prefect-on-PostgreSQL test (docs/scale-out.md) runs Debian's PostgreSQL server in a cluster
+# of its own (initdb into a temporary directory). Installed when missing and we may (root, apt).
+postgresql:
+	@if ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing postgresql (database of the Prefect-on-PostgreSQL test)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else echo "note: PostgreSQL server missing; run: sudo apt-get install -y postgresql"; fi
+
 run: setup
 	$(VENV)/bin/nemo-gen run $(ARGS)
 
-test: setup chromium
+test: setup chromium postgresql
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 unit: setup

@@ -35,6 +35,7 @@ from nemo_gen.errors import NemoGenError, RequestError, ShardDiedError, ShardUna
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.processes import alive as _alive
+from nemo_gen.fleet.record import create_record, find_record, remove_record
 from nemo_gen.fleet.processes import reap
 from nemo_gen.fleet.shard import ShardHandle, ShardSpec, call_shard, launch_shard, stop_shard
 from nemo_gen.settings import NemoGenSettings
@@ -115,12 +116,15 @@ class GenerationFleet:
         attached: bool = False,
         spares: Sequence[ShardHandle] = (),
         watch: bool = True,
+        record: Any = None,
+        recorded: dict[str, Any] | None = None,
     ):
         self.resolved = resolved
         self.settings = resolved.settings
         self._shards: dict[int, ShardHandle] = {h.index: h for h in shards}
         self._spares: dict[str, ShardHandle] = {h.name: h for h in spares}
         self._ray = ray_connection
+        self._record = record  # the fleet's record actor (nemo_gen.fleet.record), when there is one
         self._tokenizer = tokenizer or load_tokenizer(resolved.tokenizer_dir)
         h = self.settings.health
         self.health = GenerationFleetHealth(
@@ -147,7 +151,8 @@ class GenerationFleet:
         self._spares_starting = 0
         self._detached = False
         if attached:
-            # The shards remember what they hold; the fleet's version is the newest of them.
+            # The record says which version the fleet serves (it outlives every shard); without
+            # one, the newest version any shard holds.
             versions = {h.index: h.info.get("weight_version") for h in shards}
             known = [v for v in versions.values() if v is not None]
             self.weight_version = max(known) if known else None
@@ -156,6 +161,9 @@ class GenerationFleet:
                  and h.info.get("weight_source")),
                 None,
             )
+            if recorded is not None:
+                self.weight_version = recorded.get("weight_version")
+                self.weight_source = recorded.get("weight_source") or self.weight_source
             for index in range(self.health.shard_count):
                 if index in self._shards:  # the budget spans every process that attaches
                     self.health.restore_restart_attempts(index, int(self._shards[index].info.get("restarts") or 0))
@@ -197,13 +205,14 @@ class GenerationFleet:
         try:
             resolved = resolve_generation(settings, cluster_resources())
             started = launch_shards(resolved.shards + resolved.spares, progress)
+            record = create_record(settings.fleet.name, settings.ray.namespace, 0 if settings.is_eval() else None)
         except BaseException:
             if conn.owned:
                 shutdown_ray(conn)
             raise
         shards = [h for h in started if h.info.get("slot") is not None]
         spares = [h for h in started if h.info.get("slot") is None]
-        return cls(resolved, shards, ray_connection=conn if conn.owned else None, spares=spares)
+        return cls(resolved, shards, ray_connection=conn if conn.owned else None, spares=spares, record=record)
 
     @classmethod
     def attach(cls, settings: NemoGenSettings, watch: bool = True) -> "GenerationFleet":
@@ -225,7 +234,8 @@ class GenerationFleet:
                 slots[h.index] = h
         found = list(slots.values())
         spares = [h for h in actors if h.index is None]
-        if not found:
+        record, recorded = find_record(settings.fleet.name, settings.ray.namespace)
+        if not found and record is None:
             if conn.owned:
                 shutdown_ray(conn)
             raise ShardUnavailableError(
@@ -233,7 +243,8 @@ class GenerationFleet:
                 f"{settings.ray.namespace!r} at {conn.address} (start one with `nemo-gen fleet up`)"
             )
         return cls(
-            resolved, found, ray_connection=conn if conn.owned else None, attached=True, spares=spares, watch=watch
+            resolved, found, ray_connection=conn if conn.owned else None, attached=True, spares=spares, watch=watch,
+            record=record, recorded=recorded,
         )
 
     def detach(self) -> None:
@@ -719,10 +730,21 @@ class GenerationFleet:
             for stopped in pool.map(stop_shard, handles):
                 pids.update(stopped)
         killed = reap(pids, reap_timeout_s)
+        remove_record(self._record)
         if self._staging is not None:
             self._staging.close()
         shutdown_ray(self._ray)
         return killed
+
+    def record_weights(self, version: int, source: str | None) -> None:
+        """A refit landed: the fleet serves ``version`` (from ``source``, when a checkpoint)."""
+        self.weight_version = version
+        self.weight_source = source
+        if self._record is not None:
+            try:
+                ray.get(self._record.update.remote(weight_version=version, weight_source=source), timeout=30)
+            except Exception as exc:  # the shards still know; a lost record costs only all-dead recovery
+                log.warning("could not update the fleet record: %s", exc)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -152,7 +152,7 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
                 _quarantine(fleet, report, key, error)
         report.load_seconds = time.perf_counter() - t1
         if any(s.ok for s in report.shards):
-            fleet.weight_version = new_version
+            fleet.record_weights(new_version, staged.source)
             fleet.staged_refit = staged
         return report
 

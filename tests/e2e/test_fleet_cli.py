@@ -35,7 +35,9 @@ def ray_head(tmp_path):
     """A Ray head of its own (blocking `ray start`, own process group), stopped by PID."""
     marker = uuid.uuid4().hex
     port = _free_port()
-    env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           # `ray start --block` otherwise drains for 30 s on SIGTERM.
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     temp_dir = f"/tmp/rn{marker[:8]}"
     proc = subprocess.Popen(
         [str(ROOT / "deployments/ray/start-node.sh"), "--head", f"--port={port}", "--num-cpus=4",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import psutil
 import pytest
 
 from tests.e2e.test_cli import _marked
+from tests.e2e.prefect_stack import fenced_commands
 from tests.e2e.test_fleet_cli import ROOT, _free_port
 from tests.helpers import wait_gone
 
@@ -71,11 +73,20 @@ DRIVER = textwrap.dedent(
 )
 
 
-def _start_node(args, env, log):
-    return subprocess.Popen(
-        [str(ROOT / "deployments/ray/start-node.sh"), *args, "--num-cpus=2", "--block"],
-        env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
+def _node_commands(port: int, temp_dir: str) -> list[list[str]]:
+    """The head and second-node lines of docs/scale-out.md, run verbatim but for the port, the
+    head's address, and --block (so the test holds their PIDs)."""
+    lines = fenced_commands(ROOT / "docs" / "scale-out.md", "ray-nodes")
+    assert len(lines) == 2 and "--head" in lines[0], lines
+    out = []
+    for line in lines:
+        args = shlex.split(line.replace("6379", str(port)).replace("HEAD_IP", "127.0.0.1"))
+        out.append([str(ROOT / args[0]), *args[1:], "--block"] + ([f"--temp-dir={temp_dir}"] if "--head" in args else []))
+    return out
+
+
+def _start_node(cmd, env, log):
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_nodes(address, env, count, timeout_s=90):
@@ -113,14 +124,17 @@ def test_a_lost_node_costs_no_request(tiny_model_dir, tmp_path):
     # Node death is noticed by the GCS health check: made quick here so the test is.
     env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
-           "RAY_health_check_initial_delay_ms": "0", "RAY_AUTH_MODE": "token"}
+           "RAY_health_check_initial_delay_ms": "0", "RAY_AUTH_MODE": "token",
+           # `ray start --block` otherwise drains for 30 s on SIGTERM.
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     env.pop("RAY_process_group_cleanup_enabled", None)
     temp_dir = f"/tmp/rn{marker[:8]}"
-    head = _start_node(["--head", f"--port={port}", f"--temp-dir={temp_dir}"], env, tmp_path / "head.log")
+    head_cmd, node_cmd = _node_commands(port, temp_dir)
+    head = _start_node(head_cmd, env, tmp_path / "head.log")
     second = None
     try:
         _wait_nodes(address, env, 1)
-        second = _start_node([f"--address={address}"], env, tmp_path / "node2.log")
+        second = _start_node(node_cmd, env, tmp_path / "node2.log")
         _wait_nodes(address, env, 2)
         raylet = _raylet(second)
         proc = subprocess.run(

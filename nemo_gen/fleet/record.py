@@ -1,0 +1,57 @@
+"""The fleet's own record: a tiny detached actor (``<fleet>-record``, no CPU) that outlives
+every shard, holding what must survive them all — the fleet's weight version and the
+checkpoint it came from.
+
+Shards remember their own versions, but a fleet whose every shard died would otherwise be
+indistinguishable from no fleet at all, and its replacements would not know which weights to
+load. ``attach`` reads the record; a refit writes it; ``shutdown`` removes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class FleetRecord:
+    def __init__(self, fleet: str, weight_version: int | None):
+        self._data: dict[str, Any] = {"fleet": fleet, "weight_version": weight_version, "weight_source": None}
+
+    def get(self) -> dict[str, Any]:
+        return dict(self._data)
+
+    def update(self, **values: Any) -> dict[str, Any]:
+        self._data.update(values)
+        return dict(self._data)
+
+
+def record_name(fleet: str) -> str:
+    return f"{fleet}-record"
+
+
+def create_record(fleet: str, namespace: str, weight_version: int | None):
+    """The record of a fleet being launched (an existing one is reused and reset)."""
+    actor = FleetRecord.options(
+        name=record_name(fleet), namespace=namespace, lifetime="detached", get_if_exists=True
+    ).remote(fleet, weight_version)
+    ray.get(actor.update.remote(weight_version=weight_version, weight_source=None), timeout=60)
+    return actor
+
+
+def find_record(fleet: str, namespace: str) -> tuple[Any, dict[str, Any]] | tuple[None, None]:
+    """(actor, contents) of a running fleet's record, or (None, None)."""
+    try:
+        actor = ray.get_actor(record_name(fleet), namespace=namespace)
+        return actor, ray.get(actor.get.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None, None
+
+
+def remove_record(actor: Any) -> None:
+    if actor is not None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone
+            pass
