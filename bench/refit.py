@@ -8,7 +8,8 @@ and the median reported):
   directory and from live tensors, as a fraction of the copy bandwidth (target >= 0.5);
 - the speed-up over the alternative of restarting the engines on the new checkpoint
   (target >= 20x);
-- the speed-up over sending one tensor per RPC (OpenRLHF's pattern), the slow baseline.
+- the speed-up over sending one tensor per RPC (OpenRLHF's pattern), the slow baseline (the
+  parts of a stacked layer, q/k/v and gate/up, travel together: the engine reloads them whole).
 
 Run: ``make bench-refit`` or ``.venv/bin/python bench/refit.py [--rounds 3] [--json out.json]``.
 """
@@ -44,9 +45,17 @@ def copy_bandwidth(nbytes: int, rounds: int = 5) -> float:
     return nbytes / statistics.median(times)
 
 
-def per_tensor_refit(fleet, path: str) -> float:
-    """The slow baseline: one RPC round trip per tensor (stage it, then load it alone)."""
+# The parts of one stacked layer (vLLM's packed_modules_mapping for Llama): the engine holds
+# them as one tensor and reloads it whole, so they cannot travel in separate RPCs.
+STACKED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
+    """The slow baseline: one RPC round trip per tensor (stage it, then load it alone), except
+    that the parts of a stacked layer (q/k/v, gate/up) go together — loading one part alone
+    would leave the rest of that layer uninitialized (and is refused). Returns (seconds, RPCs)."""
     import ray
+    import torch
 
     from nemo_gen.core.refit import layout
     from nemo_gen.refit.sources import CheckpointSource
@@ -56,18 +65,21 @@ def per_tensor_refit(fleet, path: str) -> float:
     placed, total = layout(metas)
     staging = fleet.staging()
     staging.ensure(total)
-    import torch
+    groups: dict[str, list] = {}
+    for place in placed:
+        parent, _, leaf = place.name.rsplit(".", 1)[0].rpartition(".")
+        groups.setdefault(f"{parent}.{STACKED[leaf]}" if leaf in STACKED else place.name, []).append(place)
 
     dtype = getattr(torch, fleet.engine_dtype)
     t0 = time.perf_counter()
-    for place in placed:
-        (name, tensor), = src.read([place.name])
-        staging.write(place, tensor, dtype)
-        entry = staging.entries([place])
-        refs = [h.actor.load_refit.remote(str(staging.path), total, [("policy", entry)], fleet.weight_version, 600)
+    for group in groups.values():
+        for name, tensor in src.read([p.name for p in group]):
+            staging.write(next(p for p in group if p.name == name), tensor, dtype)
+        entries = staging.entries(group)
+        refs = [h.actor.load_refit.remote(str(staging.path), total, [("policy", entries)], fleet.weight_version, 600)
                 for h in fleet.shards]
         ray.get(refs, timeout=600)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, len(groups)
 
 
 def main() -> None:
@@ -75,12 +87,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--skip-restart", action="store_true", help="skip the engine-restart baseline")
+    p.add_argument("--load-path", choices=("direct", "reload_weights"), default="direct",
+                   help="how the workers load a refit: the direct path (the default, chosen per model) or, "
+                        "for comparison, vLLM's reload_weights for every refit")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
     from safetensors.torch import load_file
 
     from nemo_gen import GenerationFleet, NemoGenSettings
+    from nemo_gen.refit.worker_ext import FORCE_RELOAD_ENV
     from nemo_gen.tiny_model import make_tiny_model
 
     home = Path(os.environ.get("NEMO_GEN_BENCH_HOME", Path(tempfile.gettempdir()) / "nemo-gen-bench"))
@@ -94,9 +110,12 @@ def main() -> None:
             "home": str(home), "model.path": str(path), "fleet.name": name, "fleet.num_shards": shards,
             "fleet.device": "cpu", "ray.log_to_driver": False, "generation.vllm_cfg.max_model_len": 512,
             "fleet.cpu_kvcache_space_gb": 1,
+            **({"generation.vllm_cfg.env_vars": {FORCE_RELOAD_ENV: "reload_weights"}}
+               if args.load_path == "reload_weights" else {}),
         })
 
-    out: dict = {"model_bytes": model_bytes, "shards": args.shards}
+    out: dict = {"model_bytes": model_bytes, "shards": args.shards, "load_path": args.load_path}
+    print(f"refit load path: {args.load_path}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     copy_bw = copy_bandwidth(model_bytes)
     out["copy_gb_per_s"] = copy_bw / 1e9
     print(f"memory copy bandwidth: {copy_bw / 1e9:.2f} GB/s")
@@ -130,10 +149,12 @@ def main() -> None:
               f"{out['live_fraction_of_copy']:.2f} of copy bandwidth)  runs {[round(t, 2) for t in live_times]}")
         print(f"  last refit: stage {last['stage_seconds']:.2f} s, verify+load {last['load_seconds']:.2f} s "
               f"(per shard {[round(s['seconds'], 2) for s in last['shards']]})")
-        per_tensor = per_tensor_refit(fleet, str(b))
+        per_tensor, rpcs = per_tensor_refit(fleet, str(b))
         out["per_tensor_rpc_s"] = per_tensor
+        out["per_tensor_rpcs"] = rpcs
         out["speedup_vs_per_tensor_rpc"] = per_tensor / ckpt_s
-        print(f"one tensor per RPC: {per_tensor:.2f} s -> bucketed refit is {per_tensor / ckpt_s:.1f}x faster")
+        print(f"one tensor per RPC ({rpcs} RPCs, stacked parts together): {per_tensor:.2f} s -> bucketed refit "
+              f"is {per_tensor / ckpt_s:.1f}x faster")
     finally:
         fleet.shutdown()
 
@@ -149,7 +170,8 @@ def main() -> None:
         print(f"restart {args.shards} engines on the checkpoint: {restart_s:.1f} s (first launch {cold_start:.1f} s) "
               f"-> refit is {restart_s / ckpt_s:.0f}x faster")
 
-    print("\nsummary")
+    out["load_average_end"] = os.getloadavg()[0]
+    print(f"\nsummary (load path {args.load_path}; load average {out['load_average_end']:.1f} at the end)")
     print(f"  bandwidth, checkpoint: {out['checkpoint_fraction_of_copy']:.2f} of copy (target >= 0.5)")
     print(f"  bandwidth, live:       {out['live_fraction_of_copy']:.2f} of copy (target >= 0.5)")
     if "speedup_vs_restart" in out:

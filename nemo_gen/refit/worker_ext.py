@@ -46,6 +46,24 @@ def hf_manifest(hf_config: Any, dtype: Any) -> dict[str, tuple[tuple[int, ...], 
     return out
 
 
+def split_stacked(model: Any, names: list[str]) -> list[str]:
+    """Stacked layers (``packed_modules_mapping``: q/k/v -> qkv_proj, gate/up -> gate_up_proj) that
+    ``names`` cover only in part. Such a layer is one tensor in the engine; reloading it needs all
+    of its parts (the others would be left uninitialized: on CPU the old ones live only in the
+    kernel's packed copy), so a refit must carry all of them or none."""
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    staged = set(names)
+    problems = set()
+    for name in staged:
+        head, _, tail = name.rpartition(".")  # tail: weight / bias
+        parent, _, leaf = head.rpartition(".")
+        for stacked, parts in mapping.items():
+            missing = [f"{parent}.{p}.{tail}" for p in parts if f"{parent}.{p}.{tail}" not in staged]
+            if leaf in parts and missing:
+                problems.add(f"{parent}.{stacked} lacks {', '.join(missing)}")
+    return sorted(problems)
+
+
 class NemoGenWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -104,22 +122,301 @@ class NemoGenWorkerExtension:
         seen = 0
         for _, tensor in open_staged(path, total, entries):
             seen += tensor.numel() * tensor.element_size()
+        split = split_stacked(self.model_runner.get_model(), [e[0] for e in entries])
+        if split:
+            raise ValueError(
+                "the refit splits stacked layers (their parts load as one tensor, which a reload "
+                f"rewrites whole): {'; '.join(split)}"
+            )
         return seen
 
     def nemo_gen_load_staged(self, path: str, total: int, entries: list[Entry], target: str = "policy") -> int:
         """Phase 2: load the staged tensors into the model (or the drafter) in place.
 
-        ``reload_weights`` rather than ``model.load_weights``: the CPU backend repacks linear
-        weights after loading, and only the reload path redoes that step."""
+        The direct path (``DirectLoad``) when every module of the model is one it handles; vLLM's
+        ``reload_weights`` otherwise (the CPU backend repacks linear weights after loading, and
+        only the reload path, or ours, redoes that step)."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         weights = open_staged(path, total, entries)
         if target == "draft":
-            drafter = self._drafter()
             shared = set(self._shared_with_policy())
             weights = ((n, t) for n, t in weights if n not in shared)
-            config = drafter._create_draft_vllm_config() if hasattr(drafter, "_create_draft_vllm_config") else drafter.vllm_config
-            reload_weights(config, drafter.model, weights, None, True)
-        else:
-            self.model_runner.reload_weights(weights_iterator=weights)
+        model, config = self._model_and_config(target)
+        direct = None if _forced_reload() else DirectLoad.for_model(model, config)
+        if direct is None:
+            self.nemo_gen_last_load = "reload_weights"
+            if target == "draft":
+                reload_weights(config, model, weights, None, True)
+            else:
+                self.model_runner.reload_weights(weights_iterator=weights)
+            return len(entries)
+        self.nemo_gen_last_load = "direct"
+        direct.load(weights, _scratch_pool(self))
+        if target != "draft":  # what the runner's reload_weights does after loading
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                getattr(self.model_runner, reset, lambda: None)()
         return len(entries)
+
+    def _model_and_config(self, target: str):
+        if target == "draft":
+            drafter = self._drafter()
+            make = getattr(drafter, "_create_draft_vllm_config", None)
+            return drafter.model, (make() if make is not None else drafter.vllm_config)
+        return self.model_runner.get_model(), self.model_runner.vllm_config
+
+    def nemo_gen_load_path(self, target: str = "policy") -> str:
+        """Which path a refit of ``target`` takes here: "direct" or "reload_weights" (and why)."""
+        reason = f"{FORCE_RELOAD_ENV}=reload_weights" if _forced_reload() else DirectLoad.why_not(*self._model_and_config(target))
+        return "direct" if reason is None else f"reload_weights: {reason}"
+
+
+# A diagnostic override, set in the engine's environment (generation.vllm_cfg.env_vars): load
+# every refit through vLLM's reload_weights, as before the direct path existed. bench/refit.py
+# uses it to measure both paths on one machine.
+FORCE_RELOAD_ENV = "NEMO_GEN_REFIT_LOAD"
+
+
+def _forced_reload() -> bool:
+    import os
+
+    return os.environ.get(FORCE_RELOAD_ENV) == "reload_weights"
+
+
+def _scratch_pool(worker: Any) -> ScratchPool:
+    pool = getattr(worker, "_nemo_gen_scratch", None)
+    if pool is None:
+        pool = worker._nemo_gen_scratch = ScratchPool()
+    return pool
+
+
+class ScratchPool:
+    """Reused byte buffers for weights that exist only until the CPU kernel has packed them.
+    Kept across refits: their pages are touched once, not on every refit."""
+
+    def __init__(self):
+        self._free: list[Any] = []
+
+    def take(self, nbytes: int):
+        import torch
+
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf) -> None:
+        self._free.append(buf)
+
+
+_MALLOC_TUNED = False
+
+
+def _keep_freed_pages() -> None:
+    """Let glibc serve large allocations from its heap and keep freed pages there, in this worker.
+
+    Each refit, oneDNN allocates a fresh packed buffer per linear layer and frees the old one;
+    with glibc's defaults every such buffer is a new mmap whose pages fault on first touch (~2x
+    the cost of the repacking itself here). Kept in the heap, the next layer's buffer reuses the
+    pages the previous one freed. This is what vLLM's recommended CPU allocator (tcmalloc, via
+    LD_PRELOAD) does anyway; the cost is that the worker's freed memory is cached, not returned."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return
+    _MALLOC_TUNED = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 256 << 20)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+class DirectLoad:
+    """Load checkpoint-format weights into a running CPU model without vLLM's layerwise reload.
+
+    vLLM's ``reload_weights`` puts every layer back on the meta device, materializes fresh
+    tensors, loads into them, repacks, and copies the result back into the kernel tensors. On
+    CPU most of that is needless: norms and embeddings keep their checkpoint format, so the
+    model's own ``load_weights`` (names merged by each parameter's ``weight_loader``) can write
+    straight into them; only linear layers, whose weight the CPU backend repacks into a oneDNN
+    handle and drops, need a full-size tensor to load into (a reused scratch buffer) and their
+    ``process_weights_after_loading`` re-run, once the layer is complete.
+
+    Used only when every module with weights is one of those kinds (unquantized linear /
+    embedding methods, plain modules with no post-processing, attention layers without weights),
+    with no LoRA and no quantization; otherwise ``for_model`` returns None and the caller uses
+    ``reload_weights``."""
+
+    def __init__(self, model: Any, model_config: Any, kinds: dict):
+        self.model, self.model_config, self.kinds = model, model_config, kinds
+
+    @classmethod
+    def for_model(cls, model: Any, vllm_config: Any) -> DirectLoad | None:
+        kinds = cls._kinds(model, vllm_config)
+        return None if isinstance(kinds, str) else cls(model, vllm_config.model_config, kinds)
+
+    @classmethod
+    def why_not(cls, model: Any, vllm_config: Any) -> str | None:
+        kinds = cls._kinds(model, vllm_config)
+        return kinds if isinstance(kinds, str) else None
+
+    @staticmethod
+    def _kinds(model: Any, vllm_config: Any) -> dict | str:
+        """module -> "packed" | "processed" | "plain" | "attention", or why the model is not eligible."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.quantization.base_config import (
+            QuantizeMethodBase,
+        )
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return "not a CPU engine"
+        if vllm_config.lora_config is not None:
+            return "LoRA is enabled"
+        if vllm_config.model_config.quantization is not None:
+            return f"quantization {vllm_config.model_config.quantization}"
+        if callable(getattr(model, "process_weights_after_loading", None)):
+            return f"{type(model).__name__} post-processes its weights as a whole"
+        kinds: dict = {}
+        for name, module in model.named_modules():
+            params = {n for n, p in module._parameters.items() if p is not None}
+            method = getattr(module, "quant_method", None)
+            if is_deferred_attention_layer(module):
+                if params:
+                    return f"attention layer {name} holds weights ({sorted(params)})"
+                kinds[module] = "attention"
+            elif isinstance(method, QuantizeMethodBase):
+                if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+                    return f"{name} uses {type(method).__name__}"
+                if not params <= {"weight", "bias"}:
+                    return f"{name} holds {sorted(params)}"
+                weight = module.weight
+                meta = (LAYERWISE_INFO[module].restore_metadata[0] if module in LAYERWISE_INFO else {}).get("weight")
+                if meta is None:
+                    return f"no load-time metadata recorded for {name}"
+                if weight.numel() == 0:
+                    kinds[module] = "packed"  # the kernel holds the weight; the parameter is empty
+                elif tuple(weight.shape) == tuple(meta.shape) and weight.dtype == meta.dtype:
+                    kinds[module] = "processed"  # weight kept in checkpoint format, kernel rebuilt from it
+                else:
+                    return f"{name}.weight is {tuple(weight.shape)} {weight.dtype} in kernel format"
+            elif params:
+                if callable(getattr(module, "process_weights_after_loading", None)):
+                    return f"{name} ({type(module).__name__}) post-processes its weights"
+                kinds[module] = "plain"
+        return kinds
+
+    def load(self, weights, pool: ScratchPool) -> None:
+        """Load ``weights`` ((name, tensor) in checkpoint format) through the model's own
+        ``load_weights``. Raises when a repacked layer is only partly covered: its other rows
+        live only in the kernel's packed copy and cannot be kept."""
+        import torch
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import CopyCounter
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        _keep_freed_pages()
+        wrapped: list[tuple[Any, bool, Any]] = []  # (param, had a loader attribute, its loader)
+        packed: dict = {}  # module -> {"kernel": param, "buf": scratch, "todo": {param name: numel}}
+        touched: list = []
+
+        def finish(module) -> None:
+            state = packed.pop(module)
+            module.quant_method.process_weights_after_loading(module)
+            if hasattr(module, "update_param_tp_status"):
+                module.update_param_tp_status()
+            if module.weight.numel() == 0:  # repacked and dropped, as when the engine loaded
+                module.register_parameter("weight", state["kernel"])
+            else:  # kept by the kernel (a fallback GEMM): it must own its bytes
+                module.register_parameter("weight", torch.nn.Parameter(module.weight.data.clone(), requires_grad=False))
+            pool.give(state["buf"])
+
+        def wrap(module, pname: str, param) -> None:
+            had = hasattr(param, "weight_loader")  # a property on vLLM's parameter classes
+            original = getattr(param, "weight_loader", default_weight_loader)
+            while getattr(original, "__name__", "") == "online_process_loader":
+                # left on the recorded metadata by an earlier vLLM reload (it wraps in place)
+                original = original.__wrapped__
+
+            def loader(p, loaded_weight, *args, **kwargs):
+                state = packed.get(module)
+                if state is not None and pname == "weight" and state["buf"] is None:
+                    # the layer's first weight arrives: give its stand-in real (reused) bytes
+                    state["buf"] = pool.take(p.numel() * p.element_size())
+                    p.data = state["buf"][: p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                with CopyCounter() as counter:
+                    ret = original(p, loaded_weight, *args, **kwargs)
+                if module not in touched:
+                    touched.append(module)
+                if state is not None and pname in state["todo"]:
+                    state["todo"][pname] -= min(counter.copied_numel, get_tensor_load_numel(p))
+                    if all(left <= 0 for left in state["todo"].values()):
+                        finish(module)
+                return ret
+
+            param.weight_loader = loader
+            wrapped.append((param, had, original))
+
+        try:
+            for module, kind in self.kinds.items():
+                if kind == "packed":
+                    # A stand-in with the checkpoint-format shape and the loader attributes the
+                    # engine recorded at load time; no memory until its first weight arrives.
+                    meta = LAYERWISE_INFO[module].restore_metadata[0]["weight"]
+                    temp = torch.zeros(1, dtype=meta.dtype).expand(meta.shape)
+                    temp.__class__ = meta.__class__
+                    temp.__dict__ = meta.__dict__.copy()
+                    restore_layer_refs(temp, module)
+                    packed[module] = {"kernel": module.weight, "buf": None, "todo": {}}
+                    module.register_parameter("weight", temp)
+                    packed[module]["todo"] = {
+                        n: get_tensor_load_numel(p) for n, p in module._parameters.items() if p is not None
+                    }
+                if kind in ("packed", "processed", "plain"):
+                    for pname, param in module._parameters.items():
+                        if param is not None:
+                            wrap(module, pname, param)
+            with torch.no_grad():
+                self.model.load_weights(weights)
+                partial = [m for m in packed if m in touched]
+                if partial:
+                    names = {m: n for n, m in self.model.named_modules()}
+                    raise RuntimeError(
+                        "a refit covered only part of the repacked layer(s) "
+                        f"{[names.get(m, type(m).__name__) for m in partial]}; the rest of their weights "
+                        "exist only in the CPU kernel's packed copy and cannot be kept: send whole layers"
+                    )
+                for module in touched:
+                    if self.kinds[module] == "processed":
+                        module.quant_method.process_weights_after_loading(module)
+                        if hasattr(module, "update_param_tp_status"):
+                            module.update_param_tp_status()
+                if touched:
+                    for module, kind in self.kinds.items():
+                        if kind == "attention":  # as vLLM's reload does for every attention layer
+                            module.process_weights_after_loading(self.model_config.dtype)
+        finally:
+            for param, had, original in reversed(wrapped):  # a tied parameter is wrapped twice
+                if had:
+                    param.weight_loader = original
+                else:
+                    try:
+                        del param.weight_loader
+                    except AttributeError:
+                        pass
+            for module, state in list(packed.items()):  # untouched (or failed) layers: as they were
+                module.register_parameter("weight", state["kernel"])
+                if state["buf"] is not None:
+                    pool.give(state["buf"])
+            packed.clear()

@@ -1,0 +1,176 @@
+"""The CPU refit's direct load path (``nemo_gen.refit.worker_ext.DirectLoad``) against vLLM's own
+``reload_weights``, which stays the fallback for models the direct path does not handle.
+
+One vLLM engine, in a subprocess (no Ray, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the script can
+switch paths): both paths must load the same weights, token for token, and get back to the
+original weights exactly. A drafter fleet shows a refit that splits a stacked layer refused in
+phase 1, before any weight changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from nemo_gen import GenerationFleet
+from nemo_gen.core.refit import RefitError
+from nemo_gen.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def main():
+    import torch
+    from safetensors.torch import load_file
+    from vllm import LLM, SamplingParams
+
+    import nemo_gen.refit.worker_ext as ext
+    from nemo_gen.core.refit import TensorMeta, layout
+    from nemo_gen.refit.staging import SharedMemoryStaging
+
+    a, b, home = sys.argv[1:4]
+    llm = LLM(model=a, dtype="float32", enforce_eager=True, max_model_len=256,
+              worker_extension_cls="nemo_gen.refit.worker_ext.NemoGenWorkerExtension")
+    prompts = ["The quick brown fox", "Once upon a time", "Hello, my name is"]
+    sampling = SamplingParams(temperature=0, max_tokens=12)
+    greedy = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sampling, use_tqdm=False)]
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+
+    def stage(path, name):
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        placed, total = layout([TensorMeta(n, tuple(t.shape), "float32") for n, t in tensors.items()])
+        staging = SharedMemoryStaging(home, name)
+        staging.ensure(total)
+        where = {p.name: p for p in placed}
+        for n, t in tensors.items():
+            staging.write(where[n], t, torch.float32)
+        return str(staging.path), total, staging.entries(placed)
+
+    direct = ext.DirectLoad.for_model
+
+    def load(staged, path):
+        ext.DirectLoad.for_model = direct if path == "direct" else classmethod(lambda cls, m, c: None)
+        llm.collective_rpc("nemo_gen_load_staged", args=(*staged, "policy"))
+        assert worker.nemo_gen_last_load == path, worker.nemo_gen_last_load
+        return greedy()
+
+    staged_a, staged_b = stage(a, "a"), stage(b, "b")
+    out = {"path": llm.collective_rpc("nemo_gen_load_path")[0], "a": greedy()}
+    out["b_direct"] = load(staged_b, "direct")
+    out["a_direct"] = load(staged_a, "direct")
+    out["b_reload"] = load(staged_b, "reload_weights")
+    out["b_direct_after_reload"] = load(staged_b, "direct")  # the reload left its wrappers behind
+    out["a_reload"] = load(staged_a, "reload_weights")
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_direct_load_matches_reload_weights_and_round_trips(tiny_model_dir, tmp_path):
+    other = make_tiny_model(tmp_path / "tiny-b", seed=1)
+    script = tmp_path / "direct_vs_reload.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_dir), str(other), str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env, check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert out["path"] == "direct"  # the tiny Llama on CPU is one the direct path handles
+    assert out["b_direct"] != out["a"]
+    assert out["b_direct"] == out["b_reload"] == out["b_direct_after_reload"]
+    assert out["a_direct"] == out["a_reload"] == out["a"]
+
+
+def test_models_the_direct_path_does_not_handle_fall_back_to_reload_weights():
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from nemo_gen.refit.worker_ext import DirectLoad
+
+    class OtherMethod(QuantizeMethodBase):  # e.g. a quantized linear: its own packing
+        def create_weights(self, *args, **kwargs):
+            pass
+
+        def apply(self, *args, **kwargs):
+            pass
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+    class Quantized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False)
+            self.quant_method = OtherMethod()
+
+    class Hooked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = Norm()
+
+        def process_weights_after_loading(self):
+            pass
+
+    config = SimpleNamespace(lora_config=None, model_config=SimpleNamespace(quantization=None))
+    plain = torch.nn.Sequential(Norm(), torch.nn.ReLU())
+    assert DirectLoad.why_not(plain, config) is None
+    assert DirectLoad.for_model(plain, config).kinds == {plain[0]: "plain"}
+    assert "uses OtherMethod" in DirectLoad.why_not(torch.nn.Sequential(Norm(), Quantized()), config)
+    assert "post-processes its weights as a whole" in DirectLoad.why_not(Hooked(), config)
+    lora = SimpleNamespace(lora_config=object(), model_config=config.model_config)
+    assert DirectLoad.why_not(plain, lora) == "LoRA is enabled"
+    quant = SimpleNamespace(lora_config=None, model_config=SimpleNamespace(quantization="fp8"))
+    assert DirectLoad.for_model(plain, quant) is None
+
+
+@pytest.fixture(scope="module")
+def draft_fleet(ray_cluster, make_settings, tiny_model_dir):
+    settings = make_settings(
+        fleet__name="draft-direct", fleet__num_shards=1, refit__draft=True,
+        generation__vllm_kwargs={"speculative_config": {
+            "method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3}},
+    )
+    with GenerationFleet.launch(settings) as fleet:
+        yield fleet
+
+
+def test_a_refit_that_splits_a_stacked_layer_is_refused_before_any_change(draft_fleet, tiny_model_dir, tmp_path):
+    fleet = draft_fleet
+    actor = fleet.shards[0].actor
+    digests = lambda: ray.get([actor.digest.remote("policy"), actor.digest.remote("draft")], timeout=60)
+    before, version = digests(), fleet.weight_version
+    other = load_file(str(make_tiny_model(tmp_path / "other", seed=3) / "model.safetensors"))
+    q_only = {"draft.model.layers.0.self_attn.q_proj.weight": other["model.layers.0.self_attn.q_proj.weight"]}
+    with pytest.raises(RefitError, match="no weight was changed") as err:
+        fleet.refit(q_only)
+    assert "model.layers.0.self_attn.qkv_proj lacks" in str(err.value)
+    assert digests() == before and fleet.weight_version == version
+    assert {s.state for s in fleet.status()} == {"healthy"}
+    # The whole stacked layer is fine, and changes the drafter only (the digest sees the norm: the
+    # packed linear weights live in the CPU kernel, not in parameters).
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["model.layers.0.input_layernorm.weight"]
+    other["model.layers.0.input_layernorm.weight"] = other["model.layers.0.input_layernorm.weight"] * 1.5
+    assert fleet.refit({"draft." + n: other[n] for n in names}).ok
+    policy, draft = digests()
+    assert policy == before[0] and draft != before[1]
