@@ -6,6 +6,9 @@
     │   ├── ShardUnavailableError  no shard can take the request right now (NoHealthyShards)
     │   ├── EngineStartError       an engine failed to come up (timeout, crash while loading)
     │   └── FleetExhausted         fewer serving shards than health.min_healthy_shards
+    ├── ShardRetired               not retriable: a shard spent health.max_restart_attempts_per_shard
+    ├── StaleShard                 not retriable: a replacement is up but nothing can bring it to
+    │                              the fleet's weight version before the next refit
     └── DataError                  not retriable: the same input fails the same way again
         ├── ConfigError            bad settings; names the dotted field (``fleet.num_shards``)
         ├── PlacementError         the cluster cannot hold the fleet as configured
@@ -49,6 +52,17 @@ class EngineStartError(InfraError):
 
 class FleetExhausted(InfraError):
     """Fewer shards are serving than the policy's minimum (NeMo-RL's GenerationFleetExhausted)."""
+
+
+class ShardRetired(NemoGenError):
+    """A shard spent its restart attempts (health.max_restart_attempts_per_shard). Not
+    retriable: neither infra nor data, it is the policy's final answer."""
+
+
+class StaleShard(NemoGenError):
+    """A replacement is up but nothing can bring it to the fleet's version until the next
+    refit (the version came from live tensors pushed by another process). Not retriable:
+    restarting again would not help."""
 
 
 class DataError(NemoGenError):

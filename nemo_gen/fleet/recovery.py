@@ -31,7 +31,7 @@ from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import SERVING_STATES, ShardState
 from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.environment import REAPING_FLAG
-from nemo_gen.errors import NemoGenError, ShardDiedError
+from nemo_gen.errors import NemoGenError, ShardDiedError, ShardRetired, StaleShard
 from nemo_gen.fleet.processes import processes, wait_exit, wait_or_kill
 from nemo_gen.fleet.refit import apply_staged, stage
 from nemo_gen.fleet.shard import ShardHandle, launch_shard, stop_actor
@@ -40,11 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from nemo_gen.fleet.fleet import GenerationFleet
 
 log = logging.getLogger(__name__)
-
-
-class ShardRetired(NemoGenError):
-    """A shard spent its restart attempts (health.max_restart_attempts_per_shard). Not
-    retriable: neither infra nor data, it is the policy's final answer."""
 
 
 @dataclass
@@ -258,11 +253,6 @@ def _stale(fleet: "GenerationFleet", key: Any, version: int) -> NemoGenError:
         fleet.health.mark_loaded(key)  # STALE, with the reason on record
     log.warning("shard %s: %s", key, reason)
     return StaleShard(reason)
-
-
-class StaleShard(NemoGenError):
-    """The replacement is up but nothing can bring it to the fleet's version until the next
-    refit. Not retriable: restarting again would not help."""
 
 
 def _attempts(fleet: "GenerationFleet", index: int) -> int:

@@ -186,3 +186,11 @@ def test_vllm_engine_death_is_infra_even_wrapped_by_ray():
     assert is_retriable(EngineDeadError("EngineCore encountered an issue"))
     assert is_retriable(RayTaskError(EngineDeadError("dead")))
     assert not is_retriable(RayTaskError(ValueError("bad sampling params")))
+
+
+def test_recovery_outcomes_that_another_attempt_cannot_fix_are_not_retried():
+    from nemo_gen.errors import EngineStartError, ShardRetired, StaleShard
+
+    assert is_retriable(EngineStartError(1, "killed while loading"))
+    assert not is_retriable(ShardRetired("shard 1 retired after 5 restart attempt(s)"))
+    assert not is_retriable(StaleShard("no source for weight version 3"))
