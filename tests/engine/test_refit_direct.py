@@ -3,8 +3,8 @@
 
 One vLLM engine, in a subprocess (no Ray, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the script can
 switch paths): both paths must load the same weights, token for token, and get back to the
-original weights exactly. A drafter fleet shows a refit that splits a stacked layer refused in
-phase 1, before any weight changes."""
+original weights exactly. (A refit that splits a stacked layer is refused in phase 1: see
+``test_refit_draft.py``, which has the drafter fleet.)"""
 
 from __future__ import annotations
 
@@ -15,12 +15,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import ray
 import torch
-from safetensors.torch import load_file
 
-from nemo_gen import GenerationFleet
-from nemo_gen.core.refit import RefitError
 from nemo_gen.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -142,35 +138,3 @@ def test_models_the_direct_path_does_not_handle_fall_back_to_reload_weights():
     assert DirectLoad.why_not(plain, lora) == "LoRA is enabled"
     quant = SimpleNamespace(lora_config=None, model_config=SimpleNamespace(quantization="fp8"))
     assert DirectLoad.for_model(plain, quant) is None
-
-
-@pytest.fixture(scope="module")
-def draft_fleet(ray_cluster, make_settings, tiny_model_dir):
-    settings = make_settings(
-        fleet__name="draft-direct", fleet__num_shards=1, refit__draft=True,
-        generation__vllm_kwargs={"speculative_config": {
-            "method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3}},
-    )
-    with GenerationFleet.launch(settings) as fleet:
-        yield fleet
-
-
-def test_a_refit_that_splits_a_stacked_layer_is_refused_before_any_change(draft_fleet, tiny_model_dir, tmp_path):
-    fleet = draft_fleet
-    actor = fleet.shards[0].actor
-    digests = lambda: ray.get([actor.digest.remote("policy"), actor.digest.remote("draft")], timeout=60)
-    before, version = digests(), fleet.weight_version
-    other = load_file(str(make_tiny_model(tmp_path / "other", seed=3) / "model.safetensors"))
-    q_only = {"draft.model.layers.0.self_attn.q_proj.weight": other["model.layers.0.self_attn.q_proj.weight"]}
-    with pytest.raises(RefitError, match="no weight was changed") as err:
-        fleet.refit(q_only)
-    assert "model.layers.0.self_attn.qkv_proj lacks" in str(err.value)
-    assert digests() == before and fleet.weight_version == version
-    assert {s.state for s in fleet.status()} == {"healthy"}
-    # The whole stacked layer is fine, and changes the drafter only (the digest sees the norm: the
-    # packed linear weights live in the CPU kernel, not in parameters).
-    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["model.layers.0.input_layernorm.weight"]
-    other["model.layers.0.input_layernorm.weight"] = other["model.layers.0.input_layernorm.weight"] * 1.5
-    assert fleet.refit({"draft." + n: other[n] for n in names}).ok
-    policy, draft = digests()
-    assert policy == before[0] and draft != before[1]

@@ -79,3 +79,23 @@ def test_full_draft_refit_requires_draft_tensors(spec_fleet, tiny_model_dir):
             fleet.refit(partial)
     finally:
         cfg["_draft_full_refit"] = False
+
+
+def test_a_refit_that_splits_a_stacked_layer_is_refused_before_any_change(spec_fleet, tmp_path):
+    """Runs last in this module: it changes the drafter's first layer."""
+    fleet = spec_fleet
+    before, version = digests(fleet), fleet.weight_version
+    other = load_file(str(make_tiny_model(tmp_path / "other", seed=3) / "model.safetensors"))
+    q_only = {"draft.model.layers.0.self_attn.q_proj.weight": other["model.layers.0.self_attn.q_proj.weight"]}
+    with pytest.raises(RefitError, match="no weight was changed") as err:
+        fleet.refit(q_only)
+    assert "model.layers.0.self_attn.qkv_proj lacks" in str(err.value)
+    assert digests(fleet) == before and fleet.weight_version == version
+    assert {s.state for s in fleet.status()} == {"healthy"}
+    # The whole stacked layer is fine, and changes the drafter only (the digest sees the norm: the
+    # packed linear weights live in the CPU kernel, not in parameters).
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["model.layers.0.input_layernorm.weight"]
+    other["model.layers.0.input_layernorm.weight"] = other["model.layers.0.input_layernorm.weight"] * 1.5
+    assert fleet.refit({"draft." + n: other[n] for n in names}).ok
+    policy, draft = digests(fleet)
+    assert policy == before[0] and draft != before[1]
