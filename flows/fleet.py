@@ -14,7 +14,7 @@ from typing import Any
 from prefect import flow
 
 from flows.artifacts import progress_artifact, publish_fleet_health
-from flows.params import FleetParams, checked, require_ray_address
+from flows.params import fleet_settings
 from tasks import fleet as fleet_tasks
 from tasks import lifecycle
 from tasks import setup as setup_tasks
@@ -24,8 +24,7 @@ from tasks import setup as setup_tasks
 def fleet_up(config: str | None = None, overrides: list[str] | None = None) -> list[dict[str, Any]]:
     """configure environment -> attach, or launch every shard -> (train mode: first refit) ->
     publish fleet health -> detach, leaving the shards running."""
-    _, settings = checked(FleetParams, dict(config=config, overrides=overrides), "fleet-up")
-    require_ray_address(settings)
+    settings = fleet_settings(config, overrides, "fleet-up")
     setup_tasks.configure_environment(settings)
     fleet = lifecycle.attach(settings, missing_ok=True)
     if fleet is None:
@@ -43,8 +42,7 @@ def fleet_up(config: str | None = None, overrides: list[str] | None = None) -> l
 @flow(name="fleet-down")
 def fleet_down(config: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """attach -> stop every shard and wait for its engine processes -> publish fleet health."""
-    _, settings = checked(FleetParams, dict(config=config, overrides=overrides), "fleet-down")
-    require_ray_address(settings)
+    settings = fleet_settings(config, overrides, "fleet-down")
     setup_tasks.configure_environment(settings)
     fleet = lifecycle.attach(settings)
     rows = [s.to_json() for s in fleet.status()]

@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow
 
 from flows.artifacts import publish_fleet_health
-from flows.params import FleetParams, checked, require_ray_address
+from flows.params import fleet_settings
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.errors import InfraError
 from tasks import lifecycle
@@ -25,8 +25,7 @@ from tasks import setup as setup_tasks
 
 @flow(name="heal")
 def heal(config: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    _, settings = checked(FleetParams, dict(config=config, overrides=overrides), "heal")
-    require_ray_address(settings)
+    settings = fleet_settings(config, overrides, "heal")
     setup_tasks.configure_environment(settings)
     fleet = lifecycle.attach(settings)
     try:

@@ -147,6 +147,14 @@ def _settings(params: _Params) -> NemoGenSettings:
     return NemoGenSettings.load(params.config, params.overrides)
 
 
+def fleet_settings(config: str | None, overrides: list[str] | None, flow: str) -> NemoGenSettings:
+    """Settings of a flow that acts on a long-lived fleet (fleet-up, fleet-down, heal): its
+    parameters checked, and a Ray cluster that outlives the run required."""
+    _, settings = checked(FleetParams, dict(config=config, overrides=overrides), flow)
+    require_ray_address(settings)
+    return settings
+
+
 def require_ray_address(settings: NemoGenSettings) -> None:
     """A fleet that outlives one run needs a Ray cluster that does too."""
     if settings.ray.address is None:
