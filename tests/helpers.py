@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import time
 
-import psutil
+from nemo_gen.fleet.processes import alive as running
 
 
 def alive(pids) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    """The PIDs still running (a zombie has exited: it holds no memory)."""
+    return [pid for pid in pids if running(pid)]
 
 
 def wait_gone(pids, timeout_s: float = 30.0) -> list[int]:
