@@ -235,6 +235,13 @@ class RefitSettings(_Section):
         Path("/dev/shm"), description="Directory of the shared-memory staging file (CPU transport)."
     )
     timeout_s: float = Field(600.0, gt=0, description="Deadline for each refit phase on a shard.")
+    backend: str = Field(
+        "nemo_gen_shm",
+        min_length=1,
+        description="vLLM weight-transfer backend the engines start with (weight_transfer_config), "
+        "used by trainers that drive fleet.weight_sync_client(): 'nemo_gen_shm' (shared memory, any "
+        "device), or vLLM's own 'ipc' (CUDA IPC, colocated GPU trainer) / 'nccl' (separate GPUs).",
+    )
     draft: bool = Field(
         False,
         description="Refits carry the speculative drafter's weights (names under 'draft.'): "

@@ -26,6 +26,7 @@ def engine_kwargs(
     tokenizer_dir: str,
     device: Device,
     seed: int = 0,
+    weight_transfer_backend: str | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` from a configured generation dict.
 
@@ -80,6 +81,10 @@ def engine_kwargs(
         kwargs["distributed_executor_backend"] = "mp" if device == "cpu" else "ray"
     # A user's own extension must subclass nemo_gen's (refit calls its nemo_gen_* methods).
     kwargs["worker_extension_cls"] = vc.get("worker_extension_cls") or WORKER_EXTENSION
+    if weight_transfer_backend:
+        # vLLM's refit protocol (fleet.weight_sync_client); the worker builds this backend's
+        # engine when it loads the model (the extension registers "nemo_gen_shm" before that).
+        kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
     kwargs.update(gen_cfg.get("vllm_kwargs") or {})
     return kwargs
 

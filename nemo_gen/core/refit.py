@@ -222,3 +222,42 @@ class RefitReport:
             "ok": self.ok,
             "shards": [s.__dict__ for s in self.shards],
         }
+
+
+# -- vLLM's weight-sync protocol, driven across a fleet (nemo_gen.fleet.weight_sync) ---------
+
+
+def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | None:
+    """The tensors one ``update_weights`` chunk carries, from any backend's update info:
+    vLLM's own (``names`` / ``shapes`` / ``dtype_names``: ipc, nccl) or nemo_gen_shm's
+    (``entries`` of [name, shape, dtype, offset]). None when the chunk does not say (a backend
+    with another layout: it is passed on unchecked). Floating dtypes are taken as the engine's:
+    the engines' loaders cast, so only names and shapes must match."""
+    if "entries" in update_info:
+        rows = [(e[0], e[1], e[2]) for e in update_info["entries"]]
+    elif "names" in update_info and "shapes" in update_info:
+        dtypes = update_info.get("dtype_names") or [engine_dtype] * len(update_info["names"])
+        rows = list(zip(update_info["names"], update_info["shapes"], dtypes))
+    else:
+        return None
+    metas = []
+    for name, shape, dtype in rows:
+        dtype = canonical_dtype(str(dtype).removeprefix("torch."))
+        if dtype.startswith(("float", "bfloat")):
+            dtype = engine_dtype
+        metas.append(TensorMeta.of(name, shape, dtype))
+    return metas
+
+
+def nccl_rank_offsets(workers_per_engine: Sequence[int], first: int = 1) -> list[int]:
+    """NCCL ranks of each engine's first worker when one trainer rank (0) broadcasts to several
+    independent engines: vLLM numbers an engine's workers from the ``rank_offset`` it is given,
+    so engine i starts where engine i-1's workers end. The group's world size is the last
+    offset plus that engine's workers."""
+    offsets, nxt = [], first
+    for n in workers_per_engine:
+        if n < 1:
+            raise ValueError(f"an engine has {n} workers")
+        offsets.append(nxt)
+        nxt += n
+    return offsets

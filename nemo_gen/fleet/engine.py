@@ -132,16 +132,24 @@ class Engine:
     @contextlib.asynccontextmanager
     async def exclusive(self):
         """Wait for in-flight requests to finish and hold new ones back until the block ends."""
+        await self.hold()
+        try:
+            yield
+        finally:
+            await self.release()
+
+    async def hold(self) -> None:
+        """``exclusive`` for a refit driven call by call from outside (vLLM's weight-sync
+        protocol): requests wait from here until ``release``."""
         async with self._idle:
             await self._idle.wait_for(lambda: not self._exclusive)
             self._exclusive = True
             await self._idle.wait_for(lambda: self._inflight == 0)
-        try:
-            yield
-        finally:
-            async with self._idle:
-                self._exclusive = False
-                self._idle.notify_all()
+
+    async def release(self) -> None:
+        async with self._idle:
+            self._exclusive = False
+            self._idle.notify_all()
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""

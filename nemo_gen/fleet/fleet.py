@@ -42,6 +42,7 @@ from nemo_gen.settings import NemoGenSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from nemo_gen.core.refit import RefitReport
+    from nemo_gen.fleet.weight_sync import FleetWeightSyncClient
 
 log = logging.getLogger(__name__)
 
@@ -448,6 +449,17 @@ class GenerationFleet:
 
         self._check_open()
         return run_refit(self, source, version)
+
+    def weight_sync_client(self, version: int | None = None, draft: bool = False) -> "FleetWeightSyncClient":
+        """This fleet as a ``VLLMWeightSyncClient``: hand it to one of vLLM's trainer engines
+        (``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)``) and
+        ``send_weights()`` refits every shard through the engines' ``refit.backend``, with the
+        fleet's versions, checks and quarantine; see ``nemo_gen.fleet.weight_sync``. ``draft``:
+        the updates go to the speculative drafter (names without the ``draft.`` prefix)."""
+        from nemo_gen.fleet.weight_sync import FleetWeightSyncClient
+
+        self._check_open()
+        return FleetWeightSyncClient(self, version, draft=draft)
 
     @property
     def engine_dtype(self) -> str:

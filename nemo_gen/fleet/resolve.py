@@ -105,7 +105,8 @@ def resolve_generation(
         # costs the fewest shards.
         hints = spread_shards(plan, cluster)
     kwargs = engine_args.engine_kwargs(
-        gen_cfg, model_dir=str(model_dir), tokenizer_dir=str(tokenizer_dir), device=device
+        gen_cfg, model_dir=str(model_dir), tokenizer_dir=str(tokenizer_dir), device=device,
+        weight_transfer_backend=settings.refit.backend,
     )
     version = 0 if settings.is_eval() else None
     cores = _cores_per_shard(settings, plan, cluster)

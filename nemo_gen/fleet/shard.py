@@ -198,6 +198,45 @@ class ShardActor:
             self.weight_source = source
         return time.perf_counter() - t0
 
+    async def weight_sync(self, step: str, payload: Any = None, timeout_s: float = 600.0) -> None:
+        """One step of vLLM's weight-sync protocol on this engine's workers, with the shard's
+        refit rules around it: from ``start`` until ``finish`` or ``abort`` requests are held
+        back and the shard claims no version (its weights may be half-loaded); ``finish``
+        stamps ``payload`` as the version; ``abort`` ends the workers' session and restores the
+        old version only when ``payload`` says nothing was loaded."""
+        rpc = {"init": "init_weight_transfer_engine", "start": "start_weight_update",
+               "start_draft": "start_draft_weight_update", "update": "update_weights",
+               "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
+        if step in ("start", "start_draft"):
+            await self.engine.hold()
+            self._sync_was = (self.weight_version, self.weight_source)
+            self.weight_version, self.weight_source = None, None
+            try:
+                await self.engine.rpc(rpc[step], timeout=timeout_s)
+            except BaseException:
+                self.weight_version, self.weight_source = self._sync_was  # nothing was loaded
+                await self.engine.release()
+                raise
+        elif step == "abort":
+            try:  # end the workers' session (a layerwise reload puts unloaded layers back)
+                await self.engine.rpc(rpc["finish"], timeout=timeout_s)
+            except Exception:
+                payload = False  # the workers' state is unknown: claim no version
+            finally:
+                if payload:  # nothing reached the weights
+                    self.weight_version, self.weight_source = self._sync_was
+                await self.engine.release()
+        elif step == "finish":
+            try:
+                await self.engine.rpc(rpc[step], timeout=timeout_s)
+                self.weight_version = payload
+            finally:
+                await self.engine.release()
+        elif step in rpc:
+            await self.engine.rpc(rpc[step], *(() if payload is None else (payload,)), timeout=timeout_s)
+        else:
+            raise ValueError(f"unknown weight-sync step {step!r}")
+
     def shutdown(self) -> list[int]:
         """Stop the engine's processes; returns the PIDs that were running, for the caller to check."""
         if self.engine is None:

@@ -72,19 +72,7 @@ class NemoGenWorkerExtension:
         return drafter if drafter is not None and getattr(drafter, "model", None) is not None else None
 
     def _shared_with_policy(self) -> list[str]:
-        """Checkpoint names of drafter tensors that are the policy's own storage (EAGLE-style
-        drafters share embed_tokens / lm_head): a draft refit must never write through them."""
-        drafter, policy = self._drafter(), self.model_runner.get_model()
-        policy_ptrs = {p.data_ptr() for p in policy.parameters()}
-        shared = []
-        for name, module_path in (("model.embed_tokens.weight", "model.embed_tokens"), ("lm_head.weight", "lm_head")):
-            try:
-                param = drafter.model.get_submodule(module_path).weight
-            except AttributeError:
-                continue
-            if param.data_ptr() in policy_ptrs:
-                shared.append(name)
-        return shared
+        return shared_with_policy(self._drafter().model, self.model_runner.get_model())
 
     def nemo_gen_expected_manifest(self, target: str = "policy") -> dict[str, Any]:
         """What a refit of ``target`` ("policy" or "draft") must provide: names, shapes, dtypes,
@@ -131,44 +119,98 @@ class NemoGenWorkerExtension:
         return seen
 
     def nemo_gen_load_staged(self, path: str, total: int, entries: list[Entry], target: str = "policy") -> int:
-        """Phase 2: load the staged tensors into the model (or the drafter) in place.
-
-        The direct path (``DirectLoad``) when every module of the model is one it handles; vLLM's
-        ``reload_weights`` otherwise (the CPU backend repacks linear weights after loading, and
-        only the reload path, or ours, redoes that step)."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
+        """Phase 2: load the staged tensors into the model (or the drafter) in place, through
+        ``WeightLoad`` (the direct path, or vLLM's layerwise reload for models it does not handle)."""
         weights = open_staged(path, total, entries)
+        model, model_config = self._model_and_config(target)
         if target == "draft":
             shared = set(self._shared_with_policy())
             weights = ((n, t) for n, t in weights if n not in shared)
-        model, config = self._model_and_config(target)
-        direct = None if _forced_reload() else DirectLoad.for_model(model, config)
-        if direct is None:
-            self.nemo_gen_last_load = "reload_weights"
-            if target == "draft":
-                reload_weights(config, model, weights, None, True)
-            else:
-                self.model_runner.reload_weights(weights_iterator=weights)
-            return len(entries)
-        self.nemo_gen_last_load = "direct"
-        direct.load(weights, _scratch_pool(self))
+        load = WeightLoad(model, self.vllm_config, model_config, _scratch_pool(self))
+        load.begin()
+        load.load(weights)
+        load.finish()
+        self.nemo_gen_last_load = load.path
         if target != "draft":  # what the runner's reload_weights does after loading
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
         return len(entries)
 
     def _model_and_config(self, target: str):
+        """(model, its ModelConfig) for ``target``: the policy, or the speculative drafter."""
         if target == "draft":
-            drafter = self._drafter()
-            make = getattr(drafter, "_create_draft_vllm_config", None)
-            return drafter.model, (make() if make is not None else drafter.vllm_config)
-        return self.model_runner.get_model(), self.model_runner.vllm_config
+            return self._drafter().model, self.vllm_config.speculative_config.draft_model_config
+        return self.model_runner.get_model(), self.model_runner.model_config
 
     def nemo_gen_load_path(self, target: str = "policy") -> str:
         """Which path a refit of ``target`` takes here: "direct" or "reload_weights" (and why)."""
-        reason = f"{FORCE_RELOAD_ENV}=reload_weights" if _forced_reload() else DirectLoad.why_not(*self._model_and_config(target))
+        model, model_config = self._model_and_config(target)
+        reason = WeightLoad.why_not_direct(model, self.vllm_config, model_config)
         return "direct" if reason is None else f"reload_weights: {reason}"
+
+
+def shared_with_policy(drafter: Any, policy: Any) -> list[str]:
+    """Checkpoint names of drafter tensors that are the policy's own storage (EAGLE-style
+    drafters share embed_tokens / lm_head): a draft refit must never write through them."""
+    policy_ptrs = {p.data_ptr() for p in policy.parameters()}
+    shared = []
+    for name, module_path in (("model.embed_tokens.weight", "model.embed_tokens"), ("lm_head.weight", "lm_head")):
+        try:
+            param = drafter.get_submodule(module_path).weight
+        except AttributeError:
+            continue
+        if param.data_ptr() in policy_ptrs:
+            shared.append(name)
+    return shared
+
+
+class WeightLoad:
+    """One in-place load of checkpoint-format weights into a running model, in vLLM's
+    begin / load (one or more batches) / finish shape.
+
+    The direct path (``DirectLoad``) when every module of the model is one it handles; vLLM's
+    layerwise reload otherwise (``initialize_layerwise_reload`` ... ``finalize_layerwise_reload``,
+    what ``reload_weights`` does in one call): the CPU backend repacks linear weights after
+    loading, and only those two paths redo that step."""
+
+    def __init__(self, model: Any, vllm_config: Any, model_config: Any, pool: "ScratchPool"):
+        self.model, self.model_config, self.pool = model, model_config, pool
+        self.direct = None if _forced_reload() else DirectLoad.for_model(model, vllm_config, model_config)
+        self.path = "direct" if self.direct is not None else "reload_weights"
+        self._begun = False
+
+    @staticmethod
+    def why_not_direct(model: Any, vllm_config: Any, model_config: Any) -> str | None:
+        if _forced_reload():
+            return f"{FORCE_RELOAD_ENV}=reload_weights"
+        return DirectLoad.why_not(model, vllm_config, model_config)
+
+    def begin(self) -> None:
+        if self.direct is None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+        self._begun = True
+
+    def load(self, weights) -> None:
+        """Load a batch of (name, tensor). On the direct path a repacked layer must arrive whole
+        within one batch (its parts are one kernel tensor)."""
+        if not self._begun:
+            raise RuntimeError("WeightLoad.load before begin")
+        import torch
+
+        if self.direct is not None:
+            self.direct.load(weights, self.pool)
+        else:
+            with torch.no_grad():
+                self.model.load_weights(weights)
+
+    def finish(self) -> None:
+        if self.direct is None and self._begun:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+        self._begun = False
 
 
 # A diagnostic override, set in the engine's environment (generation.vllm_cfg.env_vars): load
@@ -255,17 +297,20 @@ class DirectLoad:
         self.model, self.model_config, self.kinds = model, model_config, kinds
 
     @classmethod
-    def for_model(cls, model: Any, vllm_config: Any) -> DirectLoad | None:
-        kinds = cls._kinds(model, vllm_config)
-        return None if isinstance(kinds, str) else cls(model, vllm_config.model_config, kinds)
+    def for_model(cls, model: Any, vllm_config: Any, model_config: Any = None) -> DirectLoad | None:
+        """``model_config``: the loaded model's own (a drafter's differs from the policy's);
+        default ``vllm_config.model_config``."""
+        model_config = model_config or vllm_config.model_config
+        kinds = cls._kinds(model, vllm_config, model_config)
+        return None if isinstance(kinds, str) else cls(model, model_config, kinds)
 
     @classmethod
-    def why_not(cls, model: Any, vllm_config: Any) -> str | None:
-        kinds = cls._kinds(model, vllm_config)
+    def why_not(cls, model: Any, vllm_config: Any, model_config: Any = None) -> str | None:
+        kinds = cls._kinds(model, vllm_config, model_config or vllm_config.model_config)
         return kinds if isinstance(kinds, str) else None
 
     @staticmethod
-    def _kinds(model: Any, vllm_config: Any) -> dict | str:
+    def _kinds(model: Any, vllm_config: Any, model_config: Any) -> dict | str:
         """module -> "packed" | "processed" | "plain" | "attention", or why the model is not eligible."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -282,8 +327,8 @@ class DirectLoad:
             return "not a CPU engine"
         if vllm_config.lora_config is not None:
             return "LoRA is enabled"
-        if vllm_config.model_config.quantization is not None:
-            return f"quantization {vllm_config.model_config.quantization}"
+        if model_config.quantization is not None:
+            return f"quantization {model_config.quantization}"
         if callable(getattr(model, "process_weights_after_loading", None)):
             return f"{type(model).__name__} post-processes its weights as a whole"
         kinds: dict = {}
@@ -420,3 +465,9 @@ class DirectLoad:
                 if state["buf"] is not None:
                     pool.give(state["buf"])
             packed.clear()
+
+
+# vLLM creates a worker's weight-transfer engine by name while loading the model, after this
+# module (the worker extension) is imported: registering here puts "nemo_gen_shm" in every
+# worker's registry in time. Last in the module: vllm_backend imports names defined above.
+import nemo_gen.refit.vllm_backend  # noqa: E402,F401

@@ -138,6 +138,78 @@ def test_sharded_checkpoint_with_index(fleets, tiny_model_dir, model_b, tmp_path
     fleet.refit(str(tiny_model_dir))
 
 
+def _trainer(fleet, model_dir, tmp_path, mutate=None):
+    """vLLM's trainer-side API, as an RL trainer uses it, with this fleet as the client: a
+    torch module (the "policy") as the weight source, nemo_gen's shared-memory backend."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+
+    policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if mutate is not None:
+        mutate(policy)
+    client = fleet.weight_sync_client()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SharedMemoryTrainerInitInfo(staging_dir=str(tmp_path)), client=client, source=ModuleSource(policy)
+    )
+    return client, engine
+
+
+def test_a_vllm_trainer_engine_refits_the_fleet_through_its_weight_sync_client(fleets, tiny_model_dir, model_b, tmp_path):
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    before, original = fleet.weight_version, greedy(fleet)
+    client, engine = _trainer(fleet, model_b, tmp_path)
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    report = client.report
+    assert report.ok and report.version == before + 1 == fleet.weight_version
+    assert [s.shard for s in report.shards] == [0, 1]
+    on_disk = load_file(str(model_b / "model.safetensors"))
+    assert report.tensors == len(on_disk)
+    assert report.bytes == sum(t.numel() * 4 for t in on_disk.values())  # counted in the engines' float32
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert {r.shard for r in results} == {0, 1} and {r.weight_version for r in results} == {before + 1}
+    assert [r.token_ids for r in results] == greedy(fresh)
+    assert fleet.refit(str(tiny_model_dir)).ok
+    assert greedy(fleet) == original
+
+
+def test_weight_sync_refuses_a_bad_chunk_before_any_shard_changes(fleets, tiny_model_dir, model_b, tmp_path):
+    fleet = fleets["main"]
+    version, outputs = fleet.weight_version, greedy(fleet)
+
+    def widen(policy):  # a trainer whose norm has the wrong size
+        policy.model.norm.weight = torch.nn.Parameter(torch.ones(7))
+
+    client, engine = _trainer(fleet, model_b, tmp_path, mutate=widen)
+    try:
+        with pytest.raises(RefitError, match=r"model.norm.weight: shape \[7\] but the model has \[128\]"):
+            engine.send_weights()
+    finally:
+        engine.shutdown()
+    assert client.report is None and fleet.weight_version == version
+    assert {s.state for s in fleet.status()} == {"healthy"}
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert [r.token_ids for r in results] == outputs and {r.weight_version for r in results} == {version}
+    # the session ended everywhere: the fleet's own refit path is free again
+    assert fleet.refit(str(tiny_model_dir)).ok
+
+
+def test_weight_sync_client_gives_each_shard_its_nccl_ranks(fleets):
+    client = fleets["main"].weight_sync_client()
+    assert client.nccl_world_size() == 3  # the trainer's rank + 2 shards x 1 worker
+    with pytest.raises(RefitError, match="world_size 2, but this fleet needs 3"):
+        client.init_weight_transfer_engine(
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+        )
+    with pytest.raises(RefitError, match="no weight update in progress"):
+        client.update_weights({"entries": []})
+
+
 def test_a_shard_lost_during_refit_never_serves(fleets, model_b):
     """Runs last: shard 1's actor is frozen (SIGSTOP) while the refit runs, then killed."""
     fleet, fresh = fleets["main"], fleets["fresh_b"]

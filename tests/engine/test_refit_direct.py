@@ -59,7 +59,7 @@ def main():
     direct = ext.DirectLoad.for_model
 
     def load(staged, path):
-        ext.DirectLoad.for_model = direct if path == "direct" else classmethod(lambda cls, m, c: None)
+        ext.DirectLoad.for_model = direct if path == "direct" else classmethod(lambda cls, *a: None)
         llm.collective_rpc("nemo_gen_load_staged", args=(*staged, "policy"))
         assert worker.nemo_gen_last_load == path, worker.nemo_gen_last_load
         return greedy()

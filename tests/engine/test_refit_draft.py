@@ -57,6 +57,37 @@ def test_draft_refit_changes_the_drafter_and_not_the_policy(spec_fleet, tiny_mod
     assert digests(fleet) == [policy0, draft0]
 
 
+def test_a_vllm_trainer_engine_refits_the_drafter_only(spec_fleet, tiny_model_dir, tmp_path):
+    """vLLM's trainer API with fleet.weight_sync_client(draft=True): the drafter's weights change
+    (including the embeddings it loads as its own), the policy's do not."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+
+    fleet = spec_fleet
+    before = [r.token_ids for r in fleet.generate(PROMPTS, temperature=0)]
+    policy0, draft0 = digests(fleet)
+    drafter = AutoModelForCausalLM.from_pretrained(str(make_tiny_model(tmp_path / "other", seed=7)))
+    client = fleet.weight_sync_client(draft=True)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SharedMemoryTrainerInitInfo(staging_dir=str(tmp_path)), client=client, source=ModuleSource(drafter)
+    )
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    assert client.report.ok and client.report.version == fleet.weight_version
+    policy1, draft1 = digests(fleet)
+    assert policy1 == policy0 and draft1 != draft0
+    results = fleet.generate(PROMPTS, temperature=0)
+    assert [r.token_ids for r in results] == before  # lossless speculative decoding
+    assert {r.weight_version for r in results} == {client.report.version}
+    fleet.refit(draft_tensors(tiny_model_dir))
+    assert digests(fleet) == [policy0, draft0]
+
+
 def test_partial_draft_refit_is_accepted_and_bad_names_are_not(spec_fleet, tiny_model_dir):
     fleet = spec_fleet
     tensors = draft_tensors(tiny_model_dir)

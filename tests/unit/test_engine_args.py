@@ -247,3 +247,13 @@ def test_gpu_env_has_no_cpu_vars():
     env = _env("gpu", cores=[0, 1], omp=4, kv=2.0, env_vars={"FOO": "bar"})
     assert env == {"FOO": "bar"}
     assert _env("gpu") == {}
+
+
+def test_weight_transfer_backend_becomes_vllms_weight_transfer_config():
+    kw = engine_kwargs({}, model_dir="m", tokenizer_dir="t", device="cpu", weight_transfer_backend="nemo_gen_shm")
+    assert kw["weight_transfer_config"] == {"backend": "nemo_gen_shm"}
+    assert "weight_transfer_config" not in engine_kwargs({}, model_dir="m", tokenizer_dir="t", device="cpu")
+    # vllm_kwargs still win over everything derived
+    kw = engine_kwargs({"vllm_kwargs": {"weight_transfer_config": {"backend": "nccl"}}}, model_dir="m",
+                       tokenizer_dir="t", device="gpu", weight_transfer_backend="ipc")
+    assert kw["weight_transfer_config"] == {"backend": "nccl"}

@@ -13,7 +13,9 @@ from nemo_gen.core.refit import (
     buckets,
     canonical_dtype,
     check_manifest,
+    chunk_metas,
     layout,
+    nccl_rank_offsets,
     next_version,
     split_draft,
 )
@@ -103,3 +105,26 @@ def test_report_totals():
     assert r.seconds == 2.0 and r.gb_per_s == 1.0
     assert not r.ok and [s.shard for s in r.failed] == [1]
     assert r.to_json()["shards"][1]["error"] == "boom"
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's weight-sync protocol: what a chunk carries, NCCL ranks across independent engines
+
+
+def test_chunk_metas_reads_vllm_and_nemo_gen_update_infos_alike():
+    vllm_style = {"names": ["a", "b"], "shapes": [[2, 3], [4]], "dtype_names": ["bfloat16", "int64"], "ipc_handles": []}
+    ours = {"path": "/dev/shm/x", "total": 64, "entries": [["a", [2, 3], "float16", 0], ["b", [4], "int64", 64]]}
+    want = [TensorMeta.of("a", (2, 3), "float32"), TensorMeta.of("b", (4,), "int64")]
+    # floating dtypes are the engine's (its loaders cast); integer ones must match
+    assert chunk_metas(vllm_style, "float32") == want
+    assert chunk_metas(ours, "float32") == want
+    assert chunk_metas({"names": ["a"], "shapes": [[1]]}, "bfloat16") == [TensorMeta.of("a", (1,), "bfloat16")]
+    assert chunk_metas({"something": "else"}, "float32") is None  # another layout: passed on unchecked
+
+
+def test_nccl_rank_offsets_put_each_engine_after_the_last():
+    assert nccl_rank_offsets([1, 1, 1]) == [1, 2, 3]
+    assert nccl_rank_offsets([2, 4, 2], first=1) == [1, 3, 7]  # world size 7 + 2 = 9
+    assert nccl_rank_offsets([]) == []
+    with pytest.raises(ValueError, match="0 workers"):
+        nccl_rank_offsets([2, 0])

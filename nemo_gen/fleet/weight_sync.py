@@ -1,0 +1,296 @@
+"""The fleet as a client of vLLM's weight-sync protocol (``VLLMWeightSyncClient``).
+
+A trainer written against vLLM's refit API builds a trainer engine with a client and a
+weight source, and calls ``send_weights()``; the engine drives ``init_weight_transfer_engine``
+-> ``start_weight_update`` -> ``update_weights`` (chunks) -> ``finish_weight_update``. Given
+``fleet.weight_sync_client()`` as that client, the trainer refits every shard of the fleet
+through whichever backend the engines were started with (``refit.backend``): nemo_gen's
+``nemo_gen_shm`` on any machine, vLLM's ``ipc`` (a colocated GPU trainer) or ``nccl``.
+
+The fleet's refit rules hold around the backend's bytes:
+- one refit at a time (the fleet's refit lock, held from start to finish), versions only move
+  forward, warm spares take every refit;
+- every chunk's names and shapes are checked against the engine's own manifest before any
+  shard sees it; a bad first chunk is refused with nothing changed (shards keep serving the old
+  version), and so is a finish with no chunk;
+- a shard that fails while loading, or a refit that ends without a tensor the model needs,
+  never serves again with those weights: it is quarantined (recovery restarts it), the report
+  says which and why, and the shards that succeeded serve the new version;
+- NCCL: each shard's workers get their own ``rank_offset`` in the one group the trainer opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from nemo_gen.core.refit import (
+    RefitError,
+    RefitReport,
+    ShardRefit,
+    TensorMeta,
+    check_manifest,
+    chunk_metas,
+    next_version,
+    nccl_rank_offsets,
+)
+from nemo_gen.fleet.refit import _expected, _label, _metas, _quarantine, _targets
+from nemo_gen.fleet.shard import root_cause
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nemo_gen.fleet.fleet import GenerationFleet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Session:
+    target: str  # "policy" or "draft"
+    version: int
+    handles: dict[Any, Any]  # slot -> ShardHandle, ("spare", name) -> ShardHandle
+    started: float
+    seen: dict[str, TensorMeta] = field(default_factory=dict)
+    chunks: int = 0
+    bytes: int = 0
+    failed: dict[Any, str] = field(default_factory=dict)
+
+
+class FleetWeightSyncClient:
+    """``VLLMWeightSyncClient`` over every shard (and spare) of a fleet; see the module doc.
+    ``version``: the version the next refit installs (default: the previous + 1). ``draft``:
+    ``start_weight_update`` starts a draft update (vLLM's trainer engines only ever call that
+    one; this is how they refit the speculative drafter). After each ``finish_weight_update``,
+    ``report`` holds that refit's ``RefitReport``."""
+
+    def __init__(self, fleet: "GenerationFleet", version: int | None = None, draft: bool = False):
+        self.fleet = fleet
+        self.version = version
+        self.draft = draft
+        self.report: RefitReport | None = None
+        self._attached: set | None = None  # the shards init_weight_transfer_engine reached
+        self._session: _Session | None = None
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def workers_per_shard(self) -> int:
+        vc = self.fleet.resolved.generation_config.get("vllm_cfg", {})
+        return int(vc.get("tensor_parallel_size", 1)) * int(vc.get("pipeline_parallel_size", 1))
+
+    def _members(self) -> dict[Any, Any]:
+        handles: dict[Any, Any] = {i: self.fleet._shards[i] for i in _targets(self.fleet)}
+        handles.update({("spare", h.name): h for h in self.fleet.spare_handles()})
+        return handles
+
+    def nccl_world_size(self) -> int:
+        """The NCCL group size a trainer must open (``NCCLTrainerInitInfo.world_size``): the
+        trainer's one rank plus every worker of every shard and spare."""
+        return 1 + self.workers_per_shard() * len(self._members())
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Set up the backend on every shard at once (NCCL rendezvous with the trainer)."""
+        members = self._members()
+        per_shard = {k: dict(init_info) for k in members}
+        if "rank_offset" in init_info:  # NCCL: one group, each shard's workers after the last
+            want = self.nccl_world_size()
+            if init_info.get("world_size") != want:
+                raise RefitError(
+                    f"the NCCL group has world_size {init_info.get('world_size')}, but this fleet needs {want} "
+                    f"(1 trainer rank + {len(members)} shard(s) x {self.workers_per_shard()} worker(s)); "
+                    "use fleet.weight_sync_client().nccl_world_size()"
+                )
+            offsets = nccl_rank_offsets([self.workers_per_shard()] * len(members), first=init_info["rank_offset"])
+            for key, offset in zip(members, offsets):
+                per_shard[key]["rank_offset"] = offset
+        timeout = self.fleet.settings.refit.timeout_s
+        refs = {k: h.actor.weight_sync.remote("init", per_shard[k], timeout) for k, h in members.items()}
+        errors = []
+        for key, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout + 30)
+            except Exception as exc:
+                errors.append(f"shard {_label(key)}: {root_cause(exc)}")
+        if errors:
+            raise RefitError(f"weight transfer could not be set up: {'; '.join(errors)}")
+        self._attached = {h.name for h in members.values()}
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        members = self._members()
+        ray.get([h.actor.weight_sync.remote("shutdown", None, 60) for h in members.values()], timeout=90)
+        self._attached = None
+
+    # -- one refit -----------------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        self._start("draft" if self.draft else "policy")
+
+    def start_draft_weight_update(self) -> None:
+        """The update that follows loads into the speculative drafter (names without 'draft.')."""
+        self._start("draft")
+
+    def _start(self, target: str) -> None:
+        if self._session is not None:
+            raise RefitError("a weight update is already in progress on this client: finish it first")
+        fleet = self.fleet
+        fleet._check_open()
+        if target == "draft" and not _expected(fleet, "draft")["available"]:
+            raise RefitError("a draft weight update, but the engines run no draft model "
+                             "(generation.vllm_kwargs.speculative_config)")
+        fleet.refit_lock.acquire()
+        try:
+            version = next_version(fleet.weight_version, self.version)
+            handles = self._members()
+            if self._attached is not None:  # only the shards the backend was set up on
+                left_out = [_label(k) for k, h in handles.items() if h.name not in self._attached]
+                if left_out:
+                    log.warning("shards %s joined after init_weight_transfer_engine: they stay behind", left_out)
+                handles = {k: h for k, h in handles.items() if h.name in self._attached}
+            session = _Session(target, version, handles, time.perf_counter())
+            step = "start_draft" if target == "draft" else "start"
+            failed = self._fan_out(session, step, None)
+            # A shard that cannot start has loaded nothing: it sits this refit out.
+            session.failed.update(failed)
+            if len(session.failed) == len(handles):
+                raise RefitError(f"no shard could start the weight update: {self._errors(session.failed)}")
+        except BaseException:
+            fleet.refit_lock.release()
+            raise
+        self._session = session
+
+    def update_weights(self, update_info: dict[str, Any] | list) -> None:
+        session = self._require_session()
+        if isinstance(update_info, list):
+            self._abort(restore=session.chunks == 0)
+            raise RefitError(
+                "per-rank update lists address one multi-replica vLLM engine; a nemo_gen fleet takes one "
+                "update_info for all of its shards"
+            )
+        metas = chunk_metas(update_info, self.fleet.engine_dtype)
+        try:
+            if metas is not None:
+                self._check_chunk(session, metas)
+        except RefitError:
+            loaded = session.chunks > 0
+            self._abort(restore=not loaded, reason="a later chunk was refused" if loaded else None)
+            raise
+        session.chunks += 1
+        for key, error in self._fan_out(session, "update", update_info).items():
+            session.failed[key] = f"refit to version {session.version} failed: {error}"
+
+    def finish_weight_update(self, weight_version: str | int | None = None) -> RefitReport:
+        session = self._require_session()
+        fleet = self.fleet
+        try:
+            if session.chunks == 0:
+                self._abort(restore=True)
+                raise RefitError("the weight update carried no chunk: nothing was changed")
+            version = session.version if weight_version is None else next_version(fleet.weight_version, int(weight_version))
+            missing = self._missing(session)
+            if missing:
+                for key in session.handles:
+                    session.failed.setdefault(key, f"the refit to version {version} ended without {missing}")
+            ok = {k: h for k, h in session.handles.items() if k not in session.failed}
+            for key, error in self._fan_out(session, "finish", version, only=ok).items():
+                session.failed[key] = f"refit to version {version} failed while finishing: {error}"
+            self._fan_out(session, "abort", False, only={k: session.handles[k] for k in session.failed})
+            report = RefitReport(version=version, bytes=session.bytes, tensors=len(session.seen),
+                                 stage_seconds=0.0, load_seconds=time.perf_counter() - session.started)
+            for key in session.handles:
+                self._settle(report, key, version, session.failed.get(key))
+            if any(s.ok for s in report.shards):
+                fleet.staged_refit = None  # the staging file, if any, holds an older version
+                fleet.record_weights(version, None)
+            self.report = report
+            return report
+        finally:
+            self._session = None
+            fleet.refit_lock.release()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _require_session(self) -> _Session:
+        if self._session is None:
+            raise RefitError("no weight update in progress: call start_weight_update first")
+        return self._session
+
+    def _check_chunk(self, session: _Session, metas: list[TensorMeta]) -> None:
+        exp = _expected(self.fleet, session.target)
+        what = "draft model" if session.target == "draft" else "model"
+        again = sorted(m.name for m in metas if m.name in session.seen)
+        if again:
+            raise RefitError(f"refit refused: tensors sent twice in one update: {', '.join(again[:8])}")
+        check_manifest(_metas(exp), metas, optional=exp["optional"], partial=True, what=what)
+        shared = sorted(set(exp.get("shared", ())) & {m.name for m in metas})
+        if shared and self.fleet.settings.refit.backend != "nemo_gen_shm":
+            # nemo_gen_shm skips these on the workers; another backend would write through them.
+            raise RefitError(f"refit refused: the drafter shares {', '.join(shared)} with the policy; "
+                             "a draft update must not carry them")
+        for m in metas:
+            session.seen[m.name] = m
+            session.bytes += m.nbytes
+
+    def _missing(self, session: _Session) -> str | None:
+        full = session.target == "policy" or bool(self.fleet.resolved.generation_config.get("_draft_full_refit"))
+        if not full or not session.seen:
+            return None
+        exp = _expected(self.fleet, session.target)
+        missing = sorted(set(exp["tensors"]) - set(session.seen) - set(exp["optional"]))
+        if not missing:
+            return None
+        return f"{len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+
+    def _fan_out(self, session: _Session, step: str, payload: Any, only: dict | None = None) -> dict[Any, str]:
+        """Run one protocol step on the session's shards at once; returns key -> error."""
+        handles = session.handles if only is None else only
+        handles = {k: h for k, h in handles.items() if only is not None or k not in session.failed}
+        timeout = self.fleet.settings.refit.timeout_s
+        refs = {k: h.actor.weight_sync.remote(step, payload, timeout) for k, h in handles.items()}
+        errors = {}
+        for key, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout + 60)
+            except Exception as exc:
+                errors[key] = root_cause(exc)
+        return errors
+
+    def _abort(self, restore: bool, reason: str | None = None) -> None:
+        """End the session on every shard; ``restore``: nothing was loaded, shards keep serving
+        the old version. Otherwise they may hold half-loaded weights and are quarantined."""
+        session = self._session
+        if session is None:
+            return
+        try:
+            errors = self._fan_out(session, "abort", restore, only=session.handles)
+            if not restore or errors:
+                report = RefitReport(version=session.version, bytes=session.bytes, tensors=len(session.seen),
+                                     stage_seconds=0.0, load_seconds=time.perf_counter() - session.started)
+                for key in session.handles:
+                    if not restore or key in errors:
+                        self._settle(report, key, session.version,
+                                     session.failed.get(key) or errors.get(key) or reason or "weight update aborted")
+                self.report = report
+        finally:
+            self._session = None
+            self.fleet.refit_lock.release()
+
+    def _settle(self, report: RefitReport, key: Any, version: int, error: str | None) -> None:
+        fleet = self.fleet
+        handle = self._session.handles[key] if self._session else None
+        if isinstance(key, tuple):  # a warm spare: replaced when it fails
+            if error:
+                fleet.drop_spare(key[1], error)
+            return
+        if handle is not None and not fleet.is_current(key, handle.name):
+            return  # replaced meanwhile
+        if error:
+            _quarantine(fleet, report, key, error)
+        else:
+            fleet.health.report_refit(key, version)
+            report.shards.append(ShardRefit(key, ok=True, seconds=report.load_seconds))
+
+    @staticmethod
+    def _errors(failed: dict[Any, str]) -> str:
+        return "; ".join(f"shard {_label(k)}: {e}" for k, e in failed.items())
