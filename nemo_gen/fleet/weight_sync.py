@@ -71,7 +71,8 @@ class FleetWeightSyncClient:
         self.version = version
         self.draft = draft
         self.report: RefitReport | None = None
-        self._attached: set | None = None  # the shards init_weight_transfer_engine reached
+        self._init_info: dict[str, Any] | None = None  # the trainer's, once it set the backend up
+        self._attached: set[str] = set()  # actor names the backend is set up on
         self._session: _Session | None = None
 
     # -- set-up ------------------------------------------------------------------------------
@@ -91,10 +92,12 @@ class FleetWeightSyncClient:
         return 1 + self.workers_per_shard() * len(self._members())
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Set up the backend on every shard at once (NCCL rendezvous with the trainer)."""
+        """Set up the backend on every shard at once (NCCL rendezvous with the trainer). Shards
+        that join later (replacements, promoted spares) are set up at the next start with the
+        same info — except in an NCCL group, whose membership is fixed: they sit refits out."""
         members = self._members()
         per_shard = {k: dict(init_info) for k in members}
-        if "rank_offset" in init_info:  # NCCL: one group, each shard's workers after the last
+        if _is_group(init_info):  # NCCL: one group, each shard's workers after the last
             want = self.nccl_world_size()
             if init_info.get("world_size") != want:
                 raise RefitError(
@@ -105,22 +108,27 @@ class FleetWeightSyncClient:
             offsets = nccl_rank_offsets([self.workers_per_shard()] * len(members), first=init_info["rank_offset"])
             for key, offset in zip(members, offsets):
                 per_shard[key]["rank_offset"] = offset
+        errors = self._init(members, per_shard)
+        if errors:
+            raise RefitError(f"weight transfer could not be set up: {self._errors(errors)}")
+        self._init_info = dict(init_info)
+
+    def _init(self, members: dict[Any, Any], per_shard: dict[Any, dict]) -> dict[Any, str]:
         timeout = self.fleet.settings.refit.timeout_s
         refs = {k: h.actor.weight_sync.remote("init", per_shard[k], timeout) for k, h in members.items()}
-        errors = []
+        errors = {}
         for key, ref in refs.items():
             try:
                 ray.get(ref, timeout=timeout + 30)
+                self._attached.add(members[key].name)
             except Exception as exc:
-                errors.append(f"shard {_label(key)}: {root_cause(exc)}")
-        if errors:
-            raise RefitError(f"weight transfer could not be set up: {'; '.join(errors)}")
-        self._attached = {h.name for h in members.values()}
+                errors[key] = root_cause(exc)
+        return errors
 
     def shutdown_weight_transfer_engine(self) -> None:
         members = self._members()
         ray.get([h.actor.weight_sync.remote("shutdown", None, 60) for h in members.values()], timeout=90)
-        self._attached = None
+        self._attached, self._init_info = set(), None
 
     # -- one refit -----------------------------------------------------------------------------
 
@@ -142,12 +150,9 @@ class FleetWeightSyncClient:
         fleet.refit_lock.acquire()
         try:
             version = next_version(fleet.weight_version, self.version)
-            handles = self._members()
-            if self._attached is not None:  # only the shards the backend was set up on
-                left_out = [_label(k) for k, h in handles.items() if h.name not in self._attached]
-                if left_out:
-                    log.warning("shards %s joined after init_weight_transfer_engine: they stay behind", left_out)
-                handles = {k: h for k, h in handles.items() if h.name in self._attached}
+            handles = self._admit(self._members())
+            if not handles:
+                raise RefitError("no shard can take this weight update (none is set up for the backend)")
             session = _Session(target, version, handles, time.perf_counter())
             step = "start_draft" if target == "draft" else "start"
             failed = self._fan_out(session, step, None)
@@ -183,11 +188,11 @@ class FleetWeightSyncClient:
     def finish_weight_update(self, weight_version: str | int | None = None) -> RefitReport:
         session = self._require_session()
         fleet = self.fleet
+        if session.chunks == 0:
+            self._abort(restore=True)
+            raise RefitError("the weight update carried no chunk: nothing was changed")
         try:
-            if session.chunks == 0:
-                self._abort(restore=True)
-                raise RefitError("the weight update carried no chunk: nothing was changed")
-            version = session.version if weight_version is None else next_version(fleet.weight_version, int(weight_version))
+            version = self._final_version(session, weight_version)
             missing = self._missing(session)
             if missing:
                 for key in session.handles:
@@ -211,6 +216,19 @@ class FleetWeightSyncClient:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _admit(self, handles: dict[Any, Any]) -> dict[Any, Any]:
+        """The shards this refit reaches: all of them, once the backend is set up on newcomers."""
+        if self._init_info is None:
+            return handles
+        new = {k: h for k, h in handles.items() if h.name not in self._attached}
+        if new and _is_group(self._init_info):
+            log.warning("shards %s joined after the NCCL group formed: they sit this refit out (STALE "
+                        "until a checkpoint refit or a new group)", [_label(k) for k in new])
+        elif new:
+            for key, error in self._init(new, {k: dict(self._init_info) for k in new}).items():
+                log.warning("shard %s: weight transfer could not be set up: %s", _label(key), error)
+        return {k: h for k, h in handles.items() if h.name in self._attached}
+
     def _require_session(self) -> _Session:
         if self._session is None:
             raise RefitError("no weight update in progress: call start_weight_update first")
@@ -232,6 +250,18 @@ class FleetWeightSyncClient:
             session.seen[m.name] = m
             session.bytes += m.nbytes
 
+    def _final_version(self, session: _Session, label: str | int | None) -> int:
+        """vLLM lets a trainer name the version at finish (a free-form label); a whole number
+        newer than the fleet's becomes the version, anything else is logged and the session's
+        version stands (the weights are loaded by now: refusing here would strand them)."""
+        if label is None:
+            return session.version
+        try:
+            return next_version(self.fleet.weight_version, int(label))
+        except (TypeError, ValueError, RefitError) as exc:
+            log.warning("weight version %r not used (%s); the refit installs version %d", label, exc, session.version)
+            return session.version
+
     def _missing(self, session: _Session) -> str | None:
         full = session.target == "policy" or bool(self.fleet.resolved.generation_config.get("_draft_full_refit"))
         if not full or not session.seen:
@@ -248,10 +278,12 @@ class FleetWeightSyncClient:
         handles = {k: h for k, h in handles.items() if only is not None or k not in session.failed}
         timeout = self.fleet.settings.refit.timeout_s
         refs = {k: h.actor.weight_sync.remote(step, payload, timeout) for k, h in handles.items()}
+        # The workers enforce ``timeout``; the margin covers a frozen actor that never answers.
+        wait = timeout + (60 if step == "update" else 10)
         errors = {}
         for key, ref in refs.items():
             try:
-                ray.get(ref, timeout=timeout + 60)
+                ray.get(ref, timeout=wait)
             except Exception as exc:
                 errors[key] = root_cause(exc)
         return errors
@@ -294,3 +326,8 @@ class FleetWeightSyncClient:
     @staticmethod
     def _errors(failed: dict[Any, str]) -> str:
         return "; ".join(f"shard {_label(k)}: {e}" for k, e in failed.items())
+
+
+def _is_group(init_info: dict[str, Any]) -> bool:
+    """A collective backend's init info (NCCL): every member joins one group at once."""
+    return "rank_offset" in init_info

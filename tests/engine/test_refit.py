@@ -210,6 +210,48 @@ def test_weight_sync_client_gives_each_shard_its_nccl_ranks(fleets):
         client.update_weights({"entries": []})
 
 
+def test_a_shard_killed_during_a_weight_sync_update_is_quarantined_and_comes_back(
+    fleets, tiny_model_dir, model_b, tmp_path
+):
+    """The trainer's update reaches shard 0; shard 1's actor is SIGKILLed as it arrives. Shard 0
+    serves the new version alone; shard 1 is restarted, stays STALE (a trainer-pushed version
+    has no source to catch up from), and the next refit re-admits it."""
+    from nemo_gen.fleet.recovery import restart_shard
+
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    victim = fleet.status()[1].actor_pid
+    client, engine = _trainer(fleet, model_b, tmp_path)
+
+    class KillsShard1OnUpdate:  # the real client; the kill lands between start and update
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def update_weights(self, info):
+            os.kill(victim, signal.SIGKILL)
+            return client.update_weights(info)
+
+    engine.client = KillsShard1OnUpdate()
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    report = client.report
+    assert [s.shard for s in report.shards if s.ok] == [0] and fleet.weight_version == report.version
+    (lost,) = report.failed
+    assert lost.shard == 1 and f"refit to version {report.version} failed" in lost.error
+    assert fleet.health.state_of(1) is ShardState.DEAD
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert {r.shard for r in results} == {0} and {r.weight_version for r in results} == {report.version}
+    assert [r.token_ids for r in results] == greedy(fresh)
+
+    assert restart_shard(fleet, 1)["action"] == "restarted-stale"
+    assert fleet.health.state_of(1) is ShardState.STALE
+    assert fleet.refit(str(model_b)).ok  # re-admits the replacement
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert {r.shard for r in results} == {0, 1} and [r.token_ids for r in results] == greedy(fresh)
+    assert fleet.refit(str(tiny_model_dir)).ok
+
+
 def test_a_shard_lost_during_refit_never_serves(fleets, model_b):
     """Runs last: shard 1's actor is frozen (SIGSTOP) while the refit runs, then killed."""
     fleet, fresh = fleets["main"], fleets["fresh_b"]
