@@ -11,7 +11,15 @@ buckets, only metadata (names, offsets) goes over a pipe. Two shapes are measure
 - ``packed``: scattered trainer tensors are packed into two reused staging buckets (double
   buffered, so packing bucket k+1 overlaps unpacking bucket k) — two copies per byte.
 
-Both are reported as (bytes / refit seconds) / (device copy bandwidth), the copy bandwidth
+- ``vllm-packed``: vLLM's own packed CUDA-IPC data path (``packed_ipc_producer`` /
+  ``packed_ipc_consumer`` from ``vllm/distributed/weight_transfer/packed_tensor.py``, what a
+  fleet started with ``refit.backend: ipc`` receives through vLLM's ``IPCWeightTransferEngine``):
+  one reused buffer, the producer waits for each chunk to be consumed, the consumer clones
+  every tensor before the model's loader copies it into place — three copies per byte, serial.
+  That file is pure torch: where vLLM is not installed, point ``NEMO_GEN_VLLM_PACKED_TENSOR``
+  at a copy of it.
+
+All are reported as (bytes / refit seconds) / (device copy bandwidth), the copy bandwidth
 measured in the same run as ``dst.copy_(src)`` of the same byte count. Target for ``flat``:
 >= 0.7. Run on a GPU machine: ``python bench/cuda_ipc_refit.py --gb 8``.
 """
@@ -36,6 +44,25 @@ def make_shapes(total_bytes: int, elem: int = 2) -> list[tuple[int, int]]:
     return shapes
 
 
+def vllm_packed_tensor():
+    """vLLM's packed-tensor module: the installed one, or the copy NEMO_GEN_VLLM_PACKED_TENSOR names."""
+    import importlib.util
+    import os
+
+    try:
+        from vllm.distributed.weight_transfer import packed_tensor
+
+        return packed_tensor
+    except ImportError:
+        path = os.environ.get("NEMO_GEN_VLLM_PACKED_TENSOR")
+        if not path:
+            return None
+        spec = importlib.util.spec_from_file_location("vllm_packed_tensor", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+
 def engine(conn, shapes, dtype_name):
     """The receiving process: its own parameters; copies them out of shared buckets."""
     import torch
@@ -45,12 +72,29 @@ def engine(conn, shapes, dtype_name):
     params = [torch.empty(s, dtype=dtype, device="cuda") for s in shapes]
     stream = torch.cuda.Stream()
     buckets = {}
+    packed_tensor = vllm_packed_tensor()
+    importer = packed_tensor.PackedBufferImporter() if packed_tensor else None
     conn.send("ready")
     while True:
         msg = conn.recv()
         if msg == "stop":
             break
         kind = msg[0]
+        if kind == "vllm_chunk":  # ("vllm_chunk", PackedIpcChunk fields, [param index per name])
+            _, chunk, indices = msg
+            weights = packed_tensor.packed_ipc_consumer(
+                ipc_handle=chunk["ipc_handle"], names=chunk["names"], shapes=chunk["shapes"],
+                dtype_names=chunk["dtype_names"], tensor_sizes=chunk["tensor_sizes"], device_index=0,
+                importer=importer,
+            )
+            for idx, (_, tensor) in zip(indices, weights):  # what the model's weight loaders do
+                params[idx].copy_(tensor)
+            torch.cuda.synchronize()
+            conn.send(("done", None))
+            continue
+        if kind == "vllm_end":
+            importer.close()
+            continue
         if kind == "share":  # ("share", bucket_id, handle tensor)
             buckets[msg[1]] = msg[2]
             continue
@@ -172,6 +216,30 @@ def run(args):
     results["packed_s"] = packed_s
     results["packed_fraction_of_copy"] = (total / packed_s) / copy_bw
 
+    # vllm-packed: vLLM's IPC engine's data path, chunk by chunk, each acknowledged before the
+    # producer resumes (as IPCTrainerWeightTransferEngine does with its client call).
+    packed_tensor = vllm_packed_tensor()
+    if packed_tensor is not None:
+        from dataclasses import asdict
+
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        index = {f"p{i}": i for i in range(len(shapes))}
+        vllm_times = []
+        for _ in range(args.rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for chunk in packed_tensor.packed_ipc_producer(
+                iter((f"p{i}", t) for i, t in enumerate(scattered)), uuid, lambda item: item[1],
+                buffer_size_bytes=bucket_bytes,
+            ):
+                parent.send(("vllm_chunk", asdict(chunk), [index[n] for n in chunk.names]))
+                parent.recv()
+            parent.send(("vllm_end",))
+            vllm_times.append(time.perf_counter() - t0)
+        vllm_s = statistics.median(vllm_times[1:] or vllm_times)
+        results["vllm_packed_s"] = vllm_s
+        results["vllm_packed_fraction_of_copy"] = (total / vllm_s) / copy_bw
+
     parent.send("stop")
     _, checksum = parent.recv()
     expected = float(sum(v.float().sum().item() for v in scattered[:4]))
@@ -195,6 +263,12 @@ def main():
           f"{r['flat_fraction_of_copy']:.2f} of copy (target >= 0.7)")
     print(f"packed, double-buffered:     {r['packed_s'] * 1e3:.1f} ms -> {r['bytes'] / r['packed_s'] / 1e9:.0f} GB/s = "
           f"{r['packed_fraction_of_copy']:.2f} of copy (two copies per byte: ceiling 0.5)")
+    if "vllm_packed_s" in r:
+        print(f"vLLM's packed IPC (ipc backend): {r['vllm_packed_s'] * 1e3:.1f} ms -> "
+              f"{r['bytes'] / r['vllm_packed_s'] / 1e9:.0f} GB/s = {r['vllm_packed_fraction_of_copy']:.2f} of copy "
+              "(three copies per byte, chunks serial)")
+    else:
+        print("vLLM's packed IPC: not measured (no vllm, NEMO_GEN_VLLM_PACKED_TENSOR unset)")
     print(f"engine received the trainer's values: {r['checksum_ok']}")
     if args.json:
         with open(args.json, "w") as f:

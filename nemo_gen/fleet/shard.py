@@ -178,6 +178,10 @@ class ShardActor:
         (value, *_) = await self.engine.rpc("nemo_gen_digest", target)
         return value
 
+    async def load_stats(self) -> list[dict[str, Any]]:
+        """Per worker: how its last refit load went (path, seconds, kernel repack seconds)."""
+        return await self.engine.rpc("nemo_gen_load_stats")
+
     async def check_refit(self, path: str, total: int, entries: list, timeout_s: float) -> int:
         """Phase 1: every worker can read the staged tensors. Changes nothing."""
         seen = await self.engine.rpc("nemo_gen_check_staged", path, total, entries, timeout=timeout_s)

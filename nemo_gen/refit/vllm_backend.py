@@ -84,6 +84,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         self.vllm_config = vllm_config
         self._pool = ScratchPool()  # reused across refits: its pages are touched once
         self._load: WeightLoad | None = None
+        self.last_stats: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
         pass
@@ -111,6 +112,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
     def finish_weight_update(self) -> None:
         if self._load is not None:
             self._load.finish()
+            self.last_stats = self._load.stats
             self._load = None
 
     def shutdown(self) -> None:

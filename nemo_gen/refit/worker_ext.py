@@ -8,6 +8,7 @@ methods (``init_weight_transfer_engine``, ``update_weights``, ...).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 Entry = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset
@@ -131,6 +132,7 @@ class NemoGenWorkerExtension:
         load.load(weights)
         load.finish()
         self.nemo_gen_last_load = load.path
+        self.nemo_gen_last_load_stats = load.stats
         if target != "draft":  # what the runner's reload_weights does after loading
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
@@ -141,6 +143,13 @@ class NemoGenWorkerExtension:
         if target == "draft":
             return self._drafter().model, self.vllm_config.speculative_config.draft_model_config
         return self.model_runner.get_model(), self.model_runner.model_config
+
+    def nemo_gen_load_stats(self) -> dict[str, Any]:
+        """How the last load went here (a staged refit, or one through the weight-transfer
+        engine): path, seconds, the kernel repack's share."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        candidates = [getattr(self, "nemo_gen_last_load_stats", {}), getattr(engine, "last_stats", {})]
+        return max(candidates, key=lambda st: st.get("finished_at", 0.0))
 
     def nemo_gen_load_path(self, target: str = "policy") -> str:
         """Which path a refit of ``target`` takes here: "direct" or "reload_weights" (and why)."""
@@ -178,6 +187,8 @@ class WeightLoad:
         self.direct = None if _forced_reload() else DirectLoad.for_model(model, vllm_config, model_config)
         self.path = "direct" if self.direct is not None else "reload_weights"
         self._begun = False
+        self._t0 = 0.0
+        self.stats: dict[str, Any] = {}
 
     @staticmethod
     def why_not_direct(model: Any, vllm_config: Any, model_config: Any) -> str | None:
@@ -191,6 +202,7 @@ class WeightLoad:
 
             initialize_layerwise_reload(self.model)
         self._begun = True
+        self._t0 = time.perf_counter()
 
     def load(self, weights) -> None:
         """Load a batch of (name, tensor). On the direct path a repacked layer must arrive whole
@@ -211,6 +223,11 @@ class WeightLoad:
 
             finalize_layerwise_reload(self.model, self.model_config)
         self._begun = False
+        # repack_s: what the CPU kernel's repacking took (direct path only): no refit of this
+        # engine can be faster, whatever the transport (bench/refit.py reports it)
+        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0,
+                      "repack_s": self.direct.repack_s if self.direct is not None else None,
+                      "finished_at": time.time()}
 
 
 # A diagnostic override, set in the engine's environment (generation.vllm_cfg.env_vars): load
@@ -295,6 +312,12 @@ class DirectLoad:
 
     def __init__(self, model: Any, model_config: Any, kinds: dict):
         self.model, self.model_config, self.kinds = model, model_config, kinds
+        self.repack_s = 0.0  # time in the CPU kernel's weight repacking, over every load
+
+    def _repack(self, module) -> None:
+        t0 = time.perf_counter()
+        module.quant_method.process_weights_after_loading(module)
+        self.repack_s += time.perf_counter() - t0
 
     @classmethod
     def for_model(cls, model: Any, vllm_config: Any, model_config: Any = None) -> DirectLoad | None:
@@ -378,7 +401,7 @@ class DirectLoad:
 
         def finish(module) -> None:
             state = packed.pop(module)
-            module.quant_method.process_weights_after_loading(module)
+            self._repack(module)
             if hasattr(module, "update_param_tp_status"):
                 module.update_param_tp_status()
             if module.weight.numel() == 0:  # repacked and dropped, as when the engine loaded
@@ -444,7 +467,7 @@ class DirectLoad:
                     )
                 for module in touched:
                     if self.kinds[module] == "processed":
-                        module.quant_method.process_weights_after_loading(module)
+                        self._repack(module)
                         if hasattr(module, "update_param_tp_status"):
                             module.update_param_tp_status()
                 if touched:
