@@ -240,7 +240,8 @@ class RefitSettings(_Section):
         min_length=1,
         description="vLLM weight-transfer backend the engines start with (weight_transfer_config), "
         "used by trainers that drive fleet.weight_sync_client(): 'nemo_gen_shm' (shared memory, any "
-        "device), or vLLM's own 'ipc' (CUDA IPC, colocated GPU trainer) / 'nccl' (separate GPUs).",
+        "device), 'nemo_gen_ipc' (CUDA IPC from a trainer on the engines' GPU, handles shared once), "
+        "or vLLM's own 'ipc' / 'nccl' (trainer on other GPUs).",
     )
     draft: bool = Field(
         False,

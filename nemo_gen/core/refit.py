@@ -226,6 +226,12 @@ class RefitReport:
 
 # -- vLLM's weight-sync protocol, driven across a fleet (nemo_gen.fleet.weight_sync) ---------
 
+# nemo_gen's own weight-transfer backends (nemo_gen.refit.vllm_backend). Their worker engines
+# skip the tensors an EAGLE-style drafter shares with the policy; vLLM's would write through.
+SHM_BACKEND = "nemo_gen_shm"
+IPC_BACKEND = "nemo_gen_ipc"
+OWN_BACKENDS = (SHM_BACKEND, IPC_BACKEND)
+
 
 def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | None:
     """The tensors one ``update_weights`` chunk carries, from any backend's update info:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from nemo_gen.core.refit import (
+    OWN_BACKENDS,
     RefitError,
     RefitReport,
     ShardRefit,
@@ -242,8 +243,8 @@ class FleetWeightSyncClient:
             raise RefitError(f"refit refused: tensors sent twice in one update: {', '.join(again[:8])}")
         check_manifest(_metas(exp), metas, optional=exp["optional"], partial=True, what=what)
         shared = sorted(set(exp.get("shared", ())) & {m.name for m in metas})
-        if shared and self.fleet.settings.refit.backend != "nemo_gen_shm":
-            # nemo_gen_shm skips these on the workers; another backend would write through them.
+        if shared and self.fleet.settings.refit.backend not in OWN_BACKENDS:
+            # our backends skip these on the workers; vLLM's would write through them.
             raise RefitError(f"refit refused: the drafter shares {', '.join(shared)} with the policy; "
                              "a draft update must not carry them")
         for m in metas:

@@ -4,28 +4,34 @@ vLLM (``vllm/distributed/weight_transfer/``) defines the refit protocol a traine
 ``init_weight_transfer_engine`` -> ``start_weight_update`` (or ``start_draft_weight_update``) ->
 ``update_weights`` (one or more chunks) -> ``finish_weight_update``, with a worker-side engine
 and a trainer-side engine per backend, picked by name. Its own backends move GPU tensors (CUDA
-IPC for colocated engines, NCCL for separate ones); none moves CPU bytes between processes.
-This module registers ours, ``"nemo_gen_shm"``, on both sides:
+IPC for colocated engines, NCCL for separate ones); none moves CPU bytes between processes,
+and vLLM's IPC path re-exports or repacks and clones every tensor on every refit (0.18 of an
+H200's copy bandwidth, ``bench/cuda_ipc_refit.py``). This module registers two of ours, on
+both sides:
 
 - ``SharedMemoryWeightTransferEngine`` (worker): an update names a staging file and the
   (name, shape, dtype, offset) of each tensor in it; the worker loads zero-copy views of it
   through ``WeightLoad`` (the direct CPU path, or vLLM's layerwise reload).
 - ``SharedMemoryTrainerEngine`` (trainer): stages a vLLM ``WeightSource`` into a reused
   shared-memory file and drives one update through any ``VLLMWeightSyncClient``.
+- ``"nemo_gen_ipc"`` (``CudaIpcWeightTransferEngine`` / ``CudaIpcTrainerEngine``): a colocated
+  GPU trainer's storages shared once through CUDA IPC, metadata only per refit, the engine's
+  loaders copying straight out of the trainer's memory (``nemo_gen.refit.cuda_ipc``).
 
-So a trainer written against vLLM's API refits a nemo_gen fleet the same way on CPU (this
-backend) and on GPU (vLLM's ``ipc`` / ``nccl``): only the ``TrainerInitInfo`` changes, and the
-fleet's ``weight_sync_client()`` is the client either way.
+So a trainer written against vLLM's API refits a nemo_gen fleet the same way on CPU
+(``nemo_gen_shm``) and on GPU (``nemo_gen_ipc``, or vLLM's ``ipc`` / ``nccl``): only the
+``TrainerInitInfo`` changes, and the fleet's ``weight_sync_client()`` is the client either way.
 
-Importing this module registers both engines (idempotent). Worker processes import it through
-``nemo_gen.refit.worker_ext``; a trainer imports it to use ``SharedMemoryTrainerInitInfo``.
+Importing this module registers the engines (idempotent). Worker processes import it through
+``nemo_gen.refit.worker_ext``; a trainer imports it for ``SharedMemoryTrainerInitInfo`` /
+``CudaIpcTrainerInitInfo``.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -41,9 +47,10 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from nemo_gen.core.refit import IPC_BACKEND
+from nemo_gen.core.refit import SHM_BACKEND as BACKEND
 from nemo_gen.refit.worker_ext import ScratchPool, WeightLoad, open_staged, shared_with_policy
 
-BACKEND = "nemo_gen_shm"
 
 
 @dataclass
@@ -71,12 +78,11 @@ class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
         return [e[0] for e in self.entries]
 
 
-class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
-    """Worker side: loads staged chunks into the update's target (the policy, or the drafter
-    after ``start_draft_weight_update``: vLLM sets ``self.model`` / ``self.model_config``)."""
+class _LoadingEngine(WeightTransferEngine):
+    """Worker side of our backends: each update's (name, tensor) pairs go through ``WeightLoad``
+    into the update's target (the policy, or the drafter after ``start_draft_weight_update``:
+    vLLM sets ``self.model`` / ``self.model_config``). Subclasses say where the tensors are."""
 
-    init_info_cls = SharedMemoryInitInfo
-    update_info_cls = SharedMemoryUpdateInfo
     supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
@@ -86,7 +92,10 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         self._load: WeightLoad | None = None
         self.last_stats: dict[str, Any] = {}
 
-    def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
+    def _weights(self, update_info: Any):
+        raise NotImplementedError
+
+    def init_transfer_engine(self, init_info: Any) -> None:
         pass
 
     def start_weight_update(self) -> None:
@@ -95,15 +104,15 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a machine
-        # with no accelerator; these bytes are host memory, loaded synchronously.
+        # with no accelerator.
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
-    def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
+    def receive_weights(self, update_info: Any) -> None:
         if self._load is None:
             raise RuntimeError("update_weights before start_weight_update")
-        weights = open_staged(update_info.path, update_info.total, [tuple(e) for e in update_info.entries])
+        weights = self._weights(update_info)
         if self.model is not self._default_model:  # a draft update: never write the policy's tensors
             shared = set(shared_with_policy(self.model, self._default_model))
             weights = ((n, t) for n, t in weights if n not in shared)
@@ -117,6 +126,61 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
     def shutdown(self) -> None:
         self._load = None
+
+
+class SharedMemoryWeightTransferEngine(_LoadingEngine):
+    """``nemo_gen_shm``, worker side: zero-copy views of the staging file the update names."""
+
+    init_info_cls = SharedMemoryInitInfo
+    update_info_cls = SharedMemoryUpdateInfo
+
+    def _weights(self, update_info: SharedMemoryUpdateInfo):
+        return open_staged(update_info.path, update_info.total, [tuple(e) for e in update_info.entries])
+
+
+@dataclass
+class CudaIpcInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: handles travel with the updates and are opened once."""
+
+
+@dataclass
+class CudaIpcUpdateInfo(WeightTransferUpdateInfo):
+    """``IpcSender.update_info``: per tensor its name, shape, dtype, storage key and offset; the
+    IPC handle of every storage, per trainer GPU UUID; a layout number (same layout, same views)."""
+
+    names: list[str]
+    shapes: list[list[int]]
+    dtype_names: list[str]
+    storages: list[str]
+    offsets: list[int]
+    handles: bytes  # pickled {storage key: {GPU UUID: rebuild args}}
+    layout: int = 0
+
+    def __post_init__(self):
+        n = len(self.names)
+        for name in ("shapes", "dtype_names", "storages", "offsets"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"nemo_gen_ipc update: {name} has {len(getattr(self, name))} entries for {n} names")
+
+
+class CudaIpcWeightTransferEngine(_LoadingEngine):
+    """``nemo_gen_ipc``, worker side: views into the trainer's own CUDA storages."""
+
+    init_info_cls = CudaIpcInitInfo
+    update_info_cls = CudaIpcUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from nemo_gen.refit.cuda_ipc import IpcReceiver
+
+        self._receiver = IpcReceiver(self.device)
+
+    def _weights(self, update_info: CudaIpcUpdateInfo):
+        return self._receiver.tensors(asdict(update_info))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._receiver.close()
 
 
 @dataclass
@@ -185,12 +249,56 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
         self.staging.close()
 
 
+@dataclass
+class CudaIpcTrainerInitInfo(TrainerInitInfo):
+    """Trainer side of ``nemo_gen_ipc``: a trainer on the engines' GPU."""
+
+    backend: ClassVar[str] = IPC_BACKEND
+    rank: int = field(default=0, kw_only=True)
+
+
+class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
+    """Exports each of the source's storages once (``IpcSender``) and sends one update of
+    metadata per refit; the engines copy out of the trainer's memory while ``send_weights``
+    blocks, so the trainer must not write its weights until it returns."""
+
+    init_info_cls = CudaIpcTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        from nemo_gen.refit.cuda_ipc import IpcSender
+
+        self.sender = IpcSender()
+
+    @classmethod
+    def trainer_init(cls, init_info: CudaIpcTrainerInitInfo, *, client: Any, source: Any = None):
+        if source is None:
+            raise ValueError("nemo_gen_ipc trainer weight transfer requires a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if engine.is_sender:
+            client.init_weight_transfer_engine({})
+        return engine
+
+    def send_weights(self) -> None:
+        if not self.is_sender:
+            return
+        info = self.sender.update_info(iter(self.source))
+        self.client.start_weight_update()
+        self.client.update_weights(info)
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        self.sender.close()
+
+
 def register() -> None:
-    """Add ``nemo_gen_shm`` to vLLM's worker and trainer registries (once per process)."""
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, SharedMemoryWeightTransferEngine)
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, SharedMemoryTrainerEngine)
+    """Add our backends to vLLM's worker and trainer registries (once per process)."""
+    for name, worker, trainer in ((BACKEND, SharedMemoryWeightTransferEngine, SharedMemoryTrainerEngine),
+                                  (IPC_BACKEND, CudaIpcWeightTransferEngine, CudaIpcTrainerEngine)):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, worker)
+        if name not in WeightTransferTrainerFactory._registry:
+            WeightTransferTrainerFactory.register_engine(name, trainer)
 
 
 register()

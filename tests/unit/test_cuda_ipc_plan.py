@@ -1,0 +1,24 @@
+"""nemo_gen_ipc's grouping of a trainer's tensors by storage (CPU tensors stand in: the plan is
+the same on any device; the CUDA side runs in tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_gen.refit.cuda_ipc import plan
+
+
+def test_tensors_sharing_a_storage_are_one_export_with_byte_offsets():
+    flat = torch.zeros(100)
+    alone = torch.ones(3)
+    rows, storages = plan([("a", flat[:10].view(2, 5)), ("b", flat[16:32]), ("c", alone)])
+    ptr = flat.untyped_storage().data_ptr()
+    assert [(name, p == ptr, t.data_ptr() - p) for name, t, p in rows] == [("a", True, 0), ("b", True, 64), ("c", False, 0)]
+    assert {p: v.numel() for p, v in storages.items()} == {ptr: 400, alone.untyped_storage().data_ptr(): 12}
+    assert storages[ptr].dtype == torch.uint8  # whole storages, as bytes: what gets exported
+
+
+def test_a_non_contiguous_tensor_is_named():
+    with pytest.raises(ValueError, match="w.t is not contiguous"):
+        plan([("w.t", torch.zeros(4, 3).t())])
