@@ -215,6 +215,18 @@ class FleetWeightSyncClient:
             self._session = None
             fleet.refit_lock.release()
 
+    def abort_weight_update(self, reason: str = "the trainer abandoned the weight update") -> RefitReport | None:
+        """End an update the trainer cannot finish (its broadcast failed, it was interrupted):
+        the lock is released and requests flow again. With no chunk sent, every shard keeps its
+        version; after one, shards may hold half-loaded weights and are quarantined. Call it from
+        the thread that started the update (the fleet's refit lock is held by that thread)."""
+        session = self._session
+        if session is None:
+            return None
+        self.report = None
+        self._abort(restore=session.chunks == 0, reason=reason)
+        return self.report
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _admit(self, handles: dict[Any, Any]) -> dict[Any, Any]:

@@ -9,6 +9,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -197,6 +198,24 @@ def test_weight_sync_refuses_a_bad_chunk_before_any_shard_changes(fleets, tiny_m
     assert [r.token_ids for r in results] == outputs and {r.weight_version for r in results} == {version}
     # the session ended everywhere: the fleet's own refit path is free again
     assert fleet.refit(str(tiny_model_dir)).ok
+
+
+def test_an_abandoned_weight_update_is_aborted_and_the_fleet_serves_on(fleets, tiny_model_dir):
+    """A trainer that dies between start and its first chunk (an NCCL broadcast that failed):
+    abort_weight_update releases the shards, which keep their version and serve."""
+    fleet = fleets["main"]
+    version, outputs = fleet.weight_version, greedy(fleet)
+    client = fleet.weight_sync_client()
+    client.start_weight_update()
+    # meanwhile every shard is held and claims no version (its weights may be changing)
+    assert [ray.get(h.actor.info.remote(), timeout=30)["weight_version"] for h in fleet.shards] == [None, None]
+    assert client.abort_weight_update() is None  # nothing was loaded: no shard to report
+    assert fleet.weight_version == version and {s.state for s in fleet.status()} == {"healthy"}
+    results = fleet.generate(PROMPTS * 2, temperature=0)
+    assert [r.token_ids for r in results] == outputs and {r.weight_version for r in results} == {version}
+    with pytest.raises(RefitError, match="no weight update in progress"):
+        client.finish_weight_update()
+    assert fleet.refit(str(tiny_model_dir)).ok  # the refit lock was released
 
 
 def test_weight_sync_client_gives_each_shard_its_nccl_ranks(fleets):
