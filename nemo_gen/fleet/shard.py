@@ -92,6 +92,7 @@ class ShardActor:
         self.restarts = 0  # restarts of the slot it serves, as of its installation
         self.engine = None
         self._engine_pids: list[int] = []
+        self._sync_was: tuple[int | None, str | None] = (weight_version, None)  # before a weight-sync start
 
     async def start(self) -> dict[str, Any]:
         from nemo_gen.fleet.engine import Engine

@@ -5,7 +5,8 @@ weight source, and calls ``send_weights()``; the engine drives ``init_weight_tra
 -> ``start_weight_update`` -> ``update_weights`` (chunks) -> ``finish_weight_update``. Given
 ``fleet.weight_sync_client()`` as that client, the trainer refits every shard of the fleet
 through whichever backend the engines were started with (``refit.backend``): nemo_gen's
-``nemo_gen_shm`` on any machine, vLLM's ``ipc`` (a colocated GPU trainer) or ``nccl``.
+``nemo_gen_shm`` (any machine) or ``nemo_gen_ipc`` (a trainer on the engines' GPU), or vLLM's
+``ipc`` / ``nccl``.
 
 The fleet's refit rules hold around the backend's bytes:
 - one refit at a time (the fleet's refit lock, held from start to finish), versions only move

@@ -72,11 +72,6 @@ class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
         if not os.path.exists(self.path):
             raise ValueError(f"staging file {self.path} does not exist on this node")
 
-    # The fields vLLM's own update infos carry, so a client can check any backend's chunk alike.
-    @property
-    def names(self) -> list[str]:
-        return [e[0] for e in self.entries]
-
 
 class _LoadingEngine(WeightTransferEngine):
     """Worker side of our backends: each update's (name, tensor) pairs go through ``WeightLoad``
