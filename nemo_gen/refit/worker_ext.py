@@ -312,7 +312,7 @@ class DirectLoad:
 
     def __init__(self, model: Any, model_config: Any, kinds: dict):
         self.model, self.model_config, self.kinds = model, model_config, kinds
-        self.repack_s = 0.0  # time in the CPU kernel's weight repacking, over every load
+        self.repack_s = 0.0  # time in the CPU kernel's weight repacking (one DirectLoad per load)
 
     def _repack(self, module) -> None:
         t0 = time.perf_counter()
@@ -491,6 +491,7 @@ class DirectLoad:
 
 
 # vLLM creates a worker's weight-transfer engine by name while loading the model, after this
-# module (the worker extension) is imported: registering here puts "nemo_gen_shm" in every
-# worker's registry in time. Last in the module: vllm_backend imports names defined above.
+# module (the worker extension) is imported: registering here puts our backends (nemo_gen_shm,
+# nemo_gen_ipc) in every worker's registry in time. Last in the module: vllm_backend imports
+# names defined above.
 import nemo_gen.refit.vllm_backend  # noqa: E402,F401
