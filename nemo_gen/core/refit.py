@@ -43,6 +43,11 @@ def canonical_dtype(dtype: str) -> str:
     return _SAFETENSORS_DTYPES.get(name, name)
 
 
+def is_floating(dtype: str) -> bool:
+    """A floating dtype name (what a refit stages, and the engines load, in the engine's dtype)."""
+    return canonical_dtype(dtype).startswith(("float", "bfloat"))
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
@@ -248,10 +253,8 @@ def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | N
         return None
     metas = []
     for name, shape, dtype in rows:
-        dtype = canonical_dtype(str(dtype).removeprefix("torch."))
-        if dtype.startswith(("float", "bfloat")):
-            dtype = engine_dtype
-        metas.append(TensorMeta.of(name, shape, dtype))
+        dtype = canonical_dtype(str(dtype))
+        metas.append(TensorMeta.of(name, shape, engine_dtype if is_floating(dtype) else dtype))
     return metas
 
 

@@ -28,6 +28,7 @@ from nemo_gen.core.refit import (
     TensorMeta,
     buckets,
     check_manifest,
+    is_floating,
     layout,
     next_version,
     split_draft,
@@ -134,27 +135,42 @@ def run_refit(fleet: "GenerationFleet", source: Any, version: int | None) -> Ref
             stage_seconds=staged.stage_seconds, load_seconds=0.0,
         )
         t1 = time.perf_counter()
-        handles: dict[Any, Any] = {i: fleet._shards[i] for i in targets}
-        # Warm spares take every refit too, so one can serve the moment it is promoted.
-        handles.update({("spare", h.name): h for h in fleet.spare_handles()})
+        handles = refit_members(fleet, targets)
         outcome = apply_staged(fleet.settings.refit.timeout_s, staged, handles)
         for key, (ok, seconds, error) in outcome.items():
-            if not isinstance(key, tuple) and not fleet.is_current(key, handles[key].name):
-                continue  # replaced meanwhile (recovery waits for this refit before installing)
-            if isinstance(key, tuple):
-                if not ok:
-                    fleet.drop_spare(key[1], error)
-                continue
-            if ok:
-                fleet.health.report_refit(key, new_version)
-                report.shards.append(ShardRefit(key, ok=True, seconds=seconds))
-            else:
-                _quarantine(fleet, report, key, error)
+            settle(fleet, report, key, handles[key].name, new_version, None if ok else error, seconds)
         report.load_seconds = time.perf_counter() - t1
         if any(s.ok for s in report.shards):
             fleet.record_weights(new_version, staged.source)
             fleet.staged_refit = staged
         return report
+
+
+def refit_members(fleet: "GenerationFleet", targets: list[int] | None = None) -> dict[Any, Any]:
+    """Who takes a refit: slot -> handle for each refittable shard (``targets``, default all),
+    and ("spare", name) -> handle for each warm spare — so one can serve the moment it is
+    promoted."""
+    handles: dict[Any, Any] = {i: fleet._shards[i] for i in (_targets(fleet) if targets is None else targets)}
+    handles.update({("spare", h.name): h for h in fleet.spare_handles()})
+    return handles
+
+
+def settle(fleet: "GenerationFleet", report: RefitReport, key: Any, name: str, version: int,
+           error: str | None, seconds: float) -> None:
+    """Record one member's refit outcome: a spare that failed is replaced; a slot whose actor
+    ``name`` was replaced meanwhile is left alone (recovery waits for the refit before
+    installing); a slot that loaded serves ``version``, one that failed is quarantined."""
+    if isinstance(key, tuple):
+        if error:
+            fleet.drop_spare(key[1], error)
+        return
+    if not fleet.is_current(key, name):
+        return
+    if error:
+        _quarantine(fleet, report, key, error)
+    else:
+        fleet.health.report_refit(key, version)
+        report.shards.append(ShardRefit(key, ok=True, seconds=seconds))
 
 
 def stage(fleet: "GenerationFleet", source: Any, version: int) -> StagedRefit:
@@ -167,7 +183,7 @@ def stage(fleet: "GenerationFleet", source: Any, version: int) -> StagedRefit:
     engine_dtype = getattr(torch, fleet.engine_dtype)
     # Floating tensors are staged in the engine's dtype, so the check compares like with like.
     metas = [
-        TensorMeta(m.name, m.shape, fleet.engine_dtype if _is_float(m.dtype) else m.dtype) for m in src.manifest()
+        TensorMeta(m.name, m.shape, fleet.engine_dtype if is_floating(m.dtype) else m.dtype) for m in src.manifest()
     ]
     groups = _check(fleet, metas)
 
@@ -243,7 +259,3 @@ def _quarantine(fleet: "GenerationFleet", report: RefitReport, shard: int, reaso
     fleet.health.mark_dead(shard, reason)
     report.shards.append(ShardRefit(shard, ok=False, error=reason))
     log.warning("shard %d quarantined: %s", shard, reason)
-
-
-def _is_float(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))

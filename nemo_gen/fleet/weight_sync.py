@@ -33,14 +33,13 @@ from nemo_gen.core.refit import (
     OWN_BACKENDS,
     RefitError,
     RefitReport,
-    ShardRefit,
     TensorMeta,
     check_manifest,
     chunk_metas,
     next_version,
     nccl_rank_offsets,
 )
-from nemo_gen.fleet.refit import _expected, _label, _metas, _quarantine, _targets
+from nemo_gen.fleet.refit import _expected, _label, _metas, refit_members, settle
 from nemo_gen.fleet.shard import root_cause
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,9 +83,7 @@ class FleetWeightSyncClient:
         return int(vc.get("tensor_parallel_size", 1)) * int(vc.get("pipeline_parallel_size", 1))
 
     def _members(self) -> dict[Any, Any]:
-        handles: dict[Any, Any] = {i: self.fleet._shards[i] for i in _targets(self.fleet)}
-        handles.update({("spare", h.name): h for h in self.fleet.spare_handles()})
-        return handles
+        return refit_members(self.fleet)
 
     def nccl_world_size(self) -> int:
         """The NCCL group size a trainer must open (``NCCLTrainerInitInfo.world_size``): the
@@ -288,10 +285,10 @@ class FleetWeightSyncClient:
 
     def _fan_out(self, session: _Session, step: str, payload: Any, only: dict | None = None) -> dict[Any, str]:
         """Run one protocol step on the session's shards at once; returns key -> error."""
-        handles = session.handles if only is None else only
-        handles = {k: h for k, h in handles.items() if only is not None or k not in session.failed}
+        if only is None:  # every shard still in the update
+            only = {k: h for k, h in session.handles.items() if k not in session.failed}
         timeout = self.fleet.settings.refit.timeout_s
-        refs = {k: h.actor.weight_sync.remote(step, payload, timeout) for k, h in handles.items()}
+        refs = {k: h.actor.weight_sync.remote(step, payload, timeout) for k, h in only.items()}
         # The workers enforce ``timeout``; the margin covers a frozen actor that never answers.
         wait = timeout + (60 if step == "update" else 10)
         errors = {}
@@ -323,19 +320,7 @@ class FleetWeightSyncClient:
             self.fleet.refit_lock.release()
 
     def _settle(self, report: RefitReport, key: Any, version: int, error: str | None) -> None:
-        fleet = self.fleet
-        handle = self._session.handles[key] if self._session else None
-        if isinstance(key, tuple):  # a warm spare: replaced when it fails
-            if error:
-                fleet.drop_spare(key[1], error)
-            return
-        if handle is not None and not fleet.is_current(key, handle.name):
-            return  # replaced meanwhile
-        if error:
-            _quarantine(fleet, report, key, error)
-        else:
-            fleet.health.report_refit(key, version)
-            report.shards.append(ShardRefit(key, ok=True, seconds=report.load_seconds))
+        settle(self.fleet, report, key, self._session.handles[key].name, version, error, report.load_seconds)
 
     @staticmethod
     def _errors(failed: dict[Any, str]) -> str:

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import torch
 
+from nemo_gen.refit.views import typed_view
+
 _serials = itertools.count(1)
 
 
@@ -159,22 +161,14 @@ class IpcReceiver:
             args = list(per_gpu[uuid])
             args[6] = index  # the device index as this process numbers it
             self._mapped[key] = rebuild_cuda_tensor(*args)
-        views = []
-        for name, shape, dtype, key, offset in zip(
-            info["names"], info["shapes"], info["dtype_names"], info["storages"], info["offsets"]
-        ):
-            dt = getattr(torch, dtype)
-            nbytes = _numel(shape) * dt.itemsize
-            views.append((name, self._mapped[key][offset : offset + nbytes].view(dt).view(tuple(shape))))
-        return views
+        return [
+            (name, typed_view(self._mapped[key], offset, shape, dtype))
+            for name, shape, dtype, key, offset in zip(
+                info["names"], info["shapes"], info["dtype_names"], info["storages"], info["offsets"]
+            )
+        ]
 
     def close(self) -> None:
         self._mapped.clear()
         self._views = None
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from abc import abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -87,8 +88,9 @@ class _LoadingEngine(WeightTransferEngine):
         self._load: WeightLoad | None = None
         self.last_stats: dict[str, Any] = {}
 
+    @abstractmethod
     def _weights(self, update_info: Any):
-        raise NotImplementedError
+        """The update's (name, tensor) pairs, read in place."""
 
     def init_transfer_engine(self, init_info: Any) -> None:
         pass

@@ -18,18 +18,11 @@ def open_staged(path: str, total: int, entries: list[Entry]) -> Iterator[tuple[s
     """(name, tensor) views over the staging file; no copy until the model loads them."""
     import torch
 
+    from nemo_gen.refit.views import typed_view
+
     buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
     for name, shape, dtype, offset in entries:
-        dt = getattr(torch, dtype)
-        nbytes = _numel(shape) * torch.empty((), dtype=dt).element_size()
-        yield name, buf[offset : offset + nbytes].view(dt).view(tuple(shape))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+        yield name, typed_view(buf, offset, shape, dtype)
 
 
 def hf_manifest(hf_config: Any, dtype: Any) -> dict[str, tuple[tuple[int, ...], str]]:
