@@ -99,7 +99,7 @@ class FleetMonitor:
                 reason = ray.get(ref)
             except Exception as exc:
                 reason = f"actor died: {root_cause(exc)}"
-            self.detections.append({"key": key, "name": name, "at": time.monotonic(), "reason": reason})
+            self.detections.append({"key": key, "name": name, "at": time.monotonic(), "by": "watch", "reason": reason})
             self._fleet.shard_lost(key, name, reason)
         elif probe is not None:
             slot, name, _ = probe
@@ -128,7 +128,8 @@ class FleetMonitor:
         if not answer.get("ok"):
             log.warning("shard %d probe failed: %s", slot, answer.get("error"))
         if health.state_of(slot) is ShardState.DEAD:
-            self.detections.append({"key": slot, "name": name, "at": time.monotonic(), "reason": answer.get("error")})
+            self.detections.append({"key": slot, "name": name, "at": time.monotonic(), "by": "probe",
+                                    "reason": answer.get("error")})
             fleet.shard_lost(slot, name, answer.get("error") or "probe failures")
 
     def _send_probes(self) -> None:
