@@ -221,6 +221,13 @@ class FleetSettings(_Section):
         30.0, gt=0, description="Deadline for the cluster to place a shard; then a PlacementError."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one generate call on a shard.")
+    control_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline for a control call on a shard actor (info, assign): a live "
+        "actor answers at once, so silence this long means it is gone or wedged.",
+    )
+    stop_timeout_s: float = Field(
+        60.0, gt=0, description="How long a shard gets to stop its engine cleanly before its actor is killed.",
+    )
     spares: int = Field(
         0, ge=0, description="Warm spares: extra engines loaded and refit with the fleet but given no "
         "traffic; one takes a dead shard's place at once.",
