@@ -24,6 +24,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from nemo_gen.errors import ConfigError
 
 ENV_PREFIX = "NEMO_GEN_"
+# fleet.shards_per_gpu > 1: the engines' gpu_memory_utilization shares may add up to at most
+# 1 - this, leaving room for each engine process's CUDA context and allocator (outside its share).
+GPU_SHARE_HEADROOM = 0.05
 
 
 class _Section(BaseModel):
@@ -232,6 +235,12 @@ class FleetSettings(_Section):
         0, ge=0, description="Warm spares: extra engines loaded and refit with the fleet but given no "
         "traffic; one takes a dead shard's place at once.",
     )
+    shards_per_gpu: int = Field(
+        1, ge=1, description="Engines per GPU (GPU only): each shard's bundle takes 1/k of a GPU (Ray "
+        "fractional GPUs), so k small engines share one device; k x generation.vllm_cfg."
+        "gpu_memory_utilization must then leave GPU_SHARE_HEADROOM of the device free. Engines that "
+        "share a GPU start one at a time. k > 1 needs tensor_parallel_size x pipeline_parallel_size = 1.",
+    )
 
 
 class RefitSettings(_Section):
@@ -400,6 +409,32 @@ class NemoGenSettings(BaseSettings):
     ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster.")
     prefect: PrefectSettings = Field(default_factory=PrefectSettings, description="Prefect API.")
     run: RunSettings = Field(default_factory=RunSettings, description="`nemo-gen run` inputs/outputs.")
+
+    @model_validator(mode="after")
+    def _check_gpu_share(self) -> "NemoGenSettings":
+        """``fleet.shards_per_gpu`` engines must fit one GPU together."""
+        k = self.fleet.shards_per_gpu
+        util = self.generation.vllm_cfg.gpu_memory_utilization
+        limit = 1.0 - GPU_SHARE_HEADROOM
+        if k > 1 and k * util > limit + 1e-9:
+            from pydantic_core import InitErrorDetails, PydanticCustomError
+
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [InitErrorDetails(
+                    type=PydanticCustomError(
+                        "gpu_share",
+                        "{k} engines per GPU x generation.vllm_cfg.gpu_memory_utilization {util} = {total} of "
+                        "the device, more than {limit}; lower generation.vllm_cfg.gpu_memory_utilization to "
+                        "at most {most} or fleet.shards_per_gpu",
+                        {"k": k, "util": util, "total": round(k * util, 4), "limit": round(limit, 4),
+                         "most": int(limit / k * 1000) / 1000},
+                    ),
+                    loc=("fleet", "shards_per_gpu"),
+                    input=k,
+                )],
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -6,8 +6,10 @@ turns each ``ShardPlacement`` into one placement group (``bundles``, ``strategy`
 feeds ``ClusterResources.from_ray_nodes(ray.nodes())`` to ``check_fits``.
 
 One shard = one vLLM engine = ``tensor_parallel_size * pipeline_parallel_size`` workers,
-one bundle per worker. PACK keeps a shard's workers on one node when possible but lets Ray
-spread them when not, so the hard checks are: the totals fit, no single bundle is larger
+one bundle per worker. On GPU a bundle takes one GPU, or ``1/shards_per_gpu`` of one (Ray
+fractional GPUs, rounded down to Ray's 1e-4 granularity) so several small engines share a
+device. PACK keeps a shard's workers on one node when possible but lets Ray spread them when
+not, so the hard checks are: the totals fit, no single bundle is larger
 than every node, and the nodes can hold all bundles at all (exact, since bundles are equal).
 """
 
@@ -28,6 +30,10 @@ FIELD_TP = "generation.vllm_cfg.tensor_parallel_size"
 FIELD_PP = "generation.vllm_cfg.pipeline_parallel_size"
 FIELD_DEVICE = "fleet.device"
 FIELD_CPUS_PER_WORKER = "fleet.cpus_per_worker"
+FIELD_SHARDS_PER_GPU = "fleet.shards_per_gpu"
+
+# Ray accounts fractional resources in units of 1e-4.
+_RAY_RESOURCE_UNIT = 10_000
 
 # Ray reports fractional resources as floats; never fail a fit on rounding.
 _EPS = 1e-9
@@ -80,6 +86,7 @@ class FleetPlacementPlan:
     device: Device
     cpus_per_worker: float
     bundle: Mapping[str, float] = field(default_factory=dict)
+    shards_per_gpu: int = 1
 
     @property
     def workers_per_shard(self) -> int:
@@ -123,9 +130,12 @@ def plan_fleet_placement(
     device: Device,
     cpus_per_worker: float,
     cluster: ClusterResources | None = None,
+    shards_per_gpu: int = 1,
 ) -> FleetPlacementPlan:
-    """Plan one PACKed placement group per shard; check it against ``cluster`` when given."""
+    """Plan one PACKed placement group per shard; check it against ``cluster`` when given.
+    ``shards_per_gpu`` (GPU only; ignored on CPU): each bundle takes that fraction of a GPU."""
     _require_at_least_one(num_shards, FIELD_NUM_SHARDS)
+    _require_at_least_one(shards_per_gpu, FIELD_SHARDS_PER_GPU)
     _require_at_least_one(tensor_parallel_size, FIELD_TP)
     _require_at_least_one(pipeline_parallel_size, FIELD_PP)
     if device not in ("cpu", "gpu"):
@@ -138,12 +148,20 @@ def plan_fleet_placement(
     if cpus_per_worker < 0:
         raise ConfigError(f"must be >= 0, got {cpus_per_worker}", FIELD_CPUS_PER_WORKER)
 
+    workers = tensor_parallel_size * pipeline_parallel_size
+    if device == "gpu" and shards_per_gpu > 1 and workers > 1:
+        # Ray hands fractional GPUs out per bundle: two ranks of one engine could land on the
+        # same device, which vLLM's collectives refuse.
+        raise ConfigError(
+            f"{shards_per_gpu} shards per GPU needs one worker per shard, but "
+            f"{FIELD_TP} x {FIELD_PP} = {workers}",
+            FIELD_SHARDS_PER_GPU,
+        )
     bundle: dict[str, float] = {}
     if device == "gpu":
-        bundle["GPU"] = 1.0
+        bundle["GPU"] = gpu_share(shards_per_gpu)
     if cpus_per_worker > 0:
         bundle["CPU"] = float(cpus_per_worker)
-    workers = tensor_parallel_size * pipeline_parallel_size
     shards = tuple(
         ShardPlacement(shard=idx, bundles=tuple(dict(bundle) for _ in range(workers)))
         for idx in range(num_shards)
@@ -156,10 +174,19 @@ def plan_fleet_placement(
         device=device,
         cpus_per_worker=float(cpus_per_worker),
         bundle=bundle,
+        shards_per_gpu=shards_per_gpu if device == "gpu" else 1,
     )
     if cluster is not None:
         check_fits(plan, cluster)
     return plan
+
+
+def gpu_share(shards_per_gpu: int) -> float:
+    """The GPU one worker bundle takes: 1/k, rounded down to Ray's resource unit so that k of
+    them always fit one GPU (1/3 -> 0.3333)."""
+    if shards_per_gpu <= 1:
+        return 1.0
+    return math.floor(_RAY_RESOURCE_UNIT / shards_per_gpu) / _RAY_RESOURCE_UNIT
 
 
 def _bundles_on_node(bundle: Mapping[str, float], node: Mapping[str, float]) -> int:

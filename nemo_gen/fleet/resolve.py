@@ -97,6 +97,7 @@ def resolve_generation(
         vc["pipeline_parallel_size"],
         device,
         settings.fleet.cpus_per_worker,
+        shards_per_gpu=settings.fleet.shards_per_gpu,
     )
     hints: dict[int, str] = {}
     if cluster is not None:

@@ -95,10 +95,19 @@ class ShardActor:
         self._sync_was: tuple[int | None, str | None] = (weight_version, None)  # before a weight-sync start
 
     async def start(self) -> dict[str, Any]:
+        import asyncio
+
         from nemo_gen.fleet.engine import Engine
+        from nemo_gen.fleet.gpu_memory import engine_start_lock
 
         if self.engine is None:
-            self.engine = await Engine.start(self._kwargs, self._async)
+            # Engines sharing a GPU start one at a time: vLLM sizes its KV cache from the
+            # device's free memory (no-op on CPU).
+            lock = await asyncio.to_thread(engine_start_lock().acquire)
+            try:
+                self.engine = await Engine.start(self._kwargs, self._async)
+            finally:
+                lock.release()
             self._engine_pids = self.engine.child_pids()
         return self.info()
 
