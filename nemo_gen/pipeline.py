@@ -98,8 +98,9 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
     """Every step, in order, as plain calls: the pipeline with no orchestrator."""
     from nemo_gen.environment import configure_environment
     from nemo_gen.fleet.cluster import cluster_resources, init_ray, shutdown_ray
-    from nemo_gen.fleet.fleet import GenerationFleet, launch_shards
+    from nemo_gen.fleet.fleet import GenerationFleet
     from nemo_gen.fleet.resolve import resolve_generation
+    from nemo_gen.policies import shard_driver
 
     lines = load_prompts(settings)  # a bad input file fails before anything starts
     configure_environment(settings)
@@ -107,8 +108,9 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
     fleet = None
     try:
         resolved = resolve_generation(settings, cluster_resources())
-        handles = launch_shards(resolved.shards, progress.shard_event)
-        fleet = GenerationFleet(resolved, handles, ray_connection=conn if conn.owned else None)
+        driver = shard_driver(settings)
+        handles = driver.launch_all(resolved.shards, progress.shard_event)
+        fleet = GenerationFleet(resolved, handles, ray_connection=conn if conn.owned else None, driver=driver)
         refit = initial_refit(fleet, settings)
         t0 = time.perf_counter()
         results = generate_lines(fleet, lines, settings.run.batch_size)
