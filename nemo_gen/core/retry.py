@@ -29,6 +29,8 @@ FailureClass = Literal["infra", "data"]
 # the input. Matched by class name anywhere in the MRO, so subclasses Ray adds under these
 # (ActorDiedError under RayActorError, OwnerDiedError under ObjectLostError) are covered.
 # OutOfMemoryError also matches torch's CUDA OOM by name: another shard may have memory.
+# Every name is one the installed Ray defines, and every exception class Ray defines has a
+# recorded verdict: tests/unit/test_retry_taxonomy.py walks Ray's modules to check both.
 RAY_INFRA_NAMES: Final[frozenset[str]] = frozenset(
     {
         "RayActorError",
@@ -42,20 +44,33 @@ RAY_INFRA_NAMES: Final[frozenset[str]] = frozenset(
         "OwnerDiedError",
         "ObjectFetchTimedOutError",
         "ObjectStoreFullError",
+        "OutOfDiskError",  # the object store spilled and the node's disk is full
         "OutOfMemoryError",
+        "RayOutOfMemoryError",  # ray._private.memory_monitor: the node ran low on memory
         "RaySystemError",
         "RpcError",
         "GetTimeoutError",
         "TaskUnschedulableError",
-        "PlacementGroupSchedulingError",
+        # The placement group under a task or actor was removed (its shard is being torn
+        # down or its node went away): a new placement on a retry can succeed.
+        "TaskPlacementGroupRemoved",
+        "ActorPlacementGroupRemoved",
+        "PendingCallsLimitExceeded",  # back-pressure: the actor's call queue is full for now
     }
+)
+
+# vLLM's own. vllm.exceptions splits its errors into VLLMClientError (the request: 4xx) and
+# VLLMServerError (the server: 5xx); the server side is infra — EngineDeadError (the
+# EngineCore process died under a live actor), EngineGenerateError, GenerationError and
+# RetryableRequestError all derive from it. vLLM's GracefulHTTPError carries its own
+# ``http_status`` (503 for a full queue, 409 for a busy profiler) and is classified by it.
+ENGINE_INFRA_NAMES: Final[frozenset[str]] = frozenset(
+    {"VLLMServerError", "EngineDeadError", "EngineGenerateError"}
 )
 
 # HTTP-client transport failures (aiohttp names; an engine died mid-request or refused the
 # connection). aiohttp's ClientOSError derives from OSError but not ConnectionError, so the
 # isinstance check below would miss it.
-# vLLM's own: the EngineCore process died under a live actor.
-ENGINE_INFRA_NAMES: Final[frozenset[str]] = frozenset({"EngineDeadError", "EngineGenerateError"})
 
 TRANSPORT_INFRA_NAMES: Final[frozenset[str]] = frozenset(
     {
@@ -86,12 +101,21 @@ def http_status_is_infra(status: int) -> bool:
     return status >= 500 or status in (408, 429)
 
 
+# Exceptions that carry an HTTP status and are classified by it: the attribute per class name.
+_HTTP_STATUS_ATTRS: Final[dict[str, str]] = {
+    "ClientResponseError": "status",  # aiohttp
+    "GracefulHTTPError": "http_status",  # vllm.exceptions (an HTTPStatus, an int)
+}
+
+
 def _http_status(exc: BaseException) -> int | None:
-    """The status of an aiohttp-style ``ClientResponseError``, which is classified by status."""
-    if not any(cls.__name__ == "ClientResponseError" for cls in type(exc).__mro__):
-        return None
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, int) else None
+    """The HTTP status an exception carries, when its class is classified by status."""
+    for cls in type(exc).__mro__:
+        attr = _HTTP_STATUS_ATTRS.get(cls.__name__)
+        if attr is not None:
+            status = getattr(exc, attr, None)
+            return status if isinstance(status, int) else None
+    return None
 
 
 def _single_is_infra(exc: BaseException) -> bool:
