@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -31,89 +32,109 @@ def _isolated(monkeypatch, tmp_path):
     os.environ.update(saved)
 
 
-def _heavy_loaded() -> set[str]:
-    return {m for m in sys.modules if m.split(".")[0] in HEAVY}
+# The CLI runs in a fresh interpreter for every check of what it loads: in `make test` other
+# collected modules have imported ray and prefect already, so a check of this process's
+# sys.modules could not see the CLI load them.
+_RUN_CLI = """
+import json, sys
+for name in json.loads(sys.argv[3]):
+    __import__(name)
+from nemo_gen.cli import main
+code = main(json.loads(sys.argv[1]))
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(json.loads(sys.argv[2])))
+print("\\nCLI-RESULT " + json.dumps({"code": code, "heavy": heavy}))
+"""
 
 
-def _fails_before_starting(argv: list[str], capsys) -> str:
+def _run_cli(argv: list[str], preload: tuple[str, ...] = ()) -> tuple[int, str, str, list[str]]:
+    """``main(argv)`` in a fresh interpreter (this process's cwd and environment): exit code,
+    stdout, stderr, and the heavy top-level modules loaded by the end."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN_CLI, json.dumps(argv), json.dumps(HEAVY), json.dumps(list(preload))],
+        capture_output=True, text=True, timeout=120, cwd=os.getcwd(), env=dict(os.environ),
+    )
+    out, _, tail = proc.stdout.rpartition("\nCLI-RESULT ")
+    assert tail, f"the CLI did not return: rc={proc.returncode} {proc.stderr[-2000:]}"
+    result = json.loads(tail)
+    return result["code"], out, proc.stderr, result["heavy"]
+
+
+def _fails_before_starting(argv: list[str]) -> str:
     """Run ``argv``; assert exit 2 and that no engine/cluster/orchestrator module got loaded."""
-    before = _heavy_loaded()
-    # Other test modules may share a session Ray cluster; the CLI must not have changed it.
-    ray_before = "ray" in sys.modules and sys.modules["ray"].is_initialized()
-    code = main(argv)
-    err = capsys.readouterr().err
+    code, _, err, heavy = _run_cli(argv)
     assert code == EXIT_BAD_INPUT, err
     assert err.startswith("nemo-gen: error: "), err
-    new = _heavy_loaded() - before
-    assert new == set(), f"{argv} loaded {sorted(new)[:5]}"
-    assert "vllm" not in sys.modules or "vllm" in before
-    if "ray" in sys.modules:
-        assert sys.modules["ray"].is_initialized() == ray_before
+    assert heavy == [], f"{argv} loaded {heavy}"
     return err
 
 
+def test_the_heavy_module_check_sees_what_is_loaded():
+    _, _, _, heavy = _run_cli(["config"], preload=("ray",))
+    assert heavy == ["ray"]
+
+
 @pytest.mark.parametrize("command", ["run", "generate"])
-def test_unknown_setting_exits_2_naming_it(command, capsys, tmp_path):
+def test_unknown_setting_exits_2_naming_it(command, tmp_path):
     argv = [command, "--set", "fleet.bogus=1", "--no-prefect"]
     if command == "generate":
         inp = tmp_path / "in.jsonl"
         inp.write_text('"hi"\n')
         argv += ["--input", str(inp), "--output", str(tmp_path / "out.jsonl")]
-    err = _fails_before_starting(argv, capsys)
+    err = _fails_before_starting(argv)
     assert "fleet.bogus" in err
     assert "unknown setting" in err
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_run_without_no_prefect_also_fails_before_prefect(capsys):
-    err = _fails_before_starting(["run", "--set", "fleet.bogus=1"], capsys)
+def test_run_without_no_prefect_also_fails_before_prefect():
+    err = _fails_before_starting(["run", "--set", "fleet.bogus=1"])
     assert "fleet.bogus" in err
 
 
-def test_wrong_type_exits_2_naming_the_field(capsys):
-    err = _fails_before_starting(["run", "--no-prefect", "--set", "generation.vllm_cfg.tensor_parallel_size=0"], capsys)
+def test_wrong_type_exits_2_naming_the_field():
+    err = _fails_before_starting(["run", "--no-prefect", "--set", "generation.vllm_cfg.tensor_parallel_size=0"])
     assert "generation.vllm_cfg.tensor_parallel_size" in err
 
 
-def test_malformed_set_exits_2(capsys):
-    err = _fails_before_starting(["run", "--no-prefect", "--set", "fleet.num_shards"], capsys)
+def test_malformed_set_exits_2():
+    err = _fails_before_starting(["run", "--no-prefect", "--set", "fleet.num_shards"])
     assert "--set" in err and "dotted.key=value" in err
 
 
-def test_bad_settings_file_exits_2_naming_it(capsys, tmp_path):
+def test_bad_settings_file_exits_2_naming_it(tmp_path):
     cfg = tmp_path / "settings.yaml"
     cfg.write_text("fleet:\n  bogus: 1\n")
-    err = _fails_before_starting(["run", "--no-prefect", "--config", str(cfg)], capsys)
+    err = _fails_before_starting(["run", "--no-prefect", "--config", str(cfg)])
     assert "fleet.bogus" in err and str(cfg) in err
     missing = tmp_path / "missing.yaml"
-    err = _fails_before_starting(["run", "--no-prefect", "-c", str(missing)], capsys)
+    err = _fails_before_starting(["run", "--no-prefect", "-c", str(missing)])
     assert str(missing) in err
 
 
-def test_bad_env_setting_exits_2(capsys, monkeypatch):
+def test_bad_env_setting_exits_2(monkeypatch):
     monkeypatch.setenv("NEMO_GEN_FLEET__NUM_SHARDS", "zero")
-    err = _fails_before_starting(["run", "--no-prefect"], capsys)
+    err = _fails_before_starting(["run", "--no-prefect"])
     assert "fleet.num_shards" in err
 
 
-def test_generate_missing_input_exits_2_naming_the_file(capsys, tmp_path):
+def test_generate_missing_input_exits_2_naming_the_file(tmp_path):
     missing = tmp_path / "missing.jsonl"
     out = tmp_path / "x.jsonl"
-    err = _fails_before_starting(["generate", "--input", str(missing), "--output", str(out)], capsys)
+    err = _fails_before_starting(["generate", "--input", str(missing), "--output", str(out)])
     assert str(missing) in err
     assert "cannot read" in err
     assert not out.exists()
 
 
-def test_generate_relative_missing_input(capsys):
-    err = _fails_before_starting(["generate", "--input", "missing.jsonl", "--output", "x.jsonl"], capsys)
+def test_generate_relative_missing_input():
+    err = _fails_before_starting(["generate", "--input", "missing.jsonl", "--output", "x.jsonl"])
     assert "missing.jsonl" in err
 
 
-def test_generate_empty_input_exits_2(capsys, tmp_path):
+def test_generate_empty_input_exits_2(tmp_path):
     inp = tmp_path / "empty.jsonl"
     inp.write_text("\n\n")
-    err = _fails_before_starting(["generate", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")], capsys)
+    err = _fails_before_starting(["generate", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")])
     assert str(inp) in err and "no prompts" in err
 
 
@@ -124,7 +145,7 @@ def test_generate_requires_input_and_output(capsys):
     assert "--output" in capsys.readouterr().err
 
 
-def test_no_command_is_a_usage_error(capsys):
+def test_no_command_is_a_usage_error():
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
@@ -134,17 +155,15 @@ def test_no_command_is_a_usage_error(capsys):
 # config
 
 
-def test_config_prints_resolved_yaml(capsys):
-    before = _heavy_loaded()
-    code = main(["config", "--set", "fleet.num_shards=3"])
-    out = capsys.readouterr().out
-    assert code == EXIT_OK
+def test_config_prints_resolved_yaml():
+    code, out, err, heavy = _run_cli(["config", "--set", "fleet.num_shards=3"])
+    assert code == EXIT_OK, err
     assert "num_shards: 3" in out
     data = yaml.safe_load(out)
     assert data["fleet"]["num_shards"] == 3
     assert data["generation"]["vllm_cfg"]["gpu_memory_utilization"] == 0.6
     assert set(data) >= {"home", "model", "generation", "fleet", "health", "ray", "prefect", "run"}
-    assert _heavy_loaded() - before == set()
+    assert heavy == []
 
 
 def test_config_precedence_file_env_set(capsys, monkeypatch, tmp_path):

@@ -275,10 +275,11 @@ def test_retire_after_max_restart_attempts(clock: FakeClock) -> None:
     fleet = make(clock, max_restart_attempts_per_shard=2)
     kill(fleet, 0)
     fleet.mark_restarting(0)
-    kill_again = [ShardState.RESTARTING]
+    states = [fleet.state_of(0)]
     fleet.mark_restarting(0)  # second attempt: still within the budget
-    kill_again.append(fleet.state_of(0))
-    assert kill_again == [ShardState.RESTARTING, ShardState.RESTARTING]
+    states.append(fleet.state_of(0))
+    assert states == [ShardState.RESTARTING, ShardState.RESTARTING]
+    assert fleet.snapshot()[0].restart_attempts == 2
     fleet.mark_restarting(0)  # third exceeds 2
     shard = fleet.snapshot()[0]
     assert shard.state is ShardState.RETIRED

@@ -189,7 +189,11 @@ def test_real_quant_without_offload_requires_colocated_ipc(overrides):
     ids=["colocated-ipc", "offload-on", "real-quant-off"],
 )
 def test_real_quant_accepted(overrides):
-    _configure(_vllm_config(**overrides))
+    config = _vllm_config(**overrides)
+    assert _configure(config) is config
+    # the real_quant keys are left as given, and the rules after rule 4 still ran
+    assert {key: config[key] for key in overrides} == overrides
+    assert config["_draft_full_refit"] is False and config["vllm_cfg"]["skip_tokenizer_init"] is True
 
 
 # ---- rule 5: sparse transports -------------------------------------------------------
@@ -327,7 +331,11 @@ def test_worker_extension_refused_off_vllm_without_mutating(backend, section, ke
 def test_worker_extension_allowed_on_vllm():
     config = _vllm_config(worker_extension_cls_fqn="pkg.ext:Extension")
     config["vllm_kwargs"]["worker_extension_cls"] = "pkg.ext:Extension"
-    _configure(config)
+    assert _configure(config) is config
+    # kept as given, and configured to the end like any vLLM config
+    assert config["worker_extension_cls_fqn"] == config["vllm_kwargs"]["worker_extension_cls"] == "pkg.ext:Extension"
+    assert config["_pad_token_id"] == TOKENIZER.pad_token_id
+    assert config["vllm_cfg"]["load_format"] == "dummy" and config["_draft_full_refit"] is False
 
 
 # --------------------------------------------------------------------------------------
@@ -710,7 +718,6 @@ def test_interface_abstract_methods():
 
 def test_interface_optional_hook_defaults():
     backend = _Complete()
-    assert backend.generate({"input_ids": PADDED}) == {"output_ids": PADDED}
     assert backend.requires_kv_scale_sync is False
     assert backend.get_collective_sender_spec() == CollectiveSenderSpec("nemo", None, None)
     assert backend.get_inference_world_size() is None

@@ -86,13 +86,21 @@ def test_fits_when_totals_and_nodes_allow() -> None:
     cluster = ClusterResources.from_nodes([{"GPU": 4, "CPU": 16}, {"GPU": 4, "CPU": 16}])
     assert cluster.total == {"GPU": 8.0, "CPU": 32.0}
     plan = plan_fleet_placement(2, 2, 2, "gpu", 4.0, cluster)
-    check_fits(plan, cluster)  # no raise
+    assert plan.totals == {"GPU": 8.0, "CPU": 32.0} == cluster.total  # exactly full
+    assert check_fits(plan, cluster) is None
+    # one CPU more per worker and the same cluster no longer holds it
+    with pytest.raises(PlacementError, match="but the Ray cluster has 32 CPU"):
+        check_fits(plan_fleet_placement(2, 2, 2, "gpu", 5.0), cluster)
 
 
 def test_pack_is_soft_a_shard_may_span_nodes() -> None:
     # Each shard needs 4 GPUs; no node has 4, but bundles fit across nodes.
     cluster = ClusterResources.from_nodes([{"GPU": 2, "CPU": 8}] * 4)
-    plan_fleet_placement(2, 4, 1, "gpu", 1.0, cluster)
+    plan = plan_fleet_placement(2, 4, 1, "gpu", 1.0, cluster)
+    assert [len(s.bundles) for s in plan.shards] == [4, 4] and plan.total_bundles == 8
+    # the nodes' 8 GPUs hold 8 one-GPU bundles; a ninth does not fit anywhere
+    with pytest.raises(PlacementError, match="fleet needs 9 GPU"):
+        plan_fleet_placement(3, 3, 1, "gpu", 1.0, cluster)
 
 
 def test_bundle_larger_than_every_node_is_an_error() -> None:
@@ -126,7 +134,11 @@ def test_from_ray_nodes_skips_dead_nodes() -> None:
 def test_fractional_resources_do_not_fail_on_rounding() -> None:
     # 3 x 0.1 is 0.30000000000000004 in floating point, a hair above the node's 0.3.
     cluster = ClusterResources.from_nodes([{"CPU": 0.3}])
-    plan_fleet_placement(3, 1, 1, "cpu", 0.1, cluster)
+    plan = plan_fleet_placement(3, 1, 1, "cpu", 0.1, cluster)
+    assert plan.total_bundles == 3
+    # the tolerance hides rounding, not a real shortfall: a fourth bundle does not fit
+    with pytest.raises(PlacementError, match="fleet needs 0.4 CPU"):
+        plan_fleet_placement(4, 1, 1, "cpu", 0.1, cluster)
 
 
 def test_spread_shards_one_per_node_then_round_robin():

@@ -37,8 +37,14 @@ def test_dtype_names_from_safetensors_and_torch_agree():
 
 
 def test_a_matching_manifest_passes_and_optional_names_may_be_absent():
-    check_manifest(EXPECTED, list(EXPECTED.values()))
-    check_manifest(EXPECTED, [m("a"), m("b", (8,))], optional=["lm_head.weight"])
+    assert check_manifest(EXPECTED, list(EXPECTED.values())) is None
+    # lm_head.weight absent: refused, unless the caller says it may be (a tied head)
+    with pytest.raises(RefitError, match="missing tensors: lm_head.weight"):
+        check_manifest(EXPECTED, [m("a"), m("b", (8,))])
+    assert check_manifest(EXPECTED, [m("a"), m("b", (8,))], optional=["lm_head.weight"]) is None
+    # optional means "may be absent", not "may be wrong"
+    with pytest.raises(RefitError, match=r"lm_head.weight: shape \[4, 2\]"):
+        check_manifest(EXPECTED, [m("a"), m("b", (8,)), m("lm_head.weight", (4, 2))], optional=["lm_head.weight"])
 
 
 def test_every_problem_is_listed_in_one_error():
