@@ -133,16 +133,55 @@ def test_directory_raises_naming_it(tmp_path):
     assert "cannot read" in str(info.value)
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+_READ_IN_A_CHILD = """
+import json, sys
+from nemo_gen.errors import InputFileError
+from nemo_gen.jsonl import read_prompts
+try:
+    read_prompts(sys.argv[1])
+    print(json.dumps({"raised": None}))
+except InputFileError as exc:
+    print(json.dumps({"raised": type(exc).__name__, "path": exc.path, "message": str(exc)}))
+"""
+
+
+def _without_file_permission_override() -> None:
+    """In a child before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding
+    set, so the program it runs is a root that file modes apply to (a container's root with
+    those capabilities dropped)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH; PR_CAPBSET_DROP is 24
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 def test_permission_denied_raises_naming_it(tmp_path):
+    """A file its reader may not open (mode 000). Root reads any file, and CI runs as root:
+    there the read runs in a child process that keeps uid 0 but not the capabilities that
+    override file modes."""
+    import subprocess
+    import sys
+
     path = _file(tmp_path, '"a"')
     path.chmod(0)
     try:
-        with pytest.raises(InputFileError) as info:
-            read_prompts(path)
+        if os.geteuid() != 0:
+            with pytest.raises(InputFileError) as info:
+                read_prompts(path)
+            got = {"raised": "InputFileError", "path": info.value.path, "message": str(info.value)}
+        else:
+            proc = subprocess.run(
+                [sys.executable, "-c", _READ_IN_A_CHILD, str(path)],
+                preexec_fn=_without_file_permission_override, capture_output=True, text=True, timeout=60,
+            )
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
     finally:
         path.chmod(0o644)
-    assert str(path) in str(info.value)
+    assert got["raised"] == "InputFileError" and got["path"] == str(path)
+    assert got["message"].startswith(f"{path}: cannot read") and "Permission denied" in got["message"]
 
 
 def test_non_utf8_raises_naming_it(tmp_path):
