@@ -144,6 +144,16 @@ class NemoGenWorkerExtension:
         candidates = [getattr(self, "nemo_gen_last_load_stats", {}), getattr(engine, "last_stats", {})]
         return max(candidates, key=lambda st: st.get("finished_at", 0.0))
 
+    def nemo_gen_set_load_path(self, path: str | None) -> str:
+        """Diagnostics: make later refits here take ``"reload_weights"``, or ``"auto"`` (the direct
+        path where the model qualifies); None: back to what the environment says. Returns the
+        path a policy refit takes now."""
+        global _LOAD_PATH_OVERRIDE
+        if path not in (None, "auto", "reload_weights"):
+            raise ValueError(f"unknown load path {path!r}: use 'auto', 'reload_weights' or None")
+        _LOAD_PATH_OVERRIDE = path
+        return self.nemo_gen_load_path()
+
     def nemo_gen_load_path(self, target: str = "policy") -> str:
         """Which path a refit of ``target`` takes here: "direct" or "reload_weights" (and why)."""
         model, model_config = self._model_and_config(target)
@@ -186,6 +196,8 @@ class WeightLoad:
     @staticmethod
     def why_not_direct(model: Any, vllm_config: Any, model_config: Any) -> str | None:
         if _forced_reload():
+            if _LOAD_PATH_OVERRIDE is not None:
+                return "nemo_gen_set_load_path('reload_weights')"
             return f"{FORCE_RELOAD_ENV}=reload_weights"
         return DirectLoad.why_not(model, vllm_config, model_config)
 
@@ -229,9 +241,16 @@ class WeightLoad:
 FORCE_RELOAD_ENV = "NEMO_GEN_REFIT_LOAD"
 
 
+# The same override at run time, per worker process (``nemo_gen_set_load_path``): benchmarks
+# compare both paths on one running engine. None: the environment decides.
+_LOAD_PATH_OVERRIDE: str | None = None
+
+
 def _forced_reload() -> bool:
     import os
 
+    if _LOAD_PATH_OVERRIDE is not None:
+        return _LOAD_PATH_OVERRIDE == "reload_weights"
     return os.environ.get(FORCE_RELOAD_ENV) == "reload_weights"
 
 
@@ -288,7 +307,8 @@ def _keep_freed_pages() -> None:
 
 
 class DirectLoad:
-    """Load checkpoint-format weights into a running CPU model without vLLM's layerwise reload.
+    """Load checkpoint-format weights into a running CPU or CUDA model without vLLM's layerwise
+    reload.
 
     vLLM's ``reload_weights`` puts every layer back on the meta device, materializes fresh
     tensors, loads into them, repacks, and copies the result back into the kernel tensors. On
@@ -296,7 +316,10 @@ class DirectLoad:
     model's own ``load_weights`` (names merged by each parameter's ``weight_loader``) can write
     straight into them; only linear layers, whose weight the CPU backend repacks into a oneDNN
     handle and drops, need a full-size tensor to load into (a reused scratch buffer) and their
-    ``process_weights_after_loading`` re-run, once the layer is complete.
+    ``process_weights_after_loading`` re-run, once the layer is complete. On CUDA, unquantized
+    layers keep their checkpoint format and their post-processing is a no-op: every weight is
+    one copy, in place (the addresses CUDA graphs captured stay valid), instead of a fresh
+    materialized layer plus a copy back per layer.
 
     Used only when every module with weights is one of those kinds (unquantized linear /
     embedding methods, plain modules with no post-processing, attention layers without weights),
@@ -339,8 +362,8 @@ class DirectLoad:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            return "not a CPU engine"
+        if not (current_platform.is_cpu() or current_platform.is_cuda()):
+            return "not a CPU or CUDA engine"
         if vllm_config.lora_config is not None:
             return "LoRA is enabled"
         if model_config.quantization is not None:
@@ -387,7 +410,10 @@ class DirectLoad:
         from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        _keep_freed_pages()
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            _keep_freed_pages()
         wrapped: list[tuple[Any, bool, Any]] = []  # (param, had a loader attribute, its loader)
         packed: dict = {}  # module -> {"kernel": param, "buf": scratch, "todo": {param name: numel}}
         touched: list = []

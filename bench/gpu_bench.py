@@ -1,0 +1,415 @@
+"""nemo_gen on a real GPU, in one run: refit bandwidth, launch against a bare vLLM, throughput,
+restart after a SIGKILL. Every number is a ratio measured in the same run.
+
+    PYTHONPATH=$PWD:/tmp/nemo-gen-site python3 bench/gpu_bench.py --out DIR --log DIR/bench.log \
+        2> DIR/bench.log
+
+(``--log`` is where this process's stderr goes: the engines' own log lines, which Ray forwards
+to it, give the launch breakdown.) On the host, in order, each step skipped when ``--deadline-s``
+would be passed:
+
+1. a random Llama of ``--layers`` x (hidden 4096, MLP 11008) in bf16 (11 layers: 4.5 GB), made
+   on the GPU with the tiny model's tokenizer and saved as a checkpoint; the GPU copy stays as
+   the "trainer's policy";
+2. the device's copy bandwidth (``dst.copy_(src)`` of the model's size): the floor refit is
+   measured against;
+3. ``GenerationFleet.launch`` of one shard (CUDA graphs and torch.compile on, cold caches of its
+   own) and its breakdown: Ray placement + actor start (launch minus the engine's own start),
+   vLLM's weight load, compile, CUDA-graph capture, the rest of engine init;
+4. refit through ``fleet.weight_sync_client()`` with ``nemo_gen_ipc`` from the policy on the same
+   GPU: end to end (version flip included) and inside the engine, on the direct load path and on
+   vLLM's layerwise reload (switched on the running engine), as fractions of the copy bandwidth;
+   then a checkpoint refit (disk -> /dev/shm staging -> GPU); greedy tokens before, after a
+   refit with other weights (must differ: CUDA graphs see the new weights) and back (must match);
+5. generation throughput through the fleet;
+6. a bare ``vllm.LLM`` of the same model in a subprocess (its own cold caches): launch breakdown
+   and the same generation -> launch and throughput ratios;
+7. SIGKILL of the shard actor -> its GPU memory back (NVML) -> a replacement (no spare; warm
+   compile cache shared with the first launch) serving at the fleet's version: restart / launch.
+
+Results: ``DIR/gpu_bench.json`` (everything) and ``DIR/gpu_bench.md`` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+T0 = time.monotonic()
+RESULT: dict = {"date": "2026-12-01", "steps": {}}
+
+
+def elapsed() -> float:
+    return time.monotonic() - T0
+
+
+def save(out: Path) -> None:
+    (out / "gpu_bench.json").write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+def step(name: str, out: Path, deadline_s: float, need_s: float):
+    """Decorator-ish: run fn if ``need_s`` seconds remain; record its result or its error."""
+
+    def run(fn):
+        if elapsed() + need_s > deadline_s:
+            RESULT["steps"][name] = {"skipped": f"{deadline_s - elapsed():.0f}s left, needs ~{need_s:.0f}s"}
+            save(out)
+            return None
+        t = time.monotonic()
+        try:
+            value = fn()
+            RESULT["steps"][name] = {"ok": True, "seconds": time.monotonic() - t, **(value or {})}
+        except Exception as exc:  # recorded: later steps may still run
+            import traceback
+
+            RESULT["steps"][name] = {"ok": False, "seconds": time.monotonic() - t,
+                                     "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        print(f"[{elapsed():6.1f}s] {name}: {json.dumps(RESULT['steps'][name], default=str)[:400]}", flush=True)
+        save(out)
+        return RESULT["steps"][name]
+
+    return run
+
+
+def make_model(path: Path, layers: int, tiny: Path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny_cfg = json.loads((tiny / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=tiny_cfg["vocab_size"], hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=tiny_cfg.get("bos_token_id"), eos_token_id=tiny_cfg.get("eos_token_id"),
+        pad_token_id=tiny_cfg.get("pad_token_id"),
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # HF's own init (normal(0, 0.02), norms 1), on the GPU: seconds
+        model = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    model.eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="50GB")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (tiny / f).exists():
+            shutil.copy(tiny / f, path / f)
+    torch.cuda.synchronize()
+    return model
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+PATTERNS = {
+    "weights_load_s": r"Loading weights took ([\d.]+) seconds",
+    "model_load_s": r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds",
+    "profiling_run_s": r"Initial profiling/warmup run took ([\d.]+) s",
+    "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+    "compile_s": r"init engine \(profile, create kv cache, warmup model\) took [\d.]+ s \(compilation: ([\d.]+) s",
+}
+
+
+def breakdown(text: str) -> dict:
+    """The engine's own timings, from its log lines (the last occurrence of each)."""
+    out = {}
+    for key, pattern in PATTERNS.items():
+        found = re.findall(pattern, text)
+        if found:
+            out[key] = float(found[-1])
+    return out
+
+
+def cache_env(tag: str) -> dict[str, str]:
+    """Compile/JIT caches of one's own, so the fleet and the bare engine both start cold."""
+    base = f"/tmp/nemo-gen-bench-cache-{tag}"
+    return {"VLLM_CACHE_ROOT": f"{base}/vllm", "TRITON_CACHE_DIR": f"{base}/triton",
+            "TORCHINDUCTOR_CACHE_DIR": f"{base}/inductor", "FLASHINFER_WORKSPACE_BASE": f"{base}/flashinfer"}
+
+
+def call_worker(handle, method: str, *args):
+    """A worker-extension method on a running shard's engine (sync engine: through the actor's
+    ``__ray_call__``; benchmark use only)."""
+    import ray
+
+    def fn(actor, method, args):
+        return actor.engine._llm.collective_rpc(method, args=args)
+
+    return ray.get(handle.actor.__ray_call__.remote(fn, method, args), timeout=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log", required=True, help="the file this process's stderr goes to")
+    ap.add_argument("--layers", type=int, default=11)
+    ap.add_argument("--util", type=float, default=0.35)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--deadline-s", type=float, default=540)
+    ap.add_argument("--work", default="/tmp/nemo-gen-bench")
+    args = ap.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+    import torch
+
+    from nemo_gen.tiny_model import make_tiny_model
+
+    RESULT["stack"] = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
+                       "python": sys.version.split()[0]}
+    RESULT["command"] = " ".join(sys.argv)
+    tiny = make_tiny_model(work / "tiny")
+    model_dir = work / f"llama-{args.layers}l"
+    state: dict = {}
+
+    @step("model", out, args.deadline_s, 60)
+    def _():
+        state["policy"] = make_model(model_dir, args.layers, tiny)
+        nbytes = sum(p.numel() * p.element_size() for p in state["policy"].parameters())
+        state["nbytes"] = nbytes
+        return {"bytes": nbytes, "params": sum(p.numel() for p in state["policy"].parameters()), "dir": str(model_dir)}
+
+    if "policy" not in state:
+        return
+
+    @step("copy_bandwidth", out, args.deadline_s, 10)
+    def _():
+        state["copy_gbps"] = copy_bandwidth(state["nbytes"])
+        return {"gbps": state["copy_gbps"], "bytes": state["nbytes"]}
+
+    import vllm
+
+    from nemo_gen import GenerationFleet
+    from nemo_gen.settings import NemoGenSettings
+
+    RESULT["stack"]["vllm"] = vllm.__version__
+    import ray
+
+    RESULT["stack"]["ray"] = ray.__version__
+    settings = NemoGenSettings.load(overrides={
+        "home": str(work / "home"), "model.path": str(model_dir), "fleet.name": "gpu-bench", "fleet.device": "gpu",
+        "fleet.num_shards": 1, "fleet.engine_start_timeout_s": 500, "generation.vllm_cfg.precision": "bfloat16",
+        "generation.vllm_cfg.enforce_eager": False, "generation.vllm_cfg.max_model_len": 512,
+        "generation.vllm_cfg.gpu_memory_utilization": args.util, "generation.vllm_cfg.env_vars": cache_env("fleet"),
+        "refit.backend": "nemo_gen_ipc", "health.probe_interval_s": 2.0, "health.probe_timeout_s": 30.0,
+        "health.restart_backoff_s": 0.1, "health.restart_jitter": 0.0, "health.reap_timeout_s": 20.0,
+        "ray.namespace": "nemo_gen_gpu_bench",
+    })
+    log_path = Path(args.log)
+
+    @step("fleet_launch", out, args.deadline_s, 240)
+    def _():
+        mark = log_path.stat().st_size if log_path.exists() else 0
+        t = time.monotonic()
+        state["fleet"] = GenerationFleet.launch(settings)
+        launch_s = time.monotonic() - t
+        time.sleep(2)  # the engines' last log lines reach the driver
+        text = log_path.read_text(errors="replace")[mark:] if log_path.exists() else ""
+        info = state["fleet"].shards[0].info
+        state["launch_s"] = launch_s
+        return {"launch_s": launch_s, "engine_start_s": info.get("load_s"),
+                "ray_and_actor_s": launch_s - (info.get("load_s") or 0.0), **breakdown(text)}
+
+    fleet = state.get("fleet")
+    if fleet is None:
+        return
+    tok_prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    probe = tok_prompts[:4]
+
+    def greedy():
+        return [r.token_ids for r in fleet.generate(probe, temperature=0, max_new_tokens=16, ignore_eos=True)]
+
+    @step("refit", out, args.deadline_s, 60)
+    def _():
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo
+
+        policy, handle = state["policy"], fleet.shards[0]
+        before = greedy()
+        client = fleet.weight_sync_client()
+        engine = WeightTransferTrainerFactory.trainer_init(CudaIpcTrainerInitInfo(), client=client,
+                                                           source=ModuleSource(policy))
+        res: dict = {"bytes": state["nbytes"], "copy_gbps": state["copy_gbps"]}
+        try:
+            for path in ("auto", "reload_weights"):
+                res[f"path_{path}"] = call_worker(handle, "nemo_gen_set_load_path", path)[0]
+                rounds = []
+                for i in range(4):
+                    t = time.perf_counter()
+                    engine.send_weights()
+                    wall = time.perf_counter() - t
+                    stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
+                    rounds.append({"wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
+                                   "path": stats["path"], "ok": client.report.ok})
+                steady = sorted(rounds[1:], key=lambda r: r["wall_s"])[len(rounds[1:]) // 2]  # median of 2..4
+                gbps = state["nbytes"] / steady["wall_s"] / 1e9
+                engine_gbps = state["nbytes"] / steady["engine_load_s"] / 1e9
+                res[path] = {"rounds": rounds, "first_wall_s": rounds[0]["wall_s"], "wall_s": steady["wall_s"],
+                             "gbps": gbps, "fraction_of_copy": gbps / state["copy_gbps"],
+                             "engine_load_gbps": engine_gbps, "engine_fraction_of_copy": engine_gbps / state["copy_gbps"]}
+            call_worker(handle, "nemo_gen_set_load_path", None)
+            # the engine serves what it was sent: other weights change the tokens, and back
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.mul_(-1.0)
+            engine.send_weights()
+            flipped = greedy()
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.mul_(-1.0)
+            engine.send_weights()
+            res["tokens_follow_the_weights"] = bool(flipped != before and greedy() == before)
+        finally:
+            engine.shutdown()
+        t = time.perf_counter()
+        report = fleet.refit(str(model_dir))
+        res["checkpoint"] = {"ok": report.ok, "wall_s": time.perf_counter() - t, "stage_s": report.stage_seconds,
+                             "load_s": report.load_seconds, "bytes": report.bytes}
+        res["checkpoint"]["gbps"] = report.bytes / res["checkpoint"]["wall_s"] / 1e9
+        res["tokens_after_checkpoint_refit_equal"] = greedy() == before
+        return res
+
+    def throughput(runs=2):
+        fleet.generate(tok_prompts[:8], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
+        best = None
+        for _ in range(runs):
+            t = time.perf_counter()
+            results = fleet.generate(tok_prompts, temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
+            s = time.perf_counter() - t
+            n = sum(len(r.token_ids) for r in results)
+            if best is None or s < best[0]:
+                best = (s, n)
+        return {"seconds": best[0], "tokens": best[1], "tokens_per_s": best[1] / best[0]}
+
+    @step("fleet_throughput", out, args.deadline_s, 40)
+    def _():
+        state["fleet_tps"] = throughput()
+        return state["fleet_tps"]
+
+    @step("bare_vllm", out, args.deadline_s, 240)
+    def _():
+        prompts_file = work / "prompts.json"
+        prompts_file.write_text(json.dumps(tok_prompts))
+        res_file, bare_log = work / "bare.json", out / "bare_vllm.log"
+        env = dict(os.environ, **cache_env("bare"))
+        t = time.monotonic()
+        with open(bare_log, "w") as logf:
+            proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(res_file),
+                                   str(model_dir), str(args.util), "512", str(prompts_file), str(args.tokens)],
+                                  env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=max(60, args.deadline_s - elapsed()))
+        wall = time.monotonic() - t
+        if proc.returncode != 0:
+            raise RuntimeError(f"bare vLLM exited {proc.returncode}: {bare_log.read_text()[-2000:]}")
+        bare = json.loads(res_file.read_text())
+        bare.update(breakdown(bare_log.read_text(errors="replace")), process_wall_s=wall)
+        launch = RESULT["steps"].get("fleet_launch", {})
+        ratios = {}
+        if launch.get("launch_s"):
+            ratios["launch_over_bare"] = launch["launch_s"] / bare["total_s"]
+        if state.get("fleet_tps"):
+            ratios["throughput_fleet_over_bare"] = state["fleet_tps"]["tokens_per_s"] / bare["tokens_per_s"]
+        return {"bare": bare, **ratios}
+
+    @step("restart_after_sigkill", out, args.deadline_s, 200)
+    def _():
+        from nemo_gen.fleet import gpu_memory
+
+        victim = fleet.status()[0]
+        dead = [victim.actor_pid, *victim.engine_pids]
+        held = sum(gpu_memory.used_by_pids(dead).values())
+        name = fleet.handle(0).name
+        t = time.monotonic()
+        os.kill(victim.actor_pid, signal.SIGKILL)
+        freed = gpu_memory.wait_released(dead, timeout_s=60, poll_s=0.01)
+        while not (fleet.handle(0).name != name and fleet.health.state_of(0).value == "healthy"):
+            if elapsed() > args.deadline_s + 20:
+                raise TimeoutError(f"no replacement serving {time.monotonic() - t:.0f}s after the kill")
+            time.sleep(0.05)
+        back_s = time.monotonic() - t
+        res = {"held_gib": held / 2**30, "gpu_memory_back_s": freed.seconds, "released": freed.released,
+               "to_full_strength_s": back_s, "replacement_engine_start_s": fleet.shards[0].info.get("load_s"),
+               "serves_fleet_version": fleet.status()[0].weight_version == fleet.weight_version}
+        if state.get("launch_s"):
+            res["restart_over_launch"] = back_s / state["launch_s"]
+        res["tokens_after_restart_ok"] = len(fleet.generate(probe, temperature=0, max_new_tokens=4)) == len(probe)
+        return res
+
+    fleet.shutdown()
+    RESULT["total_s"] = elapsed()
+    save(out)
+    write_markdown(out)
+
+
+def write_markdown(out: Path) -> None:
+    s = RESULT["steps"]
+    rows = []
+
+    def get(step, *keys):
+        v = s.get(step, {})
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+
+    def fmt(v, spec=".3g"):
+        return "-" if v is None else (format(v, spec) if isinstance(v, (int, float)) else str(v))
+
+    rows.append(("model", f"{fmt(get('model', 'bytes') and get('model', 'bytes') / 1e9)} GB bf16 random Llama"))
+    rows.append(("device copy bandwidth", f"{fmt(get('copy_bandwidth', 'gbps'))} GB/s"))
+    for path in ("auto", "reload_weights"):
+        rows.append((f"refit nemo_gen_ipc, {path} ({get('refit', f'path_{path}')}): end to end",
+                     f"{fmt(get('refit', path, 'wall_s'))} s = {fmt(get('refit', path, 'fraction_of_copy'))} of copy "
+                     f"(first, opening handles: {fmt(get('refit', path, 'first_wall_s'))} s)"))
+        rows.append((f"refit nemo_gen_ipc, {path}: load inside the engine",
+                     f"{fmt(get('refit', path, 'engine_fraction_of_copy'))} of copy"))
+    rows.append(("refit from checkpoint (disk -> shm -> GPU)",
+                 f"{fmt(get('refit', 'checkpoint', 'wall_s'))} s, {fmt(get('refit', 'checkpoint', 'gbps'))} GB/s"))
+    rows.append(("tokens follow the refit weights (CUDA graphs)", fmt(get('refit', 'tokens_follow_the_weights'))))
+    rows.append(("fleet launch / bare vllm.LLM", f"{fmt(get('fleet_launch', 'launch_s'))} s / "
+                 f"{fmt(get('bare_vllm', 'bare', 'total_s'))} s = {fmt(get('bare_vllm', 'launch_over_bare'))}"))
+    for key in ("engine_start_s", "ray_and_actor_s", *PATTERNS):
+        rows.append((f"  fleet {key}", f"{fmt(get('fleet_launch', key))}  (bare: {fmt(get('bare_vllm', 'bare', key))})"))
+    rows.append(("  bare import vllm / LLM()", f"{fmt(get('bare_vllm', 'bare', 'import_s'))} s / {fmt(get('bare_vllm', 'bare', 'llm_s'))} s"))
+    rows.append(("throughput fleet / bare", f"{fmt(get('fleet_throughput', 'tokens_per_s'))} / "
+                 f"{fmt(get('bare_vllm', 'bare', 'tokens_per_s'))} tok/s = {fmt(get('bare_vllm', 'throughput_fleet_over_bare'))}"))
+    rows.append(("SIGKILL -> GPU memory back", f"{fmt(get('restart_after_sigkill', 'gpu_memory_back_s'))} s "
+                 f"({fmt(get('restart_after_sigkill', 'held_gib'))} GiB)"))
+    rows.append(("SIGKILL -> full strength, no spare", f"{fmt(get('restart_after_sigkill', 'to_full_strength_s'))} s = "
+                 f"{fmt(get('restart_after_sigkill', 'restart_over_launch'))} of a launch"))
+    lines = ["| measure | value |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows]]
+    failed = {k: v.get("error") or v.get("skipped") for k, v in s.items() if not v.get("ok")}
+    if failed:
+        lines += ["", "Not measured: " + "; ".join(f"{k}: {v}" for k, v in failed.items())]
+    (out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

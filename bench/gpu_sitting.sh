@@ -1,0 +1,31 @@
+#!/bin/bash
+# One sitting on the lent GPU host (see ../shared/gpu/README.md), from the project root there,
+# with the stack's parts already received (`bash .gpu/unpack.sh receive .gpu/parts/pNNN` each)
+# and this repository's committed state carried as .gpu-src/:
+#   bash .gpu-src/bench/gpu_sitting.sh tests    install the stack, run tests/gpu  -> $OUT/test_gpu.log
+#   bash .gpu-src/bench/gpu_sitting.sh bench    run bench/gpu_bench.py          -> $OUT/gpu_bench.{json,md}, bench.log
+set -uo pipefail
+root=$PWD
+export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+case "${1:-}" in
+  tests)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    tail -2 "$OUT/install.log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
+    cd .gpu-src
+    timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider --timeout 300 \
+      > "$OUT/test_gpu.log" 2>&1
+    rc=$?
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  |launch of|nemo_gen_ipc refit|SIGKILL" "$OUT/test_gpu.log" | tail -60
+    echo "pytest rc=$rc"
+    ;;
+  bench)
+    cd .gpu-src
+    timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
+      --deadline-s "${BENCH_DEADLINE:-530}" 2> "$OUT/bench.log"
+    echo "bench rc=$?"
+    cat "$OUT/gpu_bench.md" 2>/dev/null
+    tail -c 2500 "$OUT/bench.log"
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench"; exit 2 ;;
+esac
