@@ -67,7 +67,7 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
     src = CheckpointSource(path)
     metas = src.manifest()
     placed, total = layout(metas)
-    staging = fleet.staging()
+    staging = fleet.weights.staging()
     staging.ensure(total)
     groups: dict[str, list] = {}
     for place in placed:

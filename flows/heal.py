@@ -16,7 +16,6 @@ from prefect import flow
 
 from flows.artifacts import publish_fleet_health
 from flows.params import fleet_settings
-from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.errors import InfraError
 from tasks import lifecycle
 from tasks import recovery as recovery_tasks
@@ -31,12 +30,9 @@ def heal(config: str | None = None, overrides: list[str] | None = None) -> dict[
     try:
         probes = recovery_tasks.probe_shards(fleet)
         restart = recovery_tasks.restart_shard.with_options(**recovery_tasks.retry_options(settings))
-        needs = [
-            s.dp_shard_idx
-            for s in fleet.health.snapshot()
-            if s.state in (ShardState.DEAD, ShardState.RESTARTING)
-            or s.state is ShardState.STALE and fleet.weight_version is not None
-        ]
+        # The same planner the library's recovery thread asks: one action per slot that needs
+        # one (promote a spare, restart, catch up, retire); each is carried out by restart-shard.
+        needs = [action.slot for action in fleet.recovery.plan()]
         states = {i: restart(fleet, i, return_state=True) for i in needs}
         restarts, failed = [], []
         for index, state in states.items():

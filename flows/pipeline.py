@@ -25,7 +25,8 @@ from flows.refit import publish_refit
 from nemo_gen import pipeline, progress
 from nemo_gen.fleet.fleet import GenerationFleet
 from nemo_gen.fleet.resolve import ResolvedGeneration
-from nemo_gen.fleet.shard import ShardHandle, stop_shard
+from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.policies import shard_driver
 from nemo_gen.settings import NemoGenSettings
 from tasks import fleet as fleet_tasks
 from tasks import setup as setup_tasks
@@ -52,7 +53,7 @@ def launch_fleet(resolved: ResolvedGeneration) -> list[ShardHandle]:
         progress.shard_event(handle.index, "ready", {**handle.info, "seconds": time.monotonic() - started})
     if errors:
         for handle in handles:
-            stop_shard(handle)
+            shard_driver(resolved.settings).stop(handle)
         raise errors[0]
     return sorted(handles, key=lambda h: h.index)
 

@@ -35,6 +35,7 @@ class ShardDiedError(InfraError):
 
     def __init__(self, shard: int, detail: str = ""):
         self.shard = shard
+        self.detail = detail
         super().__init__(f"shard {shard} died" + (f": {detail}" if detail else ""))
 
 

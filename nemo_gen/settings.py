@@ -287,6 +287,10 @@ class HealthSettings(_Section):
     probe_timeout_s: float = Field(
         10.0, gt=0, description="A probe not answered within this counts as a failure (a hung engine)."
     )
+    warmup_grace_s: float = Field(
+        120.0, gt=0, description="While an engine's first generation step (kernel selection, warm-up) "
+        "runs, a probe counts it as alive for this long instead of health.probe_timeout_s.",
+    )
     watch_interval_s: float = Field(
         0.2, gt=0, description="How often a shard actor checks that its engine processes are alive."
     )

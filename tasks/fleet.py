@@ -9,14 +9,15 @@ from prefect.cache_policies import NO_CACHE
 
 from nemo_gen import pipeline
 from nemo_gen.core.results import GenerationResult
-from nemo_gen.fleet import shard as shard_mod
+from nemo_gen.fleet import driver
+from nemo_gen.fleet.shard import ShardHandle, ShardSpec
 from nemo_gen.jsonl import PromptLine
 
 
 @task(name="launch-shard", cache_policy=NO_CACHE, task_run_name="launch-shard-{spec.index}")
-def launch_shard(spec: shard_mod.ShardSpec) -> shard_mod.ShardHandle:
+def launch_shard(spec: ShardSpec) -> ShardHandle:
     """Runs on a Ray worker under RayTaskRunner: a controller that places and starts one actor."""
-    return shard_mod.launch_shard(spec)
+    return driver.launch_shard(spec)
 
 
 @task(name="generate", cache_policy=NO_CACHE)

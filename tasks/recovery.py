@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from nemo_gen.core.retry import is_retriable
 from nemo_gen.fleet import recovery
+from nemo_gen.policies import backoff_policy
 
 
 def retry_on_infra(task, task_run, state) -> bool:
@@ -29,7 +30,7 @@ def retry_options(settings) -> dict[str, Any]:
     """``with_options`` for ``restart_shard`` from the ``health.restart_*`` settings. The last
     of ``max_restart_attempts_per_shard + 1`` attempts meets the ledger's limit and retires the
     shard (ShardRetired: not retried)."""
-    policy = recovery.backoff_policy(settings)
+    policy = backoff_policy(settings)
     attempts = settings.health.max_restart_attempts_per_shard
     delays = [policy.nominal_delay(a) for a in range(1, attempts + 1)] or [0.0]
     return {

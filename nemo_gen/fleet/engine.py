@@ -78,6 +78,9 @@ class Engine:
         self._generating = False
         self._rpc_active = 0
         self.last_step_at = time.monotonic()
+        # Steps completed since start: the first ones (kernel selection, warm-up) can take far
+        # longer than a normal step without the engine being wedged.
+        self.steps_done = 0
         self.max_model_len = self._model_config().max_model_len
         self.dtype = str(self._model_config().dtype).removeprefix("torch.")
 
@@ -165,15 +168,18 @@ class Engine:
         finally:
             self._rpc_active -= 1
 
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float) -> dict[str, Any]:
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+                    warmup_s: float) -> dict[str, Any]:
         """Is the engine generating? Idle: generate one real token. Busy with a batch (the sync
-        engine runs one at a time): it is alive if a step completed within ``stall_s``.
+        engine runs one at a time): it is alive if a step completed within ``stall_s`` — or
+        within ``warmup_s`` while its very first step (warm-up) is still running.
         During a refit or control RPC the answer is ``skipped`` (the engine is held on purpose)."""
         if self._exclusive or self._rpc_active:
             return {"ok": True, "skipped": "refit or control call in progress"}
         if not self.async_engine and self._lock.locked():
             age = time.monotonic() - self.last_step_at
-            if self._generating and age <= stall_s:
+            bound = stall_s if self.steps_done else max(stall_s, warmup_s)
+            if self._generating and age <= bound:
                 return {"ok": True, "busy": True, "step_age_s": age}
             return {"ok": False, "error": f"engine busy and no generation step for {age:.1f}s"}
         t0 = time.monotonic()
@@ -216,6 +222,7 @@ class Engine:
                 if out.finished:
                     outputs.append(out)
             self.last_step_at = time.monotonic()
+            self.steps_done += 1
         # As vLLM sorts them: by request counter, i.e. in enqueue order.
         return sorted(outputs, key=lambda o: int(o.request_id))
 

@@ -2,14 +2,15 @@
 
 Crash: each shard actor runs a ``watch`` call that returns when one of its engine processes
 exits, and fails at once when the actor itself dies — the monitor holds those calls in one
-``ray.wait``, so a SIGKILL is seen within ``health.watch_interval_s`` (no probe streak needed:
-a dead process is certain). Hang: every ``health.probe_interval_s`` each serving shard gets a
-probe (one real token, or proof of a recent engine step while it runs a batch); no answer
-within ``health.probe_timeout_s`` is a failure, and ``health.unhealthy_threshold`` of them in
-a row condemn the shard (NeMo-RL's streak rules, in the ledger). A SIGSTOPped engine answers
+wait, so a SIGKILL is seen within ``health.watch_interval_s`` (no probe streak needed: a dead
+process is certain). Hang: every ``health.probe_interval_s`` each serving shard gets a probe
+(one real token, or proof of a recent engine step while it runs a batch); no answer within
+``health.probe_timeout_s`` is a failure, and ``health.unhealthy_threshold`` of them in a row
+condemn the shard (NeMo-RL's streak rules, in the ledger). A SIGSTOPped engine answers
 nothing and is condemned this way.
 
-What happens to a lost shard is the fleet's business (``GenerationFleet.shard_lost``).
+``Prober`` owns what a probe answer means (shared by the monitor's thread and the heal flow's
+blocking ``probe_round``); what happens to a lost shard is the ``on_lost`` callback's business.
 """
 
 from __future__ import annotations
@@ -17,34 +18,111 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
-import ray
-
-from nemo_gen.core.fleet_health import ShardState
-from nemo_gen.fleet.shard import ShardHandle, root_cause
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nemo_gen.fleet.fleet import GenerationFleet
+from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.members import Member
+from nemo_gen.core.retry import describe
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet.driver import Call, ShardDriver
+from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.shard import ShardHandle
 
 log = logging.getLogger(__name__)
 
+LostFn = Callable[[Member, str], None]
+
+
+class Prober:
+    """Sends probes and records their answers in the ledger."""
+
+    def __init__(self, driver: ShardDriver, health: GenerationFleetHealth, members: Membership,
+                 sampling: dict[str, Any], tokens: list[int], timeout_s: float, warmup_s: float, on_lost: LostFn):
+        self.driver = driver
+        self.health = health
+        self.members = members
+        self.sampling = sampling
+        self.tokens = tokens
+        self.timeout_s = timeout_s
+        self.warmup_s = warmup_s
+        self.on_lost = on_lost
+        self.detections: list[dict[str, Any]] = []  # (for benchmarks and status) what was seen when
+
+    def send(self, handle: ShardHandle) -> Call:
+        return self.driver.start_probe(handle, self.sampling, self.tokens, self.timeout_s, self.warmup_s)
+
+    def answer_of(self, call: Call) -> dict[str, Any]:
+        """The probe's answer; a dead actor or engine is marked ``dead`` (condemned at once),
+        any other failure is one step of a streak."""
+        try:
+            return self.driver.result(call)
+        except ShardDiedError as exc:
+            return {"ok": False, "error": f"probe failed: {exc.detail}", "dead": True}
+        except Exception as exc:
+            return {"ok": False, "error": f"probe failed: {describe(exc).splitlines()[0]}"}
+
+    def timed_out(self) -> dict[str, Any]:
+        return {"ok": False, "error": f"probe not answered within {self.timeout_s:g}s"}
+
+    def record(self, member: Member, answer: dict[str, Any]) -> None:
+        """One probe answer about ``member``: a streak step in the ledger; a dead actor or engine,
+        or a streak at the threshold, condemns the shard."""
+        if not self.members.is_current(member) or answer.get("skipped"):
+            return
+        slot = member.slot
+        if answer.get("dead"):
+            self.detected(member, "probe", answer["error"])
+            return
+        self.health.record_probe(slot, bool(answer.get("ok")), answer.get("error"))
+        if not answer.get("ok"):
+            log.warning("shard %d probe failed: %s", slot, answer.get("error"))
+        if self.health.state_of(slot) is ShardState.DEAD:
+            self.detected(member, "probe", answer.get("error") or "probe failures")
+
+    def detected(self, member: Member, by: str, reason: str) -> None:
+        key = member.name if member.is_spare else member.slot
+        self.detections.append({"key": key, "name": member.name, "at": time.monotonic(), "by": by, "reason": reason})
+        self.on_lost(member, reason)
+
+    def probe_round(self, unhealthy_threshold: int) -> list[dict[str, Any]]:
+        """One blocking round over the serving shards (the heal flow's, where no monitor runs):
+        a failing shard is probed up to ``unhealthy_threshold`` times in a row; a dead actor or
+        engine is condemned at once."""
+        out = []
+        for slot in self.health.serving_shards():
+            handle = self.members.handle(slot)
+            member = Member(handle.name, slot)
+            answer: dict[str, Any] = {}
+            for _ in range(unhealthy_threshold):
+                call = self.send(handle)
+                if self.driver.wait([call], self.timeout_s):
+                    answer = self.answer_of(call)
+                else:
+                    self.driver.cancel(call)
+                    answer = self.timed_out()
+                self.record(member, answer)
+                if answer.get("ok") or answer.get("skipped") or self.health.state_of(slot) is ShardState.DEAD:
+                    break
+            out.append({"shard": slot, "ok": bool(answer.get("ok")), "error": answer.get("error"),
+                        "state": self.health.state_of(slot).value})
+        return out
+
 
 class FleetMonitor:
-    def __init__(self, fleet: "GenerationFleet", probe_sampling: dict[str, Any], probe_tokens: list[int]):
-        self._fleet = fleet
-        h = fleet.settings.health
-        self._watch_interval = h.watch_interval_s
-        self._probe_interval = h.probe_interval_s
-        self._probe_timeout = h.probe_timeout_s
-        self._sampling = probe_sampling
-        self._tokens = probe_tokens
+    def __init__(self, prober: Prober, watch_interval_s: float, probe_interval_s: float, name: str):
+        self.prober = prober
+        self.driver = prober.driver
+        self._watch_interval = watch_interval_s
+        self._probe_interval = probe_interval_s
         self._lock = threading.Lock()
-        self._watches: dict[Any, tuple[Any, str]] = {}  # ref -> (key, actor name)
-        self._probes: dict[Any, tuple[int, str, float]] = {}  # ref -> (slot, actor name, deadline)
+        self._watches: dict[Call, Member] = {}
+        self._probes: dict[Call, tuple[Member, float]] = {}  # call -> (member, deadline)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"nemo-gen-monitor-{fleet.settings.fleet.name}", daemon=True)
-        self.detections: list[dict[str, Any]] = []  # (for benchmarks and status) what was seen when
+        self._thread = threading.Thread(target=self._run, name=f"nemo-gen-monitor-{name}", daemon=True)
+
+    @property
+    def detections(self) -> list[dict[str, Any]]:
+        return self.prober.detections
 
     def start(self) -> "FleetMonitor":
         self._thread.start()
@@ -55,32 +133,30 @@ class FleetMonitor:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 
-    def watch(self, key: Any, handle: ShardHandle) -> None:
-        """Start watching ``handle`` (key: its slot, or ("spare", name))."""
-        ref = handle.actor.watch.remote(self._watch_interval)
+    def watch(self, member: Member, handle: ShardHandle) -> None:
+        """Start watching ``handle`` in its role ``member``."""
+        call = self.driver.start_watch(handle, self._watch_interval)
         with self._lock:
-            self._watches[ref] = (key, handle.name)
+            self._watches[call] = member
 
     def _run(self) -> None:
         next_probe = time.monotonic() + self._probe_interval
         while not self._stop.is_set():
             with self._lock:
-                refs = list(self._watches) + list(self._probes)
-            if not refs:
+                calls = list(self._watches) + list(self._probes)
+            if not calls:
                 self._stop.wait(self._watch_interval)
             else:
                 try:
-                    ready, _ = ray.wait(refs, num_returns=1, timeout=self._watch_interval)
-                    if ready:  # collect everything else that is done too
-                        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                    ready = self.driver.wait(calls, self._watch_interval)
                 except Exception as exc:  # Ray going down under us (shutdown): stop quietly
-                    if self._stop.is_set() or not ray.is_initialized():
+                    if self._stop.is_set():
                         return
-                    log.warning("monitor: ray.wait failed: %s", exc)
+                    log.warning("monitor: wait failed: %s", exc)
                     self._stop.wait(self._watch_interval)
                     continue
-                for ref in ready:
-                    self._settle(ref)
+                for call in ready:
+                    self._settle(call)
             if self._stop.is_set():
                 return
             self._expire_probes()
@@ -89,58 +165,38 @@ class FleetMonitor:
                 self._send_probes()
                 next_probe = now + self._probe_interval
 
-    def _settle(self, ref: Any) -> None:
+    def _settle(self, call: Call) -> None:
         with self._lock:
-            watch = self._watches.pop(ref, None)
-            probe = self._probes.pop(ref, None)
-        if watch is not None:
-            key, name = watch
+            watched = self._watches.pop(call, None)
+            probe = self._probes.pop(call, None)
+        if watched is not None:
             try:
-                reason = ray.get(ref)
-            except Exception as exc:
-                reason = f"actor died: {root_cause(exc)}"
-            self.detections.append({"key": key, "name": name, "at": time.monotonic(), "by": "watch", "reason": reason})
-            self._fleet.shard_lost(key, name, reason)
+                reason = self.driver.result(call)
+            except Exception as exc:  # the actor itself died (or its watch broke): it is lost either way
+                reason = f"actor died: {exc.detail if isinstance(exc, ShardDiedError) else describe(exc)}"
+            self.prober.detected(watched, "watch", reason)
         elif probe is not None:
-            slot, name, _ = probe
-            try:
-                answer = ray.get(ref)
-            except Exception as exc:
-                answer = {"ok": False, "error": f"probe failed: {root_cause(exc)}"}
-            self._record(slot, name, answer)
+            self.prober.record(probe[0], self.prober.answer_of(call))
 
     def _expire_probes(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [(ref, p) for ref, p in self._probes.items() if p[2] <= now]
-            for ref, _ in expired:
-                del self._probes[ref]
-        for ref, (slot, name, _) in expired:
-            ray.cancel(ref)
-            self._record(slot, name, {"ok": False, "error": f"probe not answered within {self._probe_timeout:g}s"})
-
-    def _record(self, slot: int, name: str, answer: dict[str, Any]) -> None:
-        fleet = self._fleet
-        if not fleet.is_current(slot, name) or answer.get("skipped"):
-            return
-        health = fleet.health
-        health.record_probe(slot, bool(answer.get("ok")), answer.get("error"))
-        if not answer.get("ok"):
-            log.warning("shard %d probe failed: %s", slot, answer.get("error"))
-        if health.state_of(slot) is ShardState.DEAD:
-            self.detections.append({"key": slot, "name": name, "at": time.monotonic(), "by": "probe",
-                                    "reason": answer.get("error")})
-            fleet.shard_lost(slot, name, answer.get("error") or "probe failures")
+            expired = [(call, p) for call, p in self._probes.items() if p[1] <= now]
+            for call, _ in expired:
+                del self._probes[call]
+        for call, (member, _) in expired:
+            self.driver.cancel(call)
+            self.prober.record(member, self.prober.timed_out())
 
     def _send_probes(self) -> None:
-        fleet = self._fleet
+        prober = self.prober
         with self._lock:
-            probing = {p[0] for p in self._probes.values()}
-        deadline = time.monotonic() + self._probe_timeout
-        for slot in fleet.health.serving_shards():
-            handle = fleet.handle(slot)
+            probing = {p[0].slot for p in self._probes.values()}
+        deadline = time.monotonic() + prober.timeout_s
+        for slot in prober.health.serving_shards():
+            handle = prober.members.handle(slot)
             if slot in probing or handle is None:
                 continue
-            ref = handle.actor.probe.remote(self._sampling, self._tokens, self._probe_timeout)
+            call = prober.send(handle)
             with self._lock:
-                self._probes[ref] = (slot, handle.name, deadline)
+                self._probes[call] = (Member(handle.name, slot), deadline)

@@ -31,22 +31,28 @@ def record_name(fleet: str) -> str:
     return f"{fleet}-record"
 
 
-def create_record(fleet: str, namespace: str, weight_version: int | None):
+def create_record(fleet: str, namespace: str, weight_version: int | None, timeout_s: float):
     """The record of a fleet being launched (an existing one is reused and reset)."""
     actor = FleetRecord.options(
         name=record_name(fleet), namespace=namespace, lifetime="detached", get_if_exists=True
     ).remote(fleet, weight_version)
-    ray.get(actor.update.remote(weight_version=weight_version, weight_source=None), timeout=60)
+    ray.get(actor.update.remote(weight_version=weight_version, weight_source=None), timeout=timeout_s)
     return actor
 
 
-def find_record(fleet: str, namespace: str) -> tuple[Any, dict[str, Any]] | tuple[None, None]:
+def find_record(fleet: str, namespace: str, timeout_s: float) -> tuple[Any, dict[str, Any]] | tuple[None, None]:
     """(actor, contents) of a running fleet's record, or (None, None)."""
     try:
         actor = ray.get_actor(record_name(fleet), namespace=namespace)
-        return actor, ray.get(actor.get.remote(), timeout=30)
+        return actor, ray.get(actor.get.remote(), timeout=timeout_s)
     except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return None, None
+
+
+def update_record(actor: Any, timeout_s: float, **values: Any) -> None:
+    """Write ``values`` into the record (no-op without one)."""
+    if actor is not None:
+        ray.get(actor.update.remote(**values), timeout=timeout_s)
 
 
 def remove_record(actor: Any) -> None:

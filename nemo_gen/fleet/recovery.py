@@ -1,12 +1,13 @@
 """Shard loss: reap what a dead shard leaves, start its replacement (or promote a warm spare),
 bring it to the fleet's weight version, and re-admit it.
 
-``restart_shard`` is one attempt; the retry policy around it is Prefect's (the
-``restart-shard`` task in ``tasks/recovery.py``: retries, backoff with jitter, a condition on
-the infra/data taxonomy) or, when the library runs without Prefect, ``recover`` (the same
-backoff schedule, in the fleet's recovery thread). Both walk the ledger the same way:
-DEAD -> RESTARTING -> STALE -> (refit to the current version) -> HEALTHY, and RETIRED once
-``health.max_restart_attempts_per_shard`` attempts are spent.
+What to do about a slot is the pure planner's decision (``nemo_gen.core.planner``); this
+module carries the actions out. ``Recovery.restart_shard`` is one attempt; the retry policy
+around it is Prefect's (the ``restart-shard`` task in ``tasks/recovery.py``: retries, backoff
+with jitter, a condition on the infra/data taxonomy) or, when the library runs without
+Prefect, ``Recovery.recover`` (the same backoff schedule, in the fleet's recovery thread).
+Both walk the ledger the same way: DEAD -> RESTARTING -> STALE -> (refit to the current
+version) -> HEALTHY, and RETIRED once ``health.max_restart_attempts_per_shard`` are spent.
 
 Reaping: whatever the raylet does, a dead shard's engine processes are gone (polled until
 they exit) before its replacement is placed — unless the operator set
@@ -21,25 +22,31 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Sequence
 
 import psutil
-import ray
 from ray.util import get_node_ip_address
 
 from nemo_gen.core.backoff import BackoffPolicy
-from nemo_gen.core.fleet_health import SERVING_STATES, ShardState
+from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, ShardState
+from nemo_gen.core.members import Member
+from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Restart, Retire, plan, plan_slot
 from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.environment import REAPING_FLAG
-from nemo_gen.errors import NemoGenError, ShardDiedError, ShardRetired, StaleShard
+from nemo_gen.errors import ShardRetired, StaleShard
+from nemo_gen.fleet.background import Background
+from nemo_gen.fleet.driver import ShardDriver
+from nemo_gen.fleet.members import Membership
 from nemo_gen.fleet.processes import processes, wait_exit, wait_or_kill
-from nemo_gen.fleet.refit import apply_staged, stage
-from nemo_gen.fleet.shard import ShardHandle, launch_shard, stop_actor
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nemo_gen.fleet.fleet import GenerationFleet
+from nemo_gen.fleet.refit import Refitter
+from nemo_gen.fleet.shard import ShardHandle, ShardSpec
+from nemo_gen.fleet.spares import SparePool
+from nemo_gen.fleet.weights import FleetWeights
 
 log = logging.getLogger(__name__)
+
+# After the actor is gone, what Ray's cleanup would have needed, so orphans are really orphans.
+_ORPHAN_SETTLE_S = 0.5
 
 
 @dataclass
@@ -62,25 +69,25 @@ def cleanup_disabled() -> bool:
     return os.environ.get(REAPING_FLAG) == "0"
 
 
-def reap_shard(handle: ShardHandle, timeout_s: float) -> ReapReport:
+def reap_shard(driver: ShardDriver, handle: ShardHandle, timeout_s: float) -> ReapReport:
     """Kill the shard's actor (if it still runs) and wait until its processes have exited.
 
     Polls to a deadline, never samples once: right after a SIGKILL the EngineCore is still
     alive for a few hundred ms while the raylet tears the process group down."""
     t0 = time.monotonic()
     report = ReapReport(shard=handle.index if handle.index is not None else handle.name)
-    stop_actor(handle)
-    if not _on_this_host(handle.info):
+    driver.kill(handle)
+    ip = handle.info.get("node_ip")
+    if ip is not None and ip != get_node_ip_address():
         report.checked = False
-        log.warning("shard %s ran on node %s: its processes cannot be checked from here", report.shard,
-                    handle.info.get("node_ip"))
+        log.warning("shard %s ran on node %s: its processes cannot be checked from here", report.shard, ip)
         return report
     actor = processes([handle.actor_pid] if handle.actor_pid else [])
     engine = processes(handle.engine_pids)
     if cleanup_disabled():
         # Honour the operator: wait for the actor only, then report what it left behind.
         wait_exit(actor, timeout_s)
-        time.sleep(0.5)  # what Ray's cleanup would have needed: the orphans are really orphans
+        time.sleep(_ORPHAN_SETTLE_S)
         for proc in engine:
             try:
                 if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
@@ -102,167 +109,175 @@ def reap_shard(handle: ShardHandle, timeout_s: float) -> ReapReport:
     return report
 
 
-def restart_shard(fleet: "GenerationFleet", index: int) -> dict[str, Any]:
-    """One recovery attempt for shard ``index``: reap, replace, catch up, re-admit.
+class Recovery:
+    def __init__(self, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
+                 refitter: Refitter, spares: SparePool, driver: ShardDriver, background: Background,
+                 specs: Sequence[ShardSpec], fleet_name: str, reap_timeout_s: float, backoff: BackoffPolicy,
+                 auto_recover: Callable[[], bool], watch: Callable[[Member, ShardHandle], None]):
+        self.health = health
+        self.members = members
+        self.weights = weights
+        self.refitter = refitter
+        self.spares = spares
+        self.driver = driver
+        self.background = background
+        self._specs = list(specs)
+        self._fleet_name = fleet_name
+        self._reap_timeout_s = reap_timeout_s
+        self.backoff = backoff
+        self._auto_recover = auto_recover
+        self._watch = watch
+        self.watching = False  # a monitor runs: this process heals its own fleet
+        self.orphans: list[dict[str, Any]] = []  # processes left by dead shards (cleanup disabled)
 
-    Returns what was done (``action``: "none" | "promoted-spare" | "restarted"). Raises
-    ``ShardRetired`` when the attempts are spent, ``EngineStartError``/``ShardDiedError``
-    (infra: worth another attempt) when the replacement fails, ``PlacementError`` (data)
-    when the cluster cannot hold it."""
-    health = fleet.health
-    state = health.state_of(index)
-    if state in SERVING_STATES:
-        return {"shard": index, "action": "none", "state": state.value}
-    if state is ShardState.STALE:  # up, but behind: a refit from what is staged is enough
-        handle = fleet.handle(index)
-        try:
-            caught_up = handle is not None and catch_up(fleet, index, handle)
-        except StaleShard:
-            caught_up = False
-        return {"shard": index, "action": "caught-up" if caught_up else "none", "state": health.state_of(index).value}
-    if state is ShardState.RETIRED:
-        raise ShardRetired(f"shard {index} is retired: {_last_error(fleet, index)}")
-    with fleet.slot_lock(index):
-        health.mark_restarting(index)
-        if health.state_of(index) is ShardState.RETIRED:
-            raise ShardRetired(
-                f"shard {index} retired after {health.policy.max_restart_attempts_per_shard} restart "
-                f"attempt(s) (health.max_restart_attempts_per_shard): {_last_error(fleet, index)}"
-            )
-        t0 = time.monotonic()
-        old = fleet.handle(index)
-        reaped = reap_shard(old, fleet.settings.health.reap_timeout_s) if old is not None else None
-        if reaped is not None and reaped.orphans:
-            fleet.orphans.extend({"shard": index, **o} for o in reaped.orphans)
-        # A spare is promoted under the refit lock: a refit in progress finishes first (the
-        # spare takes it too), so the slot never gets weights behind the fleet's.
-        with fleet.refit_lock:
-            spare = fleet.take_spare()
-            if spare is not None:
-                ray.get(spare.actor.assign.remote(index, _attempts(fleet, index)), timeout=30)
-                fleet.install(index, spare)
-                health.mark_loaded(index)
-                if fleet.weight_version is not None:  # else: train mode before its first refit
-                    health.report_refit(index, fleet.weight_version)
-                action = "promoted-spare"
-        if spare is not None:
-            fleet.replenish_spares()
-        else:
-            attempt = _attempts(fleet, index)
-            spec = dataclasses.replace(
-                fleet.resolved.shards[index], name=f"{fleet.settings.fleet.name}-shard-{index}-r{attempt}"
-            )
-            handle = launch_shard(spec)
-            ray.get(handle.actor.assign.remote(index, attempt), timeout=30)
-            fleet.install(index, handle)
-            health.mark_loaded(index)
-            try:
-                catch_up(fleet, index, handle)
-                action = "restarted"
-            except StaleShard:
-                action = "restarted-stale"
-    return {
-        "shard": index,
-        "action": action,
-        "state": health.state_of(index).value,
-        "weight_version": fleet.weight_version,
-        "seconds": time.monotonic() - t0,
-        "reaped": reaped.to_json() if reaped else None,
-    }
+    # -- news of a loss ----------------------------------------------------------------------------
 
+    def shard_lost(self, member: Member, reason: str) -> None:
+        """The death watch, a probe streak or a failed call says ``member`` is gone or wedged. A
+        slot goes DEAD (its requests are re-routed) and, with ``health.auto_recover``, is
+        restarted in the background; a spare is replaced."""
+        if member.is_spare:
+            self.spares.drop(member.name, reason)
+            return
+        if self.background.closed or not self.members.is_current(member):
+            return
+        self.health.mark_dead(member.slot, reason)
+        # Only a fleet that watches itself heals itself; an attached one (a flow's) leaves
+        # recovery to the heal flow and its retry policy.
+        if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
+            self.recover_in_background(member.slot)
 
-def catch_up(fleet: "GenerationFleet", key: Any, handle: ShardHandle) -> bool:
-    """Bring a fresh engine to the fleet's weight version. ``key``: the slot (the ledger is
-    updated) or ("spare", name). Returns False when there is no version to catch up to yet
-    (a train-mode fleet before its first refit: the shard stays STALE)."""
-    version = fleet.weight_version
-    if version is None:
-        return False
-    is_slot = not isinstance(key, tuple)
-    with fleet.refit_lock:
-        version = fleet.weight_version
-        if handle.info.get("weight_version") == version and fleet.staged_refit is None:
-            pass  # it loaded the checkpoint at start, and no refit has happened since (eval, v0)
-        else:
-            staged = fleet.staged_refit
-            if staged is None or staged.version != version:
-                if not fleet.weight_source:
-                    raise _stale(fleet, key, version)
-                # Another process did the last refit (its staging is gone): stage it again.
-                staged = stage(fleet, fleet.weight_source, version)
-                fleet.staged_refit = staged
-            ok, _, error = apply_staged(fleet.settings.refit.timeout_s, staged, {key: handle})[key]
-            if not ok:
-                if is_slot:
-                    fleet.health.mark_dead(key, error)
-                raise ShardDiedError(key if is_slot else -1, error)
-        handle.info["weight_version"] = version
-        if is_slot:
-            fleet.health.report_refit(key, version)
-    return True
-
-
-def recover(fleet: "GenerationFleet", index: int, rng: random.Random | None = None) -> dict[str, Any] | None:
-    """The library's retry policy around ``restart_shard`` (what the Prefect task does with
-    ``retries``): backoff with jitter between attempts, infra failures retried, data failures
-    and ``ShardRetired`` not. Returns the last attempt's result, or None if it gave up."""
-    h = fleet.settings.health
-    policy = backoff_policy(fleet.settings)
-    rng = rng or random.Random()
-    attempt = 0
-    while not fleet.closed:
-        attempt += 1
-        try:
-            return restart_shard(fleet, index)
-        except ShardRetired as exc:
-            log.error("%s", exc)
+    def recover_in_background(self, slot: int):
+        """Start ``recover`` for ``slot`` unless it is already running."""
+        if self.background.closed or not self.members.begin_recovery(slot):
             return None
-        except Exception as exc:
-            if fleet.closed:
+
+        def run():
+            try:
+                return self.recover(slot)
+            finally:
+                self.members.end_recovery(slot)
+
+        future = self.background.submit(run)
+        if future is None:
+            self.members.end_recovery(slot)
+        return future
+
+    # -- deciding and doing -------------------------------------------------------------------------
+
+    def plan(self) -> list[Action]:
+        """What every slot that is not serving needs now (the heal flow's worklist)."""
+        return plan(self.health.snapshot(), self.weights.version, self.spares.ready(self.weights.version),
+                    self.health.policy.max_restart_attempts_per_shard)
+
+    def _slot(self, index: int):
+        return next(s for s in self.health.snapshot() if s.dp_shard_idx == index)
+
+    def restart_shard(self, index: int) -> dict[str, Any]:
+        """One recovery attempt for shard ``index``: the planner's action for it, carried out.
+
+        Returns what was done (``action``: "none" | "caught-up" | "promoted-spare" | "restarted"
+        | "restarted-stale"). Raises ``ShardRetired`` when the attempts are spent,
+        ``EngineStartError``/``ShardDiedError`` (infra: worth another attempt) when the
+        replacement fails, ``PlacementError`` (data) when the cluster cannot hold it."""
+        health = self.health
+        shard = self._slot(index)
+        if shard.state in SERVING_STATES:
+            return {"shard": index, "action": "none", "state": shard.state.value}
+        if shard.state is ShardState.RETIRED:
+            raise ShardRetired(f"shard {index} is retired: {shard.last_error or 'no error recorded'}")
+        action = plan_slot(shard, self.weights.version, self.spares.ready(self.weights.version),
+                           health.policy.max_restart_attempts_per_shard)
+        if action is None:  # STALE with no version to catch up to yet
+            return {"shard": index, "action": "none", "state": shard.state.value}
+        if isinstance(action, CatchUp):  # up, but behind: a refit from what is staged is enough
+            handle = self.members.handle(index)
+            try:
+                caught_up = handle is not None and self.refitter.catch_up(Member(handle.name, index), handle)
+            except StaleShard:
+                caught_up = False
+            return {"shard": index, "action": "caught-up" if caught_up else "none", "state": health.state_of(index).value}
+        if isinstance(action, Retire):
+            health.retire(index, action.reason)
+            raise ShardRetired(f"shard {index} {action.reason}")
+        with self.members.slot_lock(index):
+            health.mark_restarting(index)
+            t0 = time.monotonic()
+            old = self.members.handle(index)
+            reaped = reap_shard(self.driver, old, self._reap_timeout_s) if old is not None else None
+            if reaped is not None and reaped.orphans:
+                self.orphans.extend({"shard": index, **o} for o in reaped.orphans)
+            done = self._promote(index, action.spare) if isinstance(action, PromoteSpare) else None
+            if done is None:
+                done = self._restart(index)
+        return {
+            "shard": index, "action": done, "state": health.state_of(index).value,
+            "weight_version": self.weights.version, "seconds": time.monotonic() - t0,
+            "reaped": reaped.to_json() if reaped else None,
+        }
+
+    def _attempts(self, index: int) -> int:
+        return self._slot(index).restart_attempts
+
+    def _promote(self, index: int, name: str) -> str | None:
+        """The spare takes the slot, under the refit lock: a refit in progress finishes first
+        (the spare takes it too), so the slot never gets weights behind the fleet's. None when
+        no spare is at the version after all (a restart follows)."""
+        with self.weights.refitting():
+            spare = self.spares.take(self.weights.version, name)
+            if spare is None:
                 return None
-            fleet.health.mark_dead(index, describe(exc).splitlines()[0])
-            if not is_retriable(exc):
-                log.error("shard %d: not restarting after a data failure: %s", index, describe(exc))
-                fleet.health.retire(index, f"restart failed: {describe(exc).splitlines()[0]}")
+            self.driver.assign(spare, index, self._attempts(index))
+            self._watch(self.members.install(index, spare), spare)
+            self.health.mark_loaded(index)
+            if self.weights.version is not None:  # else: train mode before its first refit
+                self.health.report_refit(index, self.weights.version)
+        self.spares.replenish()
+        return "promoted-spare"
+
+    def _restart(self, index: int) -> str:
+        attempt = self._attempts(index)
+        spec = dataclasses.replace(self._specs[index], name=f"{self._fleet_name}-shard-{index}-r{attempt}")
+        handle = self.driver.launch(spec)
+        self.driver.assign(handle, index, attempt)
+        member = self.members.install(index, handle)
+        self._watch(member, handle)
+        self.health.mark_loaded(index)
+        try:
+            self.refitter.catch_up(member, handle)
+            return "restarted"
+        except StaleShard:
+            return "restarted-stale"
+
+    def recover(self, index: int, rng: random.Random | None = None) -> dict[str, Any] | None:
+        """The library's retry policy around ``restart_shard`` (what the Prefect task does with
+        ``retries``): backoff with jitter between attempts, infra failures retried, data
+        failures and ``ShardRetired`` not. Returns the last attempt's result, or None."""
+        rng = rng or random.Random()
+        attempt = 0
+        while not self.background.closed:
+            attempt += 1
+            try:
+                return self.restart_shard(index)
+            except ShardRetired as exc:
+                log.error("%s", exc)
                 return None
-            if attempt >= h.max_restart_attempts_per_shard + 1:
-                continue  # the next restart_shard call retires it through the ledger
-            delay = policy.delay(attempt, rng)
-            log.warning("shard %d: restart attempt %d failed (%s); next in %.1fs", index, attempt, exc, delay)
-            fleet.wait_closed(delay)
-    return None
+            except Exception as exc:
+                if self.background.closed:
+                    return None
+                self.health.mark_dead(index, describe(exc).splitlines()[0])
+                if not is_retriable(exc):
+                    log.error("shard %d: not restarting after a data failure: %s", index, describe(exc))
+                    self.health.retire(index, f"restart failed: {describe(exc).splitlines()[0]}")
+                    return None
+                if attempt > self.health.policy.max_restart_attempts_per_shard:
+                    continue  # the next restart_shard call retires it through the planner
+                delay = self.backoff.delay(attempt, rng)
+                log.warning("shard %d: restart attempt %d failed (%s); next in %.1fs", index, attempt, exc, delay)
+                self.background.wait_closed(delay)
+        return None
 
 
-def backoff_policy(settings) -> BackoffPolicy:
-    """The restart schedule from ``health.restart_*`` settings (shared by Prefect and the library)."""
-    h = settings.health
-    return BackoffPolicy(
-        base_s=h.restart_backoff_s,
-        max_s=max(h.restart_backoff_max_s, h.restart_backoff_s),
-        jitter=min(h.restart_jitter, 1.0),
-        max_attempts=max(1, h.max_restart_attempts_per_shard),
-    )
-
-
-def _stale(fleet: "GenerationFleet", key: Any, version: int) -> NemoGenError:
-    reason = (
-        f"no source for weight version {version} in this process (it came from live tensors "
-        "pushed by another process): stays STALE until the next refit"
-    )
-    if not isinstance(key, tuple):
-        fleet.health.mark_loaded(key)  # STALE, with the reason on record
-    log.warning("shard %s: %s", key, reason)
-    return StaleShard(reason)
-
-
-def _attempts(fleet: "GenerationFleet", index: int) -> int:
-    return next(s.restart_attempts for s in fleet.health.snapshot() if s.dp_shard_idx == index)
-
-
-def _last_error(fleet: "GenerationFleet", index: int) -> str:
-    return next((s.last_error for s in fleet.health.snapshot() if s.dp_shard_idx == index), "") or "no error recorded"
-
-
-def _on_this_host(info: dict[str, Any]) -> bool:
-    ip = info.get("node_ip")
-    return ip is None or ip == get_node_ip_address()
+def restart_shard(fleet: Any, index: int) -> dict[str, Any]:
+    """One recovery attempt on ``fleet`` (a ``GenerationFleet``): the Prefect task's unit."""
+    return fleet.recovery.restart_shard(index)

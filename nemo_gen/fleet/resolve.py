@@ -25,7 +25,7 @@ from nemo_gen.core.placement import (
 )
 from nemo_gen.errors import ConfigError
 from nemo_gen.fleet.shard import ShardSpec
-from nemo_gen.generation import configure_generation_config, resolve_generation_class
+from nemo_gen.core.generation_config import check_backend, configure_generation_config
 from nemo_gen.settings import NemoGenSettings
 
 
@@ -74,7 +74,7 @@ def resolve_generation(
     """Build the launch plan. ``cluster`` None skips the fit check (planning offline)."""
     gen_cfg = settings.generation.to_generation_config()
     # Fails with the unknown backend's name before anything else is done.
-    resolve_generation_class(gen_cfg)
+    check_backend(gen_cfg)
     model_dir = ensure_model(settings)
     tokenizer_dir = settings.tokenizer_dir() if settings.model.tokenizer else model_dir
     if tokenizer is None:

@@ -1,10 +1,7 @@
-"""A shard: one Ray actor hosting one vLLM engine, and how to place, start and stop it.
-
-``launch_shard`` is the unit both the library and the Prefect task call: reserve the shard's
-placement group (or fail with ``PlacementError`` instead of hanging), create the detached,
-named actor with the engine's environment, wait for the engine to load (or fail with
-``EngineStartError``), and hand back a picklable ``ShardHandle``. Anything it created is torn
-down again when a step fails.
+"""A shard: one Ray actor hosting one vLLM engine (``ShardActor``, the actor side), what it
+takes to start one (``ShardSpec``) and how the driver refers to a running one
+(``ShardHandle``). Placing, calling and stopping shards from the driver is
+``nemo_gen.fleet.driver``'s job.
 """
 
 from __future__ import annotations
@@ -16,11 +13,8 @@ from typing import Any
 
 import ray
 from ray.util import get_node_ip_address
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_gen.core.results import GenerationRequest
-from nemo_gen.errors import EngineStartError, PlacementError, ShardDiedError
 
 
 @dataclass(frozen=True)
@@ -142,11 +136,12 @@ class ShardActor:
                     return f"engine process {proc.pid} exited"
             await asyncio.sleep(interval_s)
 
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float) -> dict[str, Any]:
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+                    warmup_s: float) -> dict[str, Any]:
         """A real generation of one token (or, while a batch runs, proof of a recent step)."""
         if self.engine is None:
             return {"ok": False, "error": "no engine"}
-        return await self.engine.probe(sampling, token_ids, stall_s)
+        return await self.engine.probe(sampling, token_ids, stall_s, warmup_s)
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -261,161 +256,8 @@ class ShardActor:
         return pids
 
 
-def reserve_placement(spec: ShardSpec):
-    """Reserve the shard's placement group, or raise PlacementError at the deadline (Ray
-    itself would wait forever for resources that never come)."""
-    pg = placement_group(
-        spec.bundles,
-        strategy=spec.strategy,
-        name=f"{spec.actor_name}-pg",
-        lifetime="detached",
-        _soft_target_node_id=spec.node_hint,
-    )
-    try:
-        ray.get(pg.ready(), timeout=spec.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"shard {spec.index}: the Ray cluster could not place bundles {spec.bundles} "
-            f"({spec.strategy}) within fleet.placement_timeout_s={spec.placement_timeout_s:g}s; "
-            f"available now: {_available()}"
-        ) from None
-    return pg
-
-
-def launch_shard(spec: ShardSpec) -> ShardHandle:
-    """Place, create and start one shard. Blocking; raises PlacementError / EngineStartError."""
-    pg = reserve_placement(spec)
-    first = spec.bundles[0]
-    world = len(spec.bundles)
-    options = dict(
-        name=spec.actor_name,
-        namespace=spec.namespace,
-        lifetime="detached",
-        max_restarts=0,  # recovery is ours (refit before serving), not Ray's silent restart
-        num_cpus=first.get("CPU", 0),
-        # On GPU with several ranks vLLM's Ray executor schedules one worker per bundle GPU.
-        num_gpus=first.get("GPU", 0) if world == 1 else 0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
-        ),
-        runtime_env={"env_vars": spec.engine_env},
-    )
-    actor = None
-    try:
-        actor = ShardActor.options(**options).remote(
-            spec.index,
-            spec.engine_kwargs,
-            spec.async_engine,
-            spec.weight_version,
-            None if spec.spare else spec.index,
-            spec.fleet,
-        )
-        info = ray.get(actor.start.remote(), timeout=spec.engine_start_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        _teardown(actor, pg)
-        raise EngineStartError(
-            spec.index, f"not ready within fleet.engine_start_timeout_s={spec.engine_start_timeout_s:g}s"
-        ) from None
-    except ValueError as exc:  # a duplicate actor name: a fleet of that name is already up
-        _teardown(None, pg)
-        raise EngineStartError(spec.index, f"{exc} (another fleet named {spec.fleet!r} is running?)") from None
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-        _teardown(actor, pg)
-        raise EngineStartError(spec.index, root_cause(exc)) from None
-    return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
-
-
-def find_fleet_actors(fleet: str, namespace: str) -> list[ShardHandle]:
-    """Every live actor of fleet ``fleet`` (shards, replacements, spares), found by name prefix.
-    A handle's ``index`` is the slot it serves (``info["slot"]``; None for a spare)."""
-    from ray.util import get_placement_group, list_named_actors
-
-    prefixes = (f"{fleet}-shard-", f"{fleet}-spare-")
-    names = [
-        a["name"]
-        for a in list_named_actors(all_namespaces=True)
-        if a["namespace"] == namespace and a["name"].startswith(prefixes)
-    ]
-    handles = []
-    for name in names:
-        try:
-            actor = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            continue  # died between the listing and the call
-        try:
-            info = ray.get(actor.info.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            # Alive but not answering (hung, stopped) or dying: kept by the slot its name
-            # gives, so recovery kills it instead of leaving it to hold the slot's resources.
-            slot = _slot_from_name(fleet, name)
-            if slot is None:
-                continue
-            info = {"slot": slot, "weight_version": None, "unresponsive": root_cause(exc)}
-        if info.get("fleet", fleet) != fleet:
-            continue  # another fleet whose name starts with ours
-        try:
-            pg = get_placement_group(f"{name}-pg")
-        except ValueError:
-            pg = None
-        handles.append(ShardHandle(index=info.get("slot"), name=name, actor=actor, placement_group=pg, info=info))
-    return handles
-
-
-def stop_shard(handle: ShardHandle, timeout_s: float = 60.0) -> list[int]:
-    """Stop the engine cleanly if the actor still answers, then kill the actor and free its
-    placement group. Returns the engine PIDs known for the shard (for reap checks)."""
-    pids = set(handle.engine_pids)
-    try:
-        pids.update(ray.get(handle.actor.shutdown.remote(), timeout=timeout_s))
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-        pass  # already dead or wedged: killing the actor below is what remains
-    _teardown(handle.actor, handle.placement_group)
-    return sorted(pids)
-
-
-def _slot_from_name(fleet: str, name: str) -> int | None:
+def slot_from_name(fleet: str, name: str) -> int | None:
     """``<fleet>-shard-<i>`` and its replacements ``<fleet>-shard-<i>-r<n>`` serve slot i."""
     rest = name[len(f"{fleet}-shard-"):] if name.startswith(f"{fleet}-shard-") else ""
     head = rest.split("-r", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-def stop_actor(handle: ShardHandle) -> None:
-    """Kill the shard's actor without asking it first (it may be dead, hung or stopped) and
-    free its placement group. The raylet tears the actor's process group down with it."""
-    _teardown(handle.actor, handle.placement_group)
-
-
-def call_shard(handle: ShardHandle, method: str, *args, timeout_s: float) -> Any:
-    """Call an actor method and translate Ray's failures into ``ShardDiedError``."""
-    try:
-        return ray.get(getattr(handle.actor, method).remote(*args), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise ShardDiedError(handle.index, f"{method} did not answer within {timeout_s:g}s") from None
-    except ray.exceptions.RayActorError as exc:
-        raise ShardDiedError(handle.index, root_cause(exc)) from None
-
-
-def _teardown(actor: Any, pg: Any) -> None:
-    if actor is not None:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass  # already gone
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            pass
-
-
-def _available() -> dict[str, float]:
-    return {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
-
-
-def root_cause(exc: BaseException) -> str:
-    """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame)."""
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"

@@ -22,13 +22,13 @@ The fleet's refit rules hold around the backend's bytes:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
-import ray
-
+from nemo_gen.core.members import Member
 from nemo_gen.core.refit import (
     OWN_BACKENDS,
     RefitError,
@@ -39,25 +39,29 @@ from nemo_gen.core.refit import (
     next_version,
     nccl_rank_offsets,
 )
-from nemo_gen.fleet.refit import _expected, _label, _metas, refit_members, settle
-from nemo_gen.fleet.shard import root_cause
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nemo_gen.fleet.fleet import GenerationFleet
+from nemo_gen.fleet.refit import Refitter, metas_of
+from nemo_gen.fleet.shard import ShardHandle
 
 log = logging.getLogger(__name__)
+
+# The workers enforce refit.timeout_s; these margins cover an actor that never answers (a
+# chunk's broadcast takes longer than a control step).
+_INIT_MARGIN_S = 30.0
+_UPDATE_MARGIN_S = 60.0
+_STEP_MARGIN_S = 10.0
 
 
 @dataclass
 class _Session:
     target: str  # "policy" or "draft"
     version: int
-    handles: dict[Any, Any]  # slot -> ShardHandle, ("spare", name) -> ShardHandle
+    handles: dict[Member, ShardHandle]
     started: float
+    lock: contextlib.ExitStack  # holds the fleet's refit lock from start to finish
     seen: dict[str, TensorMeta] = field(default_factory=dict)
     chunks: int = 0
     bytes: int = 0
-    failed: dict[Any, str] = field(default_factory=dict)
+    failed: dict[Member, str] = field(default_factory=dict)
 
 
 class FleetWeightSyncClient:
@@ -67,23 +71,29 @@ class FleetWeightSyncClient:
     one; this is how they refit the speculative drafter). After each ``finish_weight_update``,
     ``report`` holds that refit's ``RefitReport``."""
 
-    def __init__(self, fleet: "GenerationFleet", version: int | None = None, draft: bool = False):
-        self.fleet = fleet
+    def __init__(self, refitter: Refitter, generation_config: dict[str, Any], backend: str,
+                 check_open: Callable[[], None], version: int | None, draft: bool):
+        self.refitter = refitter
+        self.weights = refitter.weights
+        self._vllm_cfg = generation_config.get("vllm_cfg", {})
+        self._backend = backend
+        self._check_open = check_open
         self.version = version
         self.draft = draft
         self.report: RefitReport | None = None
         self._init_info: dict[str, Any] | None = None  # the trainer's, once it set the backend up
         self._attached: set[str] = set()  # actor names the backend is set up on
+        self._driver = refitter.driver
         self._session: _Session | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
     def workers_per_shard(self) -> int:
-        vc = self.fleet.resolved.generation_config.get("vllm_cfg", {})
+        vc = self._vllm_cfg
         return int(vc.get("tensor_parallel_size", 1)) * int(vc.get("pipeline_parallel_size", 1))
 
-    def _members(self) -> dict[Any, Any]:
-        return refit_members(self.fleet)
+    def _members(self) -> dict[Member, ShardHandle]:
+        return self.refitter.refit_members()
 
     def nccl_world_size(self) -> int:
         """The NCCL group size a trainer must open (``NCCLTrainerInitInfo.world_size``): the
@@ -112,22 +122,22 @@ class FleetWeightSyncClient:
             raise RefitError(f"weight transfer could not be set up: {self._errors(errors)}")
         self._init_info = dict(init_info)
 
-    def _init(self, members: dict[Any, Any], per_shard: dict[Any, dict]) -> dict[Any, str]:
-        timeout = self.fleet.settings.refit.timeout_s
-        refs = {k: h.actor.weight_sync.remote("init", per_shard[k], timeout) for k, h in members.items()}
-        errors = {}
-        for key, ref in refs.items():
-            try:
-                ray.get(ref, timeout=timeout + 30)
+    def _init(self, members: dict[Member, ShardHandle], per_shard: dict[Member, dict]) -> dict[Member, str]:
+        timeout = self._driver.timeouts.refit_s
+        answers = self._driver.fan_out(members, "weight_sync", {k: ("init", per_shard[k], timeout) for k in members},
+                                       _INIT_MARGIN_S)
+        for key, answer in answers.items():
+            if answer.ok:
                 self._attached.add(members[key].name)
-            except Exception as exc:
-                errors[key] = root_cause(exc)
-        return errors
+        return {k: a.error for k, a in answers.items() if not a.ok}
 
     def shutdown_weight_transfer_engine(self) -> None:
-        members = self._members()
-        ray.get([h.actor.weight_sync.remote("shutdown", None, 60) for h in members.values()], timeout=90)
+        timeout = self._driver.timeouts.refit_s
+        errors = {k: a.error for k, a in self._driver.fan_out(
+            self._members(), "weight_sync", ("shutdown", None, timeout), _STEP_MARGIN_S).items() if not a.ok}
         self._attached, self._init_info = set(), None
+        if errors:
+            raise RefitError(f"weight transfer could not be shut down: {self._errors(errors)}")
 
     # -- one refit -----------------------------------------------------------------------------
 
@@ -141,27 +151,24 @@ class FleetWeightSyncClient:
     def _start(self, target: str) -> None:
         if self._session is not None:
             raise RefitError("a weight update is already in progress on this client: finish it first")
-        fleet = self.fleet
-        fleet._check_open()
-        if target == "draft" and not _expected(fleet, "draft")["available"]:
+        self._check_open()
+        if target == "draft" and not self.refitter.expected("draft")["available"]:
             raise RefitError("a draft weight update, but the engines run no draft model "
                              "(generation.vllm_kwargs.speculative_config)")
-        fleet.refit_lock.acquire()
-        try:
-            version = next_version(fleet.weight_version, self.version)
+        with contextlib.ExitStack() as lock:
+            lock.enter_context(self.weights.refitting())
+            version = next_version(self.weights.version, self.version)
             handles = self._admit(self._members())
             if not handles:
                 raise RefitError("no shard can take this weight update (none is set up for the backend)")
-            session = _Session(target, version, handles, time.perf_counter())
+            session = _Session(target, version, handles, time.perf_counter(), lock)
             step = "start_draft" if target == "draft" else "start"
             failed = self._fan_out(session, step, None)
             # A shard that cannot start has loaded nothing: it sits this refit out.
             session.failed.update(failed)
             if len(session.failed) == len(handles):
                 raise RefitError(f"no shard could start the weight update: {self._errors(session.failed)}")
-        except BaseException:
-            fleet.refit_lock.release()
-            raise
+            session.lock = lock.pop_all()  # held until finish or abort
         self._session = session
 
     def update_weights(self, update_info: dict[str, Any] | list) -> None:
@@ -172,7 +179,7 @@ class FleetWeightSyncClient:
                 "per-rank update lists address one multi-replica vLLM engine; a nemo_gen fleet takes one "
                 "update_info for all of its shards"
             )
-        metas = chunk_metas(update_info, self.fleet.engine_dtype)
+        metas = chunk_metas(update_info, self.refitter.engine_dtype)
         try:
             if metas is not None:
                 self._check_chunk(session, metas)
@@ -186,7 +193,6 @@ class FleetWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | int | None = None) -> RefitReport:
         session = self._require_session()
-        fleet = self.fleet
         if session.chunks == 0:
             self._abort(restore=True)
             raise RefitError("the weight update carried no chunk: nothing was changed")
@@ -205,13 +211,13 @@ class FleetWeightSyncClient:
             for key in session.handles:
                 self._settle(report, key, version, session.failed.get(key))
             if any(s.ok for s in report.shards):
-                fleet.staged_refit = None  # the staging file, if any, holds an older version
-                fleet.record_weights(version, None)
+                # No staged bytes: the staging file, if any, holds an older version.
+                self.weights.landed(version, None, None)
             self.report = report
             return report
         finally:
             self._session = None
-            fleet.refit_lock.release()
+            session.lock.close()
 
     def abort_weight_update(self, reason: str = "the trainer abandoned the weight update") -> RefitReport | None:
         """End an update the trainer cannot finish (its broadcast failed, it was interrupted):
@@ -234,10 +240,10 @@ class FleetWeightSyncClient:
         new = {k: h for k, h in handles.items() if h.name not in self._attached}
         if new and _is_group(self._init_info):
             log.warning("shards %s joined after the NCCL group formed: they sit this refit out (STALE "
-                        "until a checkpoint refit or a new group)", [_label(k) for k in new])
+                        "until a checkpoint refit or a new group)", [k.label for k in new])
         elif new:
             for key, error in self._init(new, {k: dict(self._init_info) for k in new}).items():
-                log.warning("shard %s: weight transfer could not be set up: %s", _label(key), error)
+                log.warning("shard %s: weight transfer could not be set up: %s", key.label, error)
         return {k: h for k, h in handles.items() if h.name in self._attached}
 
     def _require_session(self) -> _Session:
@@ -246,14 +252,14 @@ class FleetWeightSyncClient:
         return self._session
 
     def _check_chunk(self, session: _Session, metas: list[TensorMeta]) -> None:
-        exp = _expected(self.fleet, session.target)
+        exp = self.refitter.expected(session.target)
         what = "draft model" if session.target == "draft" else "model"
         again = sorted(m.name for m in metas if m.name in session.seen)
         if again:
             raise RefitError(f"refit refused: tensors sent twice in one update: {', '.join(again[:8])}")
-        check_manifest(_metas(exp), metas, optional=exp["optional"], partial=True, what=what)
+        check_manifest(metas_of(exp), metas, optional=exp["optional"], partial=True, what=what)
         shared = sorted(set(exp.get("shared", ())) & {m.name for m in metas})
-        if shared and self.fleet.settings.refit.backend not in OWN_BACKENDS:
+        if shared and self._backend not in OWN_BACKENDS:
             # our backends skip these on the workers; vLLM's would write through them.
             raise RefitError(f"refit refused: the drafter shares {', '.join(shared)} with the policy; "
                              "a draft update must not carry them")
@@ -268,16 +274,16 @@ class FleetWeightSyncClient:
         if label is None:
             return session.version
         try:
-            return next_version(self.fleet.weight_version, int(label))
+            return next_version(self.weights.version, int(label))
         except (TypeError, ValueError, RefitError) as exc:
             log.warning("weight version %r not used (%s); the refit installs version %d", label, exc, session.version)
             return session.version
 
     def _missing(self, session: _Session) -> str | None:
-        full = session.target == "policy" or bool(self.fleet.resolved.generation_config.get("_draft_full_refit"))
+        full = session.target == "policy" or self.refitter.draft_full
         if not full or not session.seen:
             return None
-        exp = _expected(self.fleet, session.target)
+        exp = self.refitter.expected(session.target)
         missing = sorted(set(exp["tensors"]) - set(session.seen) - set(exp["optional"]))
         if not missing:
             return None
@@ -287,17 +293,11 @@ class FleetWeightSyncClient:
         """Run one protocol step on the session's shards at once; returns key -> error."""
         if only is None:  # every shard still in the update
             only = {k: h for k, h in session.handles.items() if k not in session.failed}
-        timeout = self.fleet.settings.refit.timeout_s
-        refs = {k: h.actor.weight_sync.remote(step, payload, timeout) for k, h in only.items()}
+        timeout = self._driver.timeouts.refit_s
         # The workers enforce ``timeout``; the margin covers a frozen actor that never answers.
-        wait = timeout + (60 if step == "update" else 10)
-        errors = {}
-        for key, ref in refs.items():
-            try:
-                ray.get(ref, timeout=wait)
-            except Exception as exc:
-                errors[key] = root_cause(exc)
-        return errors
+        margin = _UPDATE_MARGIN_S if step == "update" else _STEP_MARGIN_S
+        answers = self._driver.fan_out(only, "weight_sync", (step, payload, timeout), margin)
+        return {k: a.error for k, a in answers.items() if not a.ok}
 
     def _abort(self, restore: bool, reason: str | None = None) -> None:
         """End the session on every shard; ``restore``: nothing was loaded, shards keep serving
@@ -317,14 +317,14 @@ class FleetWeightSyncClient:
                 self.report = report
         finally:
             self._session = None
-            self.fleet.refit_lock.release()
+            session.lock.close()
 
-    def _settle(self, report: RefitReport, key: Any, version: int, error: str | None) -> None:
-        settle(self.fleet, report, key, self._session.handles[key].name, version, error, report.load_seconds)
+    def _settle(self, report: RefitReport, member: Member, version: int, error: str | None) -> None:
+        self.refitter.settle(report, member, version, error, report.load_seconds)
 
     @staticmethod
-    def _errors(failed: dict[Any, str]) -> str:
-        return "; ".join(f"shard {_label(k)}: {e}" for k, e in failed.items())
+    def _errors(failed: dict[Member, str]) -> str:
+        return "; ".join(f"shard {k.label}: {e}" for k, e in failed.items())
 
 
 def _is_group(init_info: dict[str, Any]) -> bool:

@@ -18,22 +18,13 @@ __all__ = [
     "VLLM_SPARSE_REFIT_TRANSPORTS",
 ]
 
-VLLM_BACKEND = "vllm"
-SGLANG_BACKEND = "sglang"
-MEGATRON_BACKEND = "megatron"
-DYNAMO_BACKEND = "dynamo"
-TRTLLM_BACKEND = "trtllm"
-
-# NeMo-RL backends that nemo_gen knows by name but does not implement.
-NEMO_RL_ONLY_BACKENDS: frozenset[str] = frozenset(
-    {SGLANG_BACKEND, MEGATRON_BACKEND, DYNAMO_BACKEND, TRTLLM_BACKEND}
+from nemo_gen.core.generation_config import (  # noqa: E402  (one home: the core rules)
+    DYNAMO_BACKEND,
+    MEGATRON_BACKEND,
+    MTP_SPECULATIVE_METHODS,
+    NEMO_RL_ONLY_BACKENDS,
+    SGLANG_BACKEND,
+    TRTLLM_BACKEND,
+    VLLM_BACKEND,
+    VLLM_SPARSE_REFIT_TRANSPORTS,
 )
-
-# Refit transports that send XOR/overwrite deltas against the weights vLLM loaded from
-# disk at start-up, so the engine must start from the real checkpoint (load_format="auto").
-VLLM_SPARSE_REFIT_TRANSPORTS: frozenset[str] = frozenset({"vllm_s3_sparse", "vllm_zmq_sparse"})
-
-# speculative_config.method values whose drafter is the policy's own MTP layer. Its weights
-# are loaded from disk after start (or arrive in the policy refit stream), so these methods
-# can start from dummy weights; any other drafter (Eagle, draft_model, ...) cannot.
-MTP_SPECULATIVE_METHODS: frozenset[str] = frozenset({"deepseek_mtp", "mtp"})

@@ -1,0 +1,332 @@
+"""The one seam between the fleet and Ray: every call to a shard actor goes through here.
+
+``ShardDriver`` places, starts, calls, watches and stops shard actors. Each method has a
+typed result, every deadline comes from the settings (``DriverTimeouts``), and one function,
+``classify``, maps what Ray and vLLM raise into ``nemo_gen.errors``: an infra failure (the
+actor, its engine or its node is gone, or a call timed out) becomes ``ShardDiedError``; a
+data failure (the actor said no: a bad manifest, a bad request) is raised as it is.
+
+Non-blocking calls (generate, watch, probe) return a ``Call`` that the fleet's loops wait on
+together; ``result`` classifies its outcome. The fleet logic above this module never sees a
+Ray object, so ``tests/fakes.py`` can stand in for Ray with a ``FakeDriver`` of the same
+shape (shards that die, hang or slow down on command).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from nemo_gen.core.retry import is_retriable
+from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardDiedError
+from nemo_gen.fleet.shard import ShardActor, ShardHandle, ShardSpec, slot_from_name
+
+log = logging.getLogger(__name__)
+
+# progress(shard_index, event, detail): "loading" | "ready" | "failed"
+ProgressFn = Callable[[int, str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class DriverTimeouts:
+    """Deadlines of the calls the driver makes (built from settings by ``nemo_gen.policies``)."""
+
+    control_s: float  # info / assign: a live actor answers at once
+    stop_s: float  # a clean engine stop before the actor is killed
+    refit_s: float  # each refit phase on a shard (the workers enforce it; the driver adds a margin)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one shard answered to a fanned-out call: a value, or an error and its class."""
+
+    value: Any = None
+    error: str | None = None
+    infra: bool = False  # the error is the shard's loss (or silence), not its refusal
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, eq=False)  # identity: each call is its own dict key
+class Call:
+    """A call in flight on one shard actor (``ref``: Ray's ObjectRef)."""
+
+    handle: ShardHandle
+    what: str
+    ref: Any
+
+
+def root_cause(exc: BaseException) -> str:
+    """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:
+    """The one mapping from Ray's and vLLM's exceptions to nemo_gen's: infra -> ShardDiedError
+    (naming the call), anything else unchanged (a data failure is the caller's to see)."""
+    if isinstance(exc, NemoGenError):
+        return exc
+    index = handle.index if handle is not None and handle.index is not None else -1
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")
+    if is_retriable(exc):
+        return ShardDiedError(index, root_cause(exc))
+    return exc
+
+
+class ShardDriver:
+    """Every Ray call the fleet makes on a shard actor; see the module doc."""
+
+    def __init__(self, timeouts: DriverTimeouts):
+        self.timeouts = timeouts
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def launch(self, spec: ShardSpec) -> ShardHandle:
+        """Place, create and start one shard (``launch_shard``)."""
+        return launch_shard(spec)
+
+    def launch_all(self, specs: Iterable[ShardSpec], progress: ProgressFn | None = None) -> list[ShardHandle]:
+        """Start shards in parallel. If any fails, the others are stopped and the first error
+        raised: all of them or none."""
+        specs = list(specs)
+
+        def one(spec: ShardSpec) -> ShardHandle:
+            if progress:
+                progress(spec.index, "loading", {})
+            t0 = time.monotonic()
+            try:
+                handle = self.launch(spec)
+            except Exception as exc:
+                if progress:
+                    progress(spec.index, "failed", {"error": str(exc)})
+                raise
+            if progress:
+                progress(spec.index, "ready", {**handle.info, "seconds": time.monotonic() - t0})
+            return handle
+
+        with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+            futures = [pool.submit(one, s) for s in specs]
+            handles, errors = [], []
+            for fut in futures:
+                try:
+                    handles.append(fut.result())
+                except Exception as exc:  # collected: one failure must not leak the others' engines
+                    errors.append(exc)
+        if errors:
+            for handle in handles:
+                self.stop(handle)
+            raise errors[0]
+        return handles
+
+    def stop(self, handle: ShardHandle) -> list[int]:
+        """Stop the engine cleanly if the actor still answers, then kill the actor and free its
+        placement group. Returns the engine PIDs known for the shard (for reap checks)."""
+        pids = set(handle.engine_pids)
+        try:
+            pids.update(ray.get(handle.actor.shutdown.remote(), timeout=self.timeouts.stop_s))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass  # already dead or wedged: killing the actor below is what remains
+        _teardown(handle.actor, handle.placement_group)
+        return sorted(pids)
+
+    def kill(self, handle: ShardHandle) -> None:
+        """Kill the shard's actor without asking it first (it may be dead, hung or stopped) and
+        free its placement group. The raylet tears the actor's process group down with it."""
+        _teardown(handle.actor, handle.placement_group)
+
+    def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
+        """Every live actor of fleet ``fleet`` (shards, replacements, spares), found by name
+        prefix. A handle's ``index`` is the slot it serves (``info["slot"]``; None for a spare)."""
+        from ray.util import get_placement_group, list_named_actors
+
+        prefixes = (f"{fleet}-shard-", f"{fleet}-spare-")
+        names = [a["name"] for a in list_named_actors(all_namespaces=True)
+                 if a["namespace"] == namespace and a["name"].startswith(prefixes)]
+        handles = []
+        for name in names:
+            try:
+                actor = ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                continue  # died between the listing and the call
+            try:
+                info = ray.get(actor.info.remote(), timeout=self.timeouts.control_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                # Alive but not answering (hung, stopped) or dying: kept by the slot its name
+                # gives, so recovery kills it instead of leaving it to hold the slot's resources.
+                slot = slot_from_name(fleet, name)
+                if slot is None:
+                    continue
+                info = {"slot": slot, "weight_version": None, "unresponsive": root_cause(exc)}
+            if info.get("fleet", fleet) != fleet:
+                continue  # another fleet whose name starts with ours
+            try:
+                pg = get_placement_group(f"{name}-pg")
+            except ValueError:
+                pg = None
+            handles.append(ShardHandle(index=info.get("slot"), name=name, actor=actor, placement_group=pg, info=info))
+        return handles
+
+    # -- blocking calls ------------------------------------------------------------------------
+
+    def _get(self, handle: ShardHandle, what: str, ref: Any, timeout_s: float) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except Exception as exc:
+            raise classify(handle, exc, what, timeout_s) from None
+
+    def info(self, handle: ShardHandle) -> dict[str, Any]:
+        """The actor's own account (PIDs, weight version, slot); refreshes ``handle.info``."""
+        handle.info = self._get(handle, "info", handle.actor.info.remote(), self.timeouts.control_s)
+        return handle.info
+
+    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> dict[str, Any]:
+        """Make the actor serve ``slot`` (a replacement, a promoted spare)."""
+        handle.index = slot
+        handle.info = self._get(handle, "assign", handle.actor.assign.remote(slot, restarts), self.timeouts.control_s)
+        return handle.info
+
+    def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
+        return self._get(handle, "expected_manifest", handle.actor.expected_manifest.remote(target),
+                         self.timeouts.refit_s)
+
+    def fan_out(self, handles: Mapping[Any, ShardHandle], method: str, args: tuple | Mapping[Any, tuple],
+                margin_s: float) -> dict[Any, Outcome]:
+        """Call ``method(*args)`` on every handle at once (``args``: the same for all, or per
+        key); key -> Outcome. The workers enforce the refit deadline; ``margin_s`` on top covers
+        a frozen actor that never answers."""
+        per_key = args if isinstance(args, Mapping) else {k: args for k in handles}
+        refs = {k: getattr(h.actor, method).remote(*per_key[k]) for k, h in handles.items()}
+        wait = self.timeouts.refit_s + margin_s
+        out = {}
+        for key, ref in refs.items():
+            try:
+                out[key] = Outcome(value=ray.get(ref, timeout=wait))
+            except Exception as exc:
+                out[key] = Outcome(error=root_cause(exc), infra=is_retriable(exc))
+        return out
+
+    # -- calls in flight -----------------------------------------------------------------------
+
+    def start_generate(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> Call:
+        return Call(handle, "generate", handle.actor.generate.remote(batch, params))
+
+    def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
+        return Call(handle, "watch", handle.actor.watch.remote(interval_s))
+
+    def start_probe(self, handle: ShardHandle, sampling: dict[str, Any], tokens: list[int], timeout_s: float,
+                    warmup_s: float) -> Call:
+        return Call(handle, "probe", handle.actor.probe.remote(sampling, tokens, timeout_s, warmup_s))
+
+    def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
+        """The calls among ``calls`` that are done, waiting up to ``timeout_s`` for the first."""
+        by_ref = {c.ref: c for c in calls}
+        if not by_ref:
+            return []
+        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout_s)
+        if ready:  # collect everything else that is done too
+            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+        return [by_ref[r] for r in ready]
+
+    def result(self, call: Call, timeout_s: float = 0.0) -> Any:
+        """A finished call's value; ShardDiedError when the shard is gone, a data error as raised."""
+        return self._get(call.handle, call.what, call.ref, timeout_s or self.timeouts.control_s)
+
+    def cancel(self, call: Call) -> None:
+        try:
+            ray.cancel(call.ref)
+        except Exception:  # already finished or its worker is gone: nothing left to cancel
+            pass
+
+    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "asyncio.Future":
+        """An asyncio future of one generate call (the per-request path of ``generate_async``)."""
+        return asyncio.wrap_future(handle.actor.generate.remote(batch, params).future())
+
+    def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
+        return classify(handle, exc, what)
+
+
+def launch_shard(spec: ShardSpec) -> ShardHandle:
+    """Place, create and start one shard: the unit both the library and the Prefect task call.
+    Blocking; raises PlacementError / EngineStartError.
+    Anything it created is torn down again when a step fails."""
+    pg = reserve_placement(spec)
+    first = spec.bundles[0]
+    world = len(spec.bundles)
+    options = dict(
+        name=spec.actor_name,
+        namespace=spec.namespace,
+        lifetime="detached",
+        max_restarts=0,  # recovery is ours (refit before serving), not Ray's silent restart
+        num_cpus=first.get("CPU", 0),
+        # On GPU with several ranks vLLM's Ray executor schedules one worker per bundle GPU.
+        num_gpus=first.get("GPU", 0) if world == 1 else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        ),
+        runtime_env={"env_vars": spec.engine_env},
+    )
+    actor = None
+    try:
+        actor = ShardActor.options(**options).remote(
+            spec.index, spec.engine_kwargs, spec.async_engine, spec.weight_version,
+            None if spec.spare else spec.index, spec.fleet,
+        )
+        info = ray.get(actor.start.remote(), timeout=spec.engine_start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        _teardown(actor, pg)
+        raise EngineStartError(
+            spec.index, f"not ready within fleet.engine_start_timeout_s={spec.engine_start_timeout_s:g}s"
+        ) from None
+    except ValueError as exc:  # a duplicate actor name: a fleet of that name is already up
+        _teardown(None, pg)
+        raise EngineStartError(spec.index, f"{exc} (another fleet named {spec.fleet!r} is running?)") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+        _teardown(actor, pg)
+        raise EngineStartError(spec.index, root_cause(exc)) from None
+    return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
+
+
+def reserve_placement(spec: ShardSpec):
+    """Reserve the shard's placement group, or raise PlacementError at the deadline (Ray
+    itself would wait forever for resources that never come)."""
+    pg = placement_group(
+        spec.bundles, strategy=spec.strategy, name=f"{spec.actor_name}-pg", lifetime="detached",
+        _soft_target_node_id=spec.node_hint,
+    )
+    try:
+        ray.get(pg.ready(), timeout=spec.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
+        raise PlacementError(
+            f"shard {spec.index}: the Ray cluster could not place bundles {spec.bundles} "
+            f"({spec.strategy}) within fleet.placement_timeout_s={spec.placement_timeout_s:g}s; "
+            f"available now: {available}"
+        ) from None
+    return pg
+
+
+def _teardown(actor: Any, pg: Any) -> None:
+    if actor is not None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass  # already gone
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass

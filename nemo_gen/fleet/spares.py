@@ -1,0 +1,93 @@
+"""Warm spares: engines loaded and refit with the fleet that serve no slot until one is lost.
+
+``SparePool`` takes a spare that is at the fleet's version for a dead slot, drops one that
+died or failed a refit, and keeps ``fleet.spares`` of them up (started in the background,
+caught up to the fleet's version before they count). The spares themselves are members of
+``Membership``; this module decides what happens to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+from nemo_gen.core.members import Member
+from nemo_gen.core.retry import describe
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet.background import Background
+from nemo_gen.fleet.driver import ShardDriver
+from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.refit import Refitter
+from nemo_gen.fleet.shard import ShardHandle, ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+class SparePool:
+    def __init__(self, members: Membership, driver: ShardDriver, refitter: Refitter, background: Background,
+                 template: ShardSpec, fleet_name: str, num_slots: int, wanted: int,
+                 watch: Callable[[Member, ShardHandle], None], stop_and_reap: Callable[[ShardHandle], None]):
+        self.members = members
+        self.driver = driver
+        self.refitter = refitter
+        self.background = background
+        self._template = template
+        self._fleet_name = fleet_name
+        self._num_slots = num_slots
+        self.wanted = wanted
+        self._watch = watch
+        self._stop_and_reap = stop_and_reap
+
+    def ready(self, version: int | None) -> list[str]:
+        """Spares believed to be at ``version`` (from what they last said; ``take`` asks again)."""
+        return [h.name for h in self.members.spares() if h.info.get("weight_version") == version]
+
+    def take(self, version: int | None, name: str | None = None) -> ShardHandle | None:
+        """A spare at ``version`` (``name`` first, when given), removed from the pool; None if
+        none is. A spare that does not answer is dropped on the way."""
+        spares = sorted(self.members.spares(), key=lambda h: h.name != name)
+        for spare in spares:
+            try:
+                info = self.driver.info(spare)
+            except ShardDiedError as exc:
+                self.drop(spare.name, str(exc))
+                continue
+            if info.get("weight_version") != version:
+                continue  # still catching up
+            if self.members.pop_spare(spare.name) is None:
+                continue  # taken by another recovery meanwhile
+            return spare
+        return None
+
+    def drop(self, name: str, reason: str) -> None:
+        """Remove a spare that died or failed a refit, stop it, and start another."""
+        handle = self.members.pop_spare(name)
+        if handle is None:
+            return
+        log.warning("spare %s dropped: %s", name, reason)
+        self.background.submit(self._stop_and_reap, handle)
+        self.replenish()
+
+    def replenish(self) -> None:
+        """Start spares in the background until ``fleet.spares`` are up (or coming up)."""
+        for seq in self.members.reserve_spare_starts(self.wanted):
+            if self.background.submit(self._start, seq) is None:
+                self.members.spare_start_done()
+
+    def _start(self, seq: int) -> None:
+        spec = dataclasses.replace(
+            self._template, index=self._num_slots + seq, name=f"{self._fleet_name}-spare-{seq}", spare=True
+        )
+        try:
+            handle = self.driver.launch(spec)
+            if self.background.closed and not self.background.detached:  # shut down meanwhile: it has no fleet
+                self.driver.stop(handle)
+                return
+            self.refitter.catch_up(Member(handle.name, None), handle)
+        except Exception as exc:
+            log.warning("could not start spare %s: %s", spec.actor_name, describe(exc).splitlines()[0])
+            return
+        finally:
+            self.members.spare_start_done()
+        self._watch(self.members.add_spare(handle), handle)

@@ -1,0 +1,70 @@
+"""What ``fleet.status()`` reports: one row per slot (ledger state, weight version, PIDs, node,
+restarts, last error, orphans a dead actor of the slot left running), then one per spare.
+
+Live shards are asked for their own account (``info``); one that does not answer is
+condemned, since a live actor answers at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.members import Member
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet.driver import ShardDriver
+from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.processes import alive
+
+
+@dataclass
+class ShardStatus:
+    index: int
+    state: str
+    weight_version: int | None
+    actor_pid: int | None
+    engine_pids: list[int] = field(default_factory=list)
+    node_id: str | None = None
+    restarts: int = 0
+    last_error: str | None = None
+    name: str | None = None  # the Ray actor serving the slot (a replacement or promoted spare)
+    # Processes a dead actor of this slot left running (RAY_process_group_cleanup_enabled=0).
+    orphans: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def fleet_status(health: GenerationFleetHealth, members: Membership, driver: ShardDriver,
+                 orphans: list[dict[str, Any]], live: bool, on_lost: Callable[[Member, str], None]) -> list[ShardStatus]:
+    """The rows; ``live`` False (a closed fleet): what was last known, without asking anyone."""
+    out = []
+    for snap in health.snapshot():
+        slot = snap.dp_shard_idx
+        handle = members.handle(slot)
+        info = dict(handle.info) if handle else {}
+        if handle and live and snap.state not in (ShardState.RETIRED, ShardState.DEAD):
+            try:
+                info = driver.info(handle)
+            except ShardDiedError as exc:
+                on_lost(Member(handle.name, slot), f"ShardDiedError: {exc}")
+        out.append(ShardStatus(
+            index=slot, state=str(health.state_of(slot).value), weight_version=info.get("weight_version"),
+            actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),
+            node_id=info.get("node_id"), restarts=snap.restart_attempts, last_error=snap.last_error or None,
+            name=handle.name if handle else None,
+            orphans=[o for o in orphans if o["shard"] == slot and alive(o["pid"])],
+        ))
+    for spare in members.spares():
+        info = dict(spare.info)
+        if live:
+            with contextlib.suppress(ShardDiedError):
+                info = driver.info(spare)
+        out.append(ShardStatus(
+            index=spare.index, state="spare", weight_version=info.get("weight_version"),
+            actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),
+            node_id=info.get("node_id"), name=spare.name,
+        ))
+    return out

@@ -1,0 +1,117 @@
+"""The fleet's weight state, with one owner: the version it serves and where it came from,
+the staged refit a newcomer catches up from, the engines' manifests, the shared-memory
+staging file, the fleet record (which outlives every shard), and the refit lock.
+
+Only ``refitting()`` takes the lock: one refit, catch-up or spare promotion at a time, since
+they share the staging file and the version. A weight-sync session that spans several calls
+(start ... finish) enters it through an ``ExitStack`` and closes it when the session ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StagedRefit:
+    """A refit's bytes in the staging file and the metadata the shards need to load them.
+    Kept after a refit succeeds: a replacement or spare catches up from it."""
+
+    version: int
+    path: str
+    total: int
+    groups: list  # (target, [(name, shape, dtype, offset)]) in load order
+    tensors: int
+    stage_seconds: float
+    source: str | None  # the checkpoint directory, when the weights came from one
+
+    @property
+    def entries(self) -> list:
+        return [e for _, entries in self.groups for e in entries]
+
+
+class FleetWeights:
+    def __init__(self, version: int | None, source: str | None, staging_dir: str, fleet_name: str,
+                 record: Any = None, update_record: Callable[..., None] | None = None):
+        self._version = version
+        self._source = source
+        self._staged: StagedRefit | None = None
+        self._manifests: dict[str, dict[str, Any]] = {}
+        self._staging = None
+        self._staging_dir = staging_dir
+        self._fleet_name = fleet_name
+        self._record = record
+        self._update_record = update_record
+        self._lock = threading.RLock()
+
+    @property
+    def version(self) -> int | None:
+        """The version the fleet serves (None: train mode before its first refit)."""
+        return self._version
+
+    @property
+    def source(self) -> str | None:
+        """The checkpoint the current version came from (None: live tensors, or the launch weights)."""
+        return self._source
+
+    @property
+    def staged(self) -> StagedRefit | None:
+        """The staging file's contents, while they are the current version's bytes."""
+        return self._staged
+
+    @property
+    def record(self) -> Any:
+        return self._record
+
+    @contextlib.contextmanager
+    def refitting(self) -> Iterator["FleetWeights"]:
+        """Hold the refit lock for the block (re-entrant: a catch-up inside a refit is fine)."""
+        with self._lock:
+            yield self
+
+    def manifest(self, target: str, ask: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The engines' manifest for ``target`` ("policy" or "draft"); every shard runs the same
+        model, so ``ask`` is called once per target."""
+        if target not in self._manifests:
+            self._manifests[target] = ask()
+        return self._manifests[target]
+
+    def staging(self):
+        """The fleet's shared-memory staging file, created on first use and reused (first touch
+        of fresh pages is slow: reuse is what makes a refit run at copy speed)."""
+        if self._staging is None:
+            from nemo_gen.refit.staging import SharedMemoryStaging
+
+            self._staging = SharedMemoryStaging(self._staging_dir, self._fleet_name)
+        return self._staging
+
+    def begin_staging(self) -> None:
+        """The staging file is about to be overwritten: it no longer holds the current version."""
+        self._staged = None
+
+    def landed(self, version: int, source: str | None, staged: StagedRefit | None) -> None:
+        """A refit landed on at least one shard: the fleet serves ``version`` now. ``staged``:
+        its bytes, when they are in the staging file (None for a weight-sync refit)."""
+        self._version = version
+        self._source = source
+        self._staged = staged
+        if self._update_record is not None:
+            try:
+                self._update_record(self._record, weight_version=version, weight_source=source)
+            except Exception as exc:  # the shards still know; a lost record costs only all-dead recovery
+                log.warning("could not update the fleet record: %s", exc)
+
+    def keep_staged(self, staged: StagedRefit) -> None:
+        """A catch-up re-staged the current version (another process did the last refit)."""
+        self._staged = staged
+
+    def close(self) -> None:
+        """Remove the staging file this process wrote (the shards read it only during a refit)."""
+        if self._staging is not None:
+            self._staging.close()

@@ -1,0 +1,51 @@
+"""Settings -> the objects that act on them: every builder from ``NemoGenSettings`` to a core
+policy or an adapter's deadlines lives here, so each default is read from ``settings.py``
+and from nowhere else (no parameter defaults or literal timeouts further down).
+"""
+
+from __future__ import annotations
+
+from nemo_gen.core.backoff import BackoffPolicy
+from nemo_gen.core.fleet_health import FleetHealthPolicy
+from nemo_gen.settings import NemoGenSettings
+
+
+def health_policy(settings: NemoGenSettings) -> FleetHealthPolicy:
+    """The ledger's thresholds from the ``health`` section."""
+    h = settings.health
+    return FleetHealthPolicy(
+        unhealthy_threshold=h.unhealthy_threshold,
+        healthy_threshold=h.healthy_threshold,
+        max_restart_attempts_per_shard=h.max_restart_attempts_per_shard,
+        min_healthy_shards=h.min_healthy_shards,
+    )
+
+
+def backoff_policy(settings: NemoGenSettings) -> BackoffPolicy:
+    """The restart schedule from ``health.restart_*`` (shared by Prefect's retries and the
+    library's recovery thread)."""
+    h = settings.health
+    return BackoffPolicy(
+        base_s=h.restart_backoff_s,
+        max_s=max(h.restart_backoff_max_s, h.restart_backoff_s),
+        jitter=min(h.restart_jitter, 1.0),
+        max_attempts=max(1, h.max_restart_attempts_per_shard),
+    )
+
+
+def driver_timeouts(settings: NemoGenSettings):
+    """Deadlines of the driver's calls on shard actors."""
+    from nemo_gen.fleet.driver import DriverTimeouts
+
+    return DriverTimeouts(
+        control_s=settings.fleet.control_timeout_s,
+        stop_s=settings.fleet.stop_timeout_s,
+        refit_s=settings.refit.timeout_s,
+    )
+
+
+def shard_driver(settings: NemoGenSettings):
+    """The Ray driver for a fleet of these settings."""
+    from nemo_gen.fleet.driver import ShardDriver
+
+    return ShardDriver(driver_timeouts(settings))

@@ -1,0 +1,275 @@
+"""A fake ``ShardDriver`` for the fleet-logic tier: shards that live in this process and die,
+hang or slow down on command, so routing, re-routing, spare promotion, quarantine and refit
+settling are tested in milliseconds. It has the real driver's shape (the fleet cannot tell
+them apart) and answers the way a real shard does: a dead shard's calls fail with
+``ShardDiedError``, a hung one's never answer, a slow one's answer late. The same paths are
+tested on real vLLM engines in tests/engine/.
+
+    driver = FakeDriver()
+    fleet = fake_fleet(settings, driver)
+    driver.set_dead(fleet.handle(1).name)      # the watch fires, requests re-route
+    driver.set_hung(name) / driver.set_slow(name, 0.5)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures, FIRST_COMPLETED
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, classify
+from nemo_gen.fleet.shard import ShardHandle, ShardSpec
+
+VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
+
+
+@dataclass
+class FakeShard:
+    """What a shard actor would hold."""
+
+    name: str
+    slot: int | None
+    weight_version: int | None
+    restarts: int = 0
+    dead: str | None = None  # why, once dead
+    actor_dead: bool = True  # the actor died (not only its engine)
+    hung: threading.Event = field(default_factory=threading.Event)  # set: never answers
+    slow_s: float = 0.0
+    stopped: bool = False
+    refuse_refit: str | None = None  # a data failure while reading the staged weights
+    fail_load: str | None = None  # a failure while loading them
+    generated: int = 0  # requests served
+    watchers: list[Future] = field(default_factory=list)
+
+    def info(self) -> dict[str, Any]:
+        return {"slot": self.slot, "weight_version": self.weight_version, "restarts": self.restarts,
+                "actor_pid": None, "engine_pids": [], "node_id": "fake", "dtype": "float32", "fleet": "fake"}
+
+
+class FakeDriver:
+    """See the module doc. ``manifest``: what every engine says its weights are."""
+
+    def __init__(self, manifest: dict[str, tuple[tuple[int, ...], str]] | None = None,
+                 timeouts: DriverTimeouts = DriverTimeouts(control_s=0.5, stop_s=0.5, refit_s=1.0)):
+        self.timeouts = timeouts
+        self.manifest = manifest or {"w": ((4, 4), "float32"), "b": ((4,), "float32")}
+        self.shards: dict[str, FakeShard] = {}
+        self.launched: list[ShardSpec] = []
+        self.launch_failures: list[BaseException] = []  # raised by the next launches, in order
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-shard")
+        self._lock = threading.Lock()
+
+    # -- what a test does to shards ----------------------------------------------------------------
+
+    def set_dead(self, name: str, reason: str = "engine process 4242 exited", actor: bool = True) -> None:
+        """The shard dies: its calls fail, its watch fires (``actor`` False: only the engine)."""
+        shard = self.shards[name]
+        shard.dead, shard.actor_dead = reason, actor
+        for watcher in shard.watchers:
+            if not watcher.done():
+                if actor:
+                    watcher.set_exception(ShardDiedError(-1, f"ActorDiedError: {reason}"))
+                else:
+                    watcher.set_result(reason)
+
+    def set_hung(self, name: str, hung: bool = True) -> None:
+        """The shard stops answering (a SIGSTOPped engine); ``hung=False`` lets it go on."""
+        shard = self.shards[name]
+        if hung:
+            shard.hung.set()
+        else:
+            shard.hung.clear()
+
+    def set_slow(self, name: str, seconds: float) -> None:
+        self.shards[name].slow_s = seconds
+
+    def shard(self, handle: ShardHandle) -> FakeShard:
+        return self.shards[handle.name]
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.hung.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the driver's shape --------------------------------------------------------------------------
+
+    def _serve(self, shard: FakeShard, fn):
+        """Run ``fn`` as the shard would: failing if dead, never while hung, late if slow."""
+        def run():
+            while shard.hung.is_set() and not shard.dead:
+                time.sleep(0.01)
+            if shard.slow_s:
+                time.sleep(shard.slow_s)
+            if shard.dead or shard.stopped:
+                raise ShardDiedError(-1 if shard.slot is None else shard.slot, f"ActorDiedError: {shard.dead or 'stopped'}")
+            return fn()
+        return self._pool.submit(run)
+
+    def _blocking(self, handle: ShardHandle, what: str, fn, timeout_s: float):
+        future = self._serve(self.shards[handle.name], fn)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise ShardDiedError(-1 if handle.index is None else handle.index,
+                                 f"{what} did not answer within {timeout_s:g}s") from None
+
+    def launch(self, spec: ShardSpec) -> ShardHandle:
+        with self._lock:
+            self.launched.append(spec)
+            failure = self.launch_failures.pop(0) if self.launch_failures else None
+        if failure is not None:
+            raise failure
+        shard = FakeShard(spec.actor_name, None if spec.spare else spec.index, spec.weight_version)
+        self.shards[shard.name] = shard
+        return ShardHandle(index=spec.index, name=shard.name, actor=None, placement_group=None, info=shard.info())
+
+    def launch_all(self, specs: Iterable[ShardSpec], progress=None) -> list[ShardHandle]:
+        handles, errors = [], []
+        for spec in specs:
+            try:
+                handles.append(self.launch(spec))
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            for handle in handles:
+                self.stop(handle)
+            raise errors[0]
+        return handles
+
+    def stop(self, handle: ShardHandle) -> list[int]:
+        self.kill(handle)
+        return []
+
+    def kill(self, handle: ShardHandle) -> None:
+        shard = self.shards[handle.name]
+        shard.stopped = True
+        shard.hung.clear()
+
+    def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
+        return [ShardHandle(index=s.slot, name=s.name, actor=None, placement_group=None, info=s.info())
+                for s in self.shards.values() if not s.dead and not s.stopped]
+
+    def info(self, handle: ShardHandle) -> dict[str, Any]:
+        shard = self.shards[handle.name]
+        handle.info = self._blocking(handle, "info", shard.info, self.timeouts.control_s)
+        return handle.info
+
+    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> dict[str, Any]:
+        shard = self.shards[handle.name]
+        handle.index = slot
+
+        def assign():
+            shard.slot, shard.restarts = slot, restarts
+            return shard.info()
+
+        handle.info = self._blocking(handle, "assign", assign, self.timeouts.control_s)
+        return handle.info
+
+    def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
+        manifest = {"tensors": dict(self.manifest), "optional": [], "available": target == "policy", "shared": []}
+        return self._blocking(handle, "expected_manifest", lambda: manifest, self.timeouts.refit_s)
+
+    def fan_out(self, handles: Mapping[Any, ShardHandle], method: str, args: tuple | Mapping[Any, tuple],
+                margin_s: float) -> dict[Any, Outcome]:
+        per_key = args if isinstance(args, Mapping) else {k: args for k in handles}
+        futures = {k: self._serve(self.shards[h.name], lambda h=h, a=per_key[k]: self._remote(h, method, a))
+                   for k, h in handles.items()}
+        out = {}
+        for key, future in futures.items():
+            try:
+                out[key] = Outcome(value=future.result(timeout=self.timeouts.refit_s + margin_s))
+            except TimeoutError:
+                out[key] = Outcome(error=f"GetTimeoutError: {method} did not answer", infra=True)
+            except ShardDiedError as exc:
+                out[key] = Outcome(error=exc.detail, infra=True)
+            except Exception as exc:
+                out[key] = Outcome(error=f"{type(exc).__name__}: {exc}", infra=False)
+        return out
+
+    def _remote(self, handle: ShardHandle, method: str, args: tuple) -> Any:
+        shard = self.shards[handle.name]
+        if method == "check_refit":
+            if shard.refuse_refit:
+                raise ValueError(shard.refuse_refit)
+            return 1
+        if method == "load_refit":
+            shard.weight_version = None  # half-loaded weights never carry a version
+            if shard.fail_load:
+                raise RuntimeError(shard.fail_load)
+            shard.weight_version = args[3]
+            return 0.001
+        if method == "weight_sync":
+            step, payload = args[0], args[1]
+            if step == "finish":
+                shard.weight_version = payload
+            return None
+        raise AssertionError(f"the fake shard has no {method!r}")
+
+    def _generate(self, shard: FakeShard, batch: list, params: dict[str, Any]) -> dict[str, Any]:
+        n = params.get("max_new_tokens") or 4
+        version = shard.weight_version
+        results = []
+        for req in batch:
+            seed = sum(req.prompt_token_ids)
+            ids = [(seed + i) % VOCAB for i in range(n)]
+            results.append({"index": req.index, "token_ids": ids, "text": "", "logprobs": [0.0] * n,
+                            "finish_reason": "length", "error": None})
+        shard.generated += len(batch)
+        return {"shard": shard.slot, "weight_version": version, "results": results, "seconds": 0.0}
+
+    def start_generate(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> Call:
+        shard = self.shards[handle.name]
+        return Call(handle, "generate", self._serve(shard, lambda: self._generate(shard, batch, params)))
+
+    def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
+        shard = self.shards[handle.name]
+        future: Future = Future()
+        shard.watchers.append(future)
+        if shard.dead:
+            self.set_dead(shard.name, shard.dead, shard.actor_dead)
+        return Call(handle, "watch", future)
+
+    def start_probe(self, handle: ShardHandle, sampling: dict[str, Any], tokens: list[int], timeout_s: float,
+                    warmup_s: float) -> Call:
+        return Call(handle, "probe", self._serve(self.shards[handle.name], lambda: {"ok": True}))
+
+    def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
+        calls = list(calls)
+        if not calls:
+            return []
+        wait_futures([c.ref for c in calls], timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return [c for c in calls if c.ref.done()]
+
+    def result(self, call: Call, timeout_s: float = 0.0) -> Any:
+        try:
+            return call.ref.result(timeout=timeout_s or self.timeouts.control_s)
+        except TimeoutError:
+            raise ShardDiedError(-1, f"{call.what} did not answer") from None
+
+    def cancel(self, call: Call) -> None:
+        call.ref.cancel()
+
+    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "asyncio.Future":
+        return asyncio.wrap_future(self.start_generate(handle, batch, params).ref)
+
+    def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
+        return classify(handle, exc, what)
+
+
+def fake_fleet(settings, driver: FakeDriver, watch: bool = True):
+    """A ``GenerationFleet`` of ``settings`` whose shards are ``driver``'s (no Ray, no engines)."""
+    from nemo_gen.fleet.fleet import GenerationFleet
+    from nemo_gen.fleet.resolve import resolve_generation
+
+    resolved = resolve_generation(settings, cluster=None)
+    started = driver.launch_all(resolved.shards + resolved.spares)
+    shards = [h for h in started if h.info.get("slot") is not None]
+    spares = [h for h in started if h.info.get("slot") is None]
+    return GenerationFleet(resolved, shards, spares=spares, driver=driver, watch=watch)
+
+
+

@@ -1,0 +1,256 @@
+"""The fleet's own logic on a fake driver (tests/fakes.py): routing, re-routing, the death
+watch, probes, spare promotion, restarts, retirement, refit settling and quarantine, the heal
+path — with no Ray and no engine, so each test takes milliseconds. The engine paths of the same
+behaviours are tested on real vLLM engines in tests/engine/."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from nemo_gen.core.fleet_health import ShardState
+from nemo_gen.core.refit import RefitError
+from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, ShardUnavailableError
+from tests.fakes import FakeDriver, fake_fleet
+
+PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]] * 4
+
+
+def wait_until(predicate, timeout_s: float = 5.0, what: str = "the condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+@pytest.fixture
+def settings(make_settings):
+    def make(**overrides):
+        base = dict(fleet__name="fake", fleet__num_shards=2, health__probe_interval_s=60,
+                    health__restart_backoff_s=0.0, health__restart_jitter=0.0, health__reap_timeout_s=0.1)
+        base.update(overrides)
+        return make_settings(**base)
+    return make
+
+
+@pytest.fixture
+def driver():
+    d = FakeDriver()
+    yield d
+    d.close()
+
+
+def path_of(fleet, slot):
+    return [h["new"] for h in fleet.health.history(slot)]
+
+
+def expected_ids(prompt, n=16):
+    return [(sum(prompt) + i) % 97 for i in range(n)]
+
+
+def test_a_batch_spreads_over_the_shards_and_comes_back_in_order(settings, driver):
+    with fake_fleet(settings(), driver) as fleet:
+        results = fleet.generate(PROMPTS)
+        assert [r.index for r in results] == list(range(len(PROMPTS)))
+        assert [r.token_ids for r in results] == [expected_ids(p) for p in PROMPTS]
+        assert {r.shard for r in results} == {0, 1}  # least-loaded routing uses both
+        assert {r.weight_version for r in results} == {0}
+        assert [driver.shard(h).generated for h in fleet.shards] == [8, 8]
+
+
+def test_a_shard_dying_mid_batch_loses_no_request_and_the_spare_takes_its_slot(settings, driver):
+    with fake_fleet(settings(fleet__spares=1), driver) as fleet:
+        victim, spare = fleet.handle(1).name, fleet.members.spares()[0].name
+        driver.set_slow(victim, 10)  # the batch is certainly on it when it dies
+        running = threading.Thread(target=lambda: results.extend(fleet.generate(PROMPTS)))
+        results: list = []
+        running.start()
+        wait_until(lambda: fleet.router.selector.inflight(1) > 0, what="requests on shard 1")
+        driver.set_dead(victim)
+        running.join(5)
+        assert not running.is_alive()
+        assert [r.index for r in results] == list(range(len(PROMPTS)))
+        assert all(r.ok for r in results)
+        assert [r.token_ids for r in results] == [expected_ids(p) for p in PROMPTS]
+        detection = next(d for d in fleet.monitor.detections if d["name"] == victim)
+        assert detection["by"] == "watch"
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, what="slot 1 back")
+        assert fleet.handle(1).name == spare  # promoted, no engine start
+        assert path_of(fleet, 1)[-4:] == ["dead", "restarting", "stale", "healthy"]
+        wait_until(lambda: len(fleet.members.spares()) == 1, what="a new spare")
+        assert driver.launched[-1].spare and driver.launched[-1].actor_name == "fake-spare-1"
+
+
+def test_without_a_spare_a_replacement_is_started_and_caught_up(settings, driver):
+    with fake_fleet(settings(), driver) as fleet:
+        driver.set_dead(fleet.handle(0).name, actor=False)  # the engine died under a live actor
+        wait_until(lambda: fleet.health.state_of(0) is ShardState.HEALTHY and fleet.handle(0).name.endswith("-r1"),
+                   what="slot 0 replaced")
+        assert path_of(fleet, 0)[-4:] == ["dead", "restarting", "stale", "healthy"]
+        assert driver.shards["fake-shard-0"].stopped  # the old actor was killed before its replacement
+        assert {r.shard for r in fleet.generate(PROMPTS)} == {0, 1}
+
+
+def test_a_hung_shard_is_condemned_at_the_request_deadline_and_its_work_rerouted(settings, driver):
+    with fake_fleet(settings(fleet__request_timeout_s=0.2, health__auto_recover=False), driver) as fleet:
+        driver.set_hung(fleet.handle(1).name)
+        results = fleet.generate(PROMPTS)
+        assert all(r.ok and r.shard == 0 for r in results)
+        assert fleet.health.state_of(1) is ShardState.DEAD
+        assert "fleet.request_timeout_s=0.2" in fleet.health.snapshot()[1].last_error
+
+
+def test_a_hung_shard_is_condemned_by_a_probe_streak(settings, driver):
+    s = settings(health__probe_interval_s=0.01, health__unhealthy_threshold=2, health__auto_recover=False)
+    driver.timeouts = type(driver.timeouts)(control_s=0.5, stop_s=0.5, refit_s=1.0)
+    with fake_fleet(s.model_copy(update={"health": s.health.model_copy(update={"probe_timeout_s": 0.05})}),
+                    driver) as fleet:
+        driver.set_hung(fleet.handle(0).name)
+        wait_until(lambda: fleet.health.state_of(0) is ShardState.DEAD, what="the probes to condemn shard 0")
+        assert path_of(fleet, 0)[-2:] == ["suspect", "dead"]  # a streak, not one miss
+        detection = next(d for d in fleet.monitor.detections if d["key"] == 0)
+        assert detection["by"] == "probe" and "probe not answered" in detection["reason"]
+        assert fleet.health.state_of(1) is ShardState.HEALTHY
+
+
+def test_generate_async_reroutes_a_request_whose_shard_dies(settings, driver):
+    with fake_fleet(settings(health__auto_recover=False), driver) as fleet:
+        for h in fleet.shards:
+            driver.set_slow(h.name, 0.3)
+
+        async def run():
+            tasks = [asyncio.ensure_future(fleet.generate_async(p)) for p in PROMPTS[:4]]
+            await asyncio.sleep(0.05)
+            driver.set_dead(fleet.handle(0).name)
+            return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        assert [r.token_ids for r in results] == [expected_ids(p) for p in PROMPTS[:4]]
+        assert {r.shard for r in results} == {1}
+
+
+def test_losing_every_shard_raises_fleet_exhausted(settings, driver):
+    with fake_fleet(settings(health__auto_recover=False), driver) as fleet:
+        for h in fleet.shards:
+            driver.set_dead(h.name)
+        wait_until(lambda: fleet.health.serving_shards() == [], what="both condemned")
+        with pytest.raises(FleetExhausted, match=r"only 0 generation shard\(s\) serving"):
+            fleet.generate(PROMPTS)
+
+
+def test_restarts_that_keep_failing_retire_the_slot(settings, driver):
+    with fake_fleet(settings(health__max_restart_attempts_per_shard=2), driver) as fleet:
+        driver.launch_failures = [EngineStartError(1, "CUDA error"), EngineStartError(1, "CUDA error")]
+        driver.set_dead(fleet.handle(1).name)
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.RETIRED, what="slot 1 retired")
+        # A failed attempt leaves the slot RESTARTING (the ledger's rule); each one counts.
+        assert path_of(fleet, 1) == ["dead", "restarting", "retired"]
+        assert "retired after 2 restart attempt(s)" in fleet.health.snapshot()[1].last_error
+        assert len(driver.launched) == 2 + 2  # the fleet, then one launch per attempt
+        assert {r.shard for r in fleet.generate(PROMPTS)} == {0}
+
+
+def test_a_data_failure_on_restart_retires_at_once(settings, driver):
+    with fake_fleet(settings(), driver) as fleet:
+        driver.launch_failures = [PlacementError("the cluster cannot hold it")]
+        driver.set_dead(fleet.handle(1).name)
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.RETIRED, what="slot 1 retired")
+        assert "restart failed: PlacementError" in fleet.health.snapshot()[1].last_error
+        assert len(driver.launched) == 2 + 1  # no second attempt
+
+
+def _tensors():
+    import torch
+
+    return {"w": torch.ones(4, 4), "b": torch.zeros(4)}
+
+
+def test_a_refit_moves_every_shard_and_spare_and_stamps_results(settings, driver, tmp_path):
+    with fake_fleet(settings(fleet__spares=1, refit__staging_dir=str(tmp_path)), driver) as fleet:
+        report = fleet.refit(_tensors(), version=7)
+        assert report.version == 7 and fleet.weight_version == 7
+        assert sorted(s.shard for s in report.shards if s.ok) == [0, 1]
+        assert {driver.shard(h).weight_version for h in fleet.shards + fleet.members.spares()} == {7}
+        assert {r.weight_version for r in fleet.generate(PROMPTS)} == {7}
+        with pytest.raises(RefitError, match="not newer"):
+            fleet.refit(_tensors(), version=7)
+
+
+def test_a_bad_manifest_changes_nothing(settings, driver, tmp_path):
+    import torch
+
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path)), driver) as fleet:
+        with pytest.raises(RefitError, match="w"):
+            fleet.refit({"w": torch.ones(3, 4), "b": torch.zeros(4)})
+        assert fleet.weight_version == 0
+        assert {driver.shard(h).weight_version for h in fleet.shards} == {0}
+        assert fleet.health.serving_shards() == [0, 1]
+
+
+def test_a_shard_that_fails_while_loading_is_quarantined_the_rest_move_on(settings, driver, tmp_path):
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path), health__auto_recover=False), driver) as fleet:
+        driver.shard(fleet.handle(1)).fail_load = "out of memory while loading"
+        report = fleet.refit(_tensors())
+        assert [(s.shard, s.ok) for s in sorted(report.shards, key=lambda s: s.shard)] == [(0, True), (1, False)]
+        assert "out of memory while loading" in next(s.error for s in report.shards if not s.ok)
+        assert fleet.weight_version == 1 and fleet.health.state_of(1) is ShardState.DEAD
+        assert {(r.shard, r.weight_version) for r in fleet.generate(PROMPTS)} == {(0, 1)}
+
+
+def test_a_shard_refusing_the_staged_weights_refuses_the_refit_everywhere(settings, driver, tmp_path):
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path)), driver) as fleet:
+        driver.shard(fleet.handle(1)).refuse_refit = "cannot map the staging file"
+        with pytest.raises(RefitError, match="no weight was changed: shard 1 cannot read"):
+            fleet.refit(_tensors())
+        assert fleet.weight_version == 0 and fleet.health.serving_shards() == [0, 1]
+
+
+def test_a_replacement_catches_up_to_the_last_refit(settings, driver, tmp_path):
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path)), driver) as fleet:
+        fleet.refit(_tensors(), version=3)
+        driver.set_dead(fleet.handle(0).name)
+        wait_until(lambda: fleet.health.state_of(0) is ShardState.HEALTHY and fleet.handle(0).name.endswith("-r1"),
+                   what="slot 0 replaced")
+        assert driver.shard(fleet.handle(0)).weight_version == 3  # loaded from the staged refit
+        assert {r.weight_version for r in fleet.generate(PROMPTS)} == {3}
+
+
+def test_train_mode_serves_nothing_before_the_first_refit(settings, driver, tmp_path):
+    with fake_fleet(settings(fleet__mode="train", refit__staging_dir=str(tmp_path)), driver) as fleet:
+        assert fleet.health.serving_shards() == []
+        with pytest.raises(ShardUnavailableError, match="has not been refit yet"):
+            fleet.generate(PROMPTS)
+        fleet.refit(_tensors())
+        assert fleet.health.serving_shards() == [0, 1] and fleet.weight_version == 0
+
+
+def test_the_heal_path_probes_plans_and_restarts_without_a_monitor(settings, driver):
+    from nemo_gen.core.planner import Restart
+    from nemo_gen.fleet.recovery import restart_shard
+
+    with fake_fleet(settings(), driver, watch=False) as fleet:
+        driver.set_dead(fleet.handle(1).name)
+        probes = fleet.probe_once()
+        assert [p["ok"] for p in probes] == [True, False]
+        assert fleet.health.state_of(1) is ShardState.DEAD  # condemned at once: a dead actor is certain
+        assert fleet.recovery.plan() == [Restart(1, 1)]
+        out = restart_shard(fleet, 1)
+        assert out["action"] == "restarted" and fleet.health.state_of(1) is ShardState.HEALTHY
+        assert fleet.recovery.plan() == []
+
+
+def test_status_lists_slots_then_spares(settings, driver):
+    with fake_fleet(settings(fleet__spares=1), driver) as fleet:
+        rows = fleet.status()
+        assert [(r.index, r.state, r.name) for r in rows] == [
+            (0, "healthy", "fake-shard-0"), (1, "healthy", "fake-shard-1"), (2, "spare", "fake-spare-0")]
+        driver.set_hung(fleet.handle(1).name)
+        fleet.settings.health.auto_recover = False
+        rows = fleet.status()  # a shard that does not answer info is condemned
+        assert rows[1].state == "dead"
