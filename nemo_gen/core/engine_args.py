@@ -13,8 +13,9 @@ from nemo_gen.errors import ConfigError
 
 Device = Literal["cpu", "gpu"]
 
-# Refit runs inside every vLLM worker through this mixin (nemo_gen/refit/worker_ext.py).
-WORKER_EXTENSION = "nemo_gen.refit.worker_ext.NemoGenWorkerExtension"
+# Refit runs inside every vLLM worker through this mixin (nemo_gen/refit/worker_ext.py); the
+# module named here also registers nemo_gen's weight-transfer backends in the worker.
+WORKER_EXTENSION = "nemo_gen.refit.worker_entry.NemoGenWorkerExtension"
 
 _DTYPES = {"auto", "float32", "bfloat16", "float16", "half", "float"}
 

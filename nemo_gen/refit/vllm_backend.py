@@ -23,7 +23,7 @@ So a trainer written against vLLM's API refits a nemo_gen fleet the same way on 
 ``TrainerInitInfo`` changes, and the fleet's ``weight_sync_client()`` is the client either way.
 
 Importing this module registers the engines (idempotent). Worker processes import it through
-``nemo_gen.refit.worker_ext``; a trainer imports it for ``SharedMemoryTrainerInitInfo`` /
+``nemo_gen.refit.worker_entry``; a trainer imports it for ``SharedMemoryTrainerInitInfo`` /
 ``CudaIpcTrainerInitInfo``.
 """
 

@@ -507,10 +507,3 @@ class DirectLoad:
                 if state["buf"] is not None:
                     pool.give(state["buf"])
             packed.clear()
-
-
-# vLLM creates a worker's weight-transfer engine by name while loading the model, after this
-# module (the worker extension) is imported: registering here puts our backends (nemo_gen_shm,
-# nemo_gen_ipc) in every worker's registry in time. Last in the module: vllm_backend imports
-# names defined above.
-import nemo_gen.refit.vllm_backend  # noqa: E402,F401

@@ -1,0 +1,126 @@
+"""The package's shape, checked from its source: no import cycle inside ``nemo_gen`` (imports
+at module level, inside functions and under TYPE_CHECKING all count), no module reaching
+into another's private names, the fleet facade small and imported by no fleet module, and the
+NeMo-RL compatibility layer at the edge (nothing below it imports it)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "nemo_gen"
+
+# Private attributes of other libraries' objects that nemo_gen must touch, each with its reason.
+FOREIGN_PRIVATE = {
+    # vLLM keeps its weight-transfer registries private; registering twice must be idempotent.
+    ("nemo_gen/refit/vllm_backend.py", "WeightTransferEngineFactory._registry"),
+    ("nemo_gen/refit/vllm_backend.py", "WeightTransferTrainerFactory._registry"),
+    # torch's own parameter table, written in place by the direct refit path.
+    ("nemo_gen/refit/worker_ext.py", "module._parameters"),
+    # our scratch buffers, kept on vLLM's worker object between refits.
+    ("nemo_gen/refit/worker_ext.py", "worker._nemo_gen_scratch"),
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every nemo_gen module ``name`` imports, anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # "from pkg import mod" imports the submodule when there is one
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_inside_nemo_gen():
+    assert find_cycle(graph()) is None, " -> ".join(find_cycle(graph()))
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    # The checker itself can fail: a function-level import closing a loop is a cycle.
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(edges) == ["a", "b", "c", "a"]
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from nemo_gen.fleet import fleet\n")
+    assert imports_of("nemo_gen.fleet.refit", src, {"nemo_gen.fleet", "nemo_gen.fleet.fleet"}) == {"nemo_gen.fleet.fleet"}
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    offences = []
+    for name, path in modules().items():
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nemo_gen"):
+                offences += [f"{rel}:{node.lineno} imports {node.module}.{a.name}"
+                             for a in node.names if a.name.startswith("_")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                if (rel, ast.unparse(node)) not in FOREIGN_PRIVATE:
+                    offences.append(f"{rel}:{node.lineno} reads {ast.unparse(node)}")
+    assert offences == []
+
+
+def test_the_fleet_facade_is_small_and_no_fleet_module_imports_it():
+    facade = PACKAGE / "fleet" / "fleet.py"
+    assert len(facade.read_text().splitlines()) <= 300
+    importers = sorted(m for m, deps in graph().items() if "nemo_gen.fleet.fleet" in deps and m.startswith("nemo_gen.fleet"))
+    assert importers == []
+
+
+def test_the_nemo_rl_compatibility_layer_sits_at_the_edge():
+    below = ("nemo_gen.core", "nemo_gen.fleet", "nemo_gen.refit", "nemo_gen.settings", "nemo_gen.policies",
+             "nemo_gen.environment", "nemo_gen.errors")
+    offenders = sorted(
+        f"{m} imports {d}" for m, deps in graph().items() if m.startswith(below)
+        for d in deps if d.startswith("nemo_gen.generation")
+    )
+    assert offenders == []
