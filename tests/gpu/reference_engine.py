@@ -38,6 +38,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     import nemo_gen.refit.worker_ext as ext
+    from nemo_gen.core.engine_args import WORKER_EXTENSION
     from nemo_gen.core.refit import TensorMeta, layout
     from nemo_gen.fleet.gpu_memory import engine_start_lock
     from nemo_gen.refit.staging import SharedMemoryStaging
@@ -47,7 +48,7 @@ def main() -> None:
     with engine_start_lock():
         llm = LLM(model=model_b, dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
                   gpu_memory_utilization=float(util), disable_log_stats=True,
-                  worker_extension_cls="nemo_gen.refit.worker_ext.NemoGenWorkerExtension")
+                  worker_extension_cls=WORKER_EXTENSION)  # what the fleet's engines load
     start_s = time.monotonic() - t0
     # As the fleet's shards sample (nemo_gen.fleet.engine.sampling_params), EOS ignored.
     sampling = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=int(max_tokens),
