@@ -20,3 +20,15 @@ def wait_gone(pids, timeout_s: float = 30.0) -> list[int]:
         time.sleep(0.1)
         left = alive(left)
     return left
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
+    """``predicate()``'s first truthy value, polled until ``timeout_s``; AssertionError naming
+    ``what`` when it never comes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")

@@ -7,26 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.refit import RefitError
 from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, ShardUnavailableError
+from tests import helpers
 from tests.fakes import FakeDriver, fake_fleet
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]] * 4
 
 
 def wait_until(predicate, timeout_s: float = 5.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+    # Bounds, not latency targets: the fake answers in milliseconds.
+    return helpers.wait_until(predicate, timeout_s, what, poll_s=0.005)
 
 
 @pytest.fixture
