@@ -21,6 +21,14 @@ case "${1:-}" in
     ;;
   bench)
     cd .gpu-src
+    # GPU processes the tests' run left (a run cut off by its timeout skips the fleet's shutdown):
+    # started by this sitting, ended here by PID.
+    python3 -c "
+import os, signal
+from nemo_gen.fleet import gpu_memory
+for p in gpu_memory.gpu_processes():
+    print('left by the tests, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
+"
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
       --deadline-s "${BENCH_DEADLINE:-530}" 2> "$OUT/bench.log"
     echo "bench rc=$?"
