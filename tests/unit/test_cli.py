@@ -213,3 +213,38 @@ def test_make_tiny_model_into_a_foreign_directory_exits_2(capsys, tmp_path):
     assert main(["make-tiny-model", str(target)]) == EXIT_BAD_INPUT
     assert str(target) in capsys.readouterr().err
     assert (target / "notes.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------------------------
+# commands that need something running first: they say what, exit 2, and start nothing
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["fleet", "up"], ["fleet", "status"], ["fleet", "down"], ["fleet", "status", "--json"],
+     ["refit", "--checkpoint", "ckpt"], ["refit", "--checkpoint", "ckpt", "--no-prefect"]],
+    ids=["up", "status", "down", "status-json", "refit", "refit-no-prefect"],
+)
+def test_fleet_commands_without_ray_address_exit_2_naming_it(argv, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err, heavy = _run_cli(argv)
+    assert code == EXIT_BAD_INPUT, err
+    assert err.startswith("nemo-gen: error: ray.address: a fleet that outlives one command needs a Ray cluster")
+    assert "deployments/ray/start-node.sh" in err
+
+
+@pytest.mark.parametrize("verb", ["up", "status", "down"])
+def test_fleet_commands_without_ray_address_load_nothing_heavy(verb, monkeypatch):
+    """Like every other refusal of bad settings: decided before ray is imported (refit is)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err, heavy = _run_cli(["fleet", verb])
+    assert code == EXIT_BAD_INPUT, err
+    assert heavy == []
+
+
+def test_deploy_without_a_prefect_api_exits_2_and_starts_no_server(monkeypatch, tmp_path):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    err = _fails_before_starting(["deploy"])
+    assert "prefect.api_url" in err and "prefect server start" in err and "PREFECT_API_URL" in err
+    assert not (tmp_path / "prefect-home").exists()  # no managed server was started for it
