@@ -5,25 +5,41 @@ variables (``__`` nests: ``NEMO_GEN_FLEET__NUM_SHARDS=4``) < overrides (the CLI'
 ``--set fleet.num_shards=4``, or a dict of dotted keys). ``NemoGenSettings.load`` validates once
 and turns every problem into one ``ConfigError`` that names the dotted field and the file.
 
-The ``generation`` section is NeMo-RL's ``GenerationConfig``/``VllmConfig`` key for key, so an
-existing NeMo-RL ``generation:`` block loads unchanged; ``to_generation_config()`` hands the
+The YAML file is read as NeMo-RL reads its recipes (``nemo_gen.config_loader``: OmegaConf,
+``defaults:`` inheritance, interpolations, NeMo-RL's resolvers). The ``generation`` section holds
+the keys of NeMo-RL's ``GenerationConfig``/``VllmConfig`` that nemo_gen acts on; NeMo-RL's others
+are accepted only with values that ask for nothing missing, and listed in ``settings.not_used``.
+Enumerated values are checked against what exists: the installed vLLM's dtypes, KV cache dtypes,
+load formats, engine arguments and weight-transfer backends (``nemo_gen.vllm_choices``), and the
+generation backends ``resolve_generation_class`` knows. ``to_generation_config()`` hands the
 plain dict that NeMo-RL's functions (``configure_generation_config``) expect.
 """
 
 from __future__ import annotations
 
 import contextvars
-import copy
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from nemo_gen.errors import ConfigError
 
 ENV_PREFIX = "NEMO_GEN_"
+
+log = logging.getLogger(__name__)
 # fleet.shards_per_gpu > 1: the engines' gpu_memory_utilization shares may add up to at most
 # 1 - this, leaving room for each engine process's CUDA context and allocator (outside its share).
 GPU_SHARE_HEADROOM = 0.05
@@ -54,45 +70,49 @@ class ModelSettings(_Section):
 
 
 # --------------------------------------------------------------------------------------------
-# generation: NeMo-RL's GenerationConfig + VllmConfig, every declared key
+# generation: NeMo-RL's GenerationConfig + VllmConfig, the keys nemo_gen acts on. NeMo-RL's
+# other keys (colocation, HTTP server, its refit transports, ...) are nemo_gen.config_loader's
+# NEMO_RL_KEYS: read, shown as not used, or refused when they ask for something missing.
 
 
-class ColocationResources(_Section):
-    gpus_per_node: int | None = Field(None, description="GPUs per node reserved for generation.")
-    num_nodes: int | None = Field(None, description="Nodes reserved for generation.")
+def _one_of(value: str, choices: Sequence[str] | None, what: str, hint: str = "") -> str:
+    """``value`` if it is one of ``choices`` (None: vLLM is not installed here, nothing to
+    check against), else a ValueError listing them."""
+    if choices is not None and value not in choices:
+        from nemo_gen.config_loader import suggest
 
-
-class ColocationSettings(_Section):
-    enabled: bool = Field(
-        False,
-        description="NeMo-RL: generation shares GPUs with training. A standalone nemo_gen fleet is "
-        "not colocated (NeMo-RL's YAML default is true; set it explicitly to keep that).",
-    )
-    resources: ColocationResources = Field(
-        default_factory=ColocationResources, description="Resources for non-colocated generation."
-    )
+        raise ValueError(f"{value!r} is not {what}{suggest(value, choices)} (known: {', '.join(choices)}){hint}")
+    return value
 
 
 class VllmCfg(_Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel ranks per shard.")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline stages per shard.")
-    expert_parallel_size: int = Field(1, ge=1, description="vLLM expert parallel size (MoE).")
+    expert_parallel_size: int = Field(
+        1, ge=1, description="vLLM expert parallel size (MoE): 1, or tensor_parallel_size (vLLM's EP "
+        "spans one engine's TP ranks; nemo_gen shards are separate engines, with no data parallelism).",
+    )
     gpu_memory_utilization: float = Field(
-        0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take (GPU only)."
+        0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take (GPU only; on CPU the KV "
+        "cache is fleet.cpu_kvcache_space_gb).",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + generation in tokens; unset: the model's maximum."
     )
     precision: str = Field(
         "auto",
-        description="Model dtype: auto | float32 | bfloat16 | float16 | fp8 (fp8 = bf16 + fp8 "
-        "quantization). auto: the checkpoint's dtype on GPU, float32 on CPU.",
+        description="Model dtype: one of the installed vLLM's dtypes (auto, half, float16, bfloat16, "
+        "float, float32) or fp8 (bfloat16 weights + vLLM's fp8 quantization). auto: the checkpoint's "
+        "dtype on GPU, float32 on CPU.",
     )
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field("auto", description="KV cache dtype.")
+    kv_cache_dtype: str = Field(
+        "auto", description="KV cache dtype: one of the installed vLLM's CacheDType values (auto, fp8, "
+        "fp8_e4m3, fp8_e5m2, ...).",
+    )
     load_format: str | None = Field(
         None,
-        description="vLLM load format. Unset: configure_generation_config picks auto (eval) or "
-        "dummy (train: weights arrive by refit).",
+        description="vLLM load format (one of the installed vLLM's LoadFormats). Unset: "
+        "configure_generation_config picks auto (eval) or dummy (train: weights arrive by refit).",
     )
     enforce_eager: bool | None = Field(
         None,
@@ -105,33 +125,27 @@ class VllmCfg(_Section):
     skip_tokenizer_init: bool | None = Field(
         None,
         description="Engines skip loading the tokenizer (prompts go as token ids). Unset: "
-        "configure_generation_config decides (false for eval or when stop_strings are set).",
+        "configure_generation_config decides (false for eval, or when stop_strings or bad_words are "
+        "set: the engine needs its tokenizer for them).",
     )
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
-        "processed_logprobs", description="Which logprobs vLLM returns."
+        "processed_logprobs", description="Which logprobs vLLM returns (after or before sampling's processing)."
     )
-    cap_max_tokens_to_context: bool | None = Field(
-        None, description="NeMo-RL: cap max_tokens to the context left."
+    enable_prefix_caching: bool | None = Field(
+        None, description="vLLM prefix caching; unset: vLLM's default."
     )
-    is_mx: bool | None = Field(None, description="NeMo-RL: MX-format weights.")
-    enable_return_routed_experts: bool | None = Field(None, description="NeMo-RL: MoE routing output.")
-    use_tqdm: bool = Field(False, description="vLLM's own progress bars.")
-    enable_prefix_caching: bool | None = Field(None, description="vLLM prefix caching; unset: vLLM's default.")
-    enable_vllm_metrics_logger: bool | None = Field(None, description="NeMo-RL: periodic vLLM metrics.")
-    vllm_metrics_logger_interval: float | None = Field(None, description="NeMo-RL: metrics interval (s).")
-    use_deep_gemm: bool | None = Field(None, description="NeMo-RL: DeepGEMM kernels (GPU).")
-    num_first_layers_in_bf16: int | None = Field(None, description="NeMo-RL: fp8 exclusions.")
-    num_last_layers_in_bf16: int | None = Field(None, description="NeMo-RL: fp8 exclusions.")
-    expose_http_server: bool | None = Field(None, description="NeMo-RL: OpenAI-compatible server per shard.")
-    http_refit_api_key_env_var: str | None = Field(None, description="NeMo-RL: HTTP refit API key env var.")
-    http_refit_server_port: int | None = Field(None, description="NeMo-RL: HTTP refit port.")
-    zmq_refit_server_port: int | None = Field(None, description="NeMo-RL: ZMQ refit port.")
-    http_server_serving_chat_kwargs: dict[str, Any] | None = Field(None, description="NeMo-RL: chat server kwargs.")
-    tool_parser_plugin: str | None = Field(None, description="NeMo-RL: tool parser plugin.")
-    reasoning_parser_plugin: str | None = Field(None, description="NeMo-RL: reasoning parser plugin.")
-    video: dict[str, Any] | None = Field(None, description="NeMo-RL: video input config.")
-    reset_encoder_cache_after_weight_update: bool = Field(
-        False, description="NeMo-RL: reset the encoder cache after each refit."
+    enable_vllm_metrics_logger: bool | None = Field(
+        None, description="vLLM logs its engine stats (throughput, KV cache use, queue) every "
+        "vllm_metrics_logger_interval seconds, in each engine's log (Ray's log files; -v shows them). "
+        "Unset or false: stats logging off.",
+    )
+    vllm_metrics_logger_interval: float | None = Field(
+        None, gt=0, description="Seconds between vLLM's stats lines (VLLM_LOG_STATS_INTERVAL in the "
+        "engine processes) when enable_vllm_metrics_logger is true; unset: vLLM's 10 s.",
+    )
+    use_deep_gemm: bool | None = Field(
+        None, description="vLLM's DeepGEMM fp8 kernels (VLLM_USE_DEEP_GEMM in the engine processes; "
+        "GPU only). Unset: vLLM's default.",
     )
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables set in every engine process."
@@ -142,45 +156,109 @@ class VllmCfg(_Section):
         "nemo_gen.refit.worker_ext.NemoGenWorkerExtension, which refit relies on.",
     )
 
+    @field_validator("precision")
+    @classmethod
+    def _known_precision(cls, value: str) -> str:
+        from nemo_gen import vllm_choices
+
+        return _one_of(value, vllm_choices.precisions(), "a precision vLLM knows")
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_cache_dtype(cls, value: str) -> str:
+        from nemo_gen import vllm_choices
+
+        return _one_of(value, vllm_choices.kv_cache_dtypes(), "a KV cache dtype of the installed vLLM")
+
+    @field_validator("load_format")
+    @classmethod
+    def _known_load_format(cls, value: str | None) -> str | None:
+        from nemo_gen import vllm_choices
+
+        if value is None:
+            return value
+        return _one_of(value, vllm_choices.load_formats(), "a load format of the installed vLLM",
+                       "; a plugin's format goes verbatim in generation.vllm_kwargs.load_format")
+
+    @field_validator("expert_parallel_size")
+    @classmethod
+    def _expert_parallel_within_an_engine(cls, ep: int, info: ValidationInfo) -> int:
+        tp = info.data.get("tensor_parallel_size", 1)
+        if ep not in (1, tp):
+            raise ValueError(
+                f"expert_parallel_size {ep} needs vLLM data parallelism (EP = DP x TP), which nemo_gen "
+                f"shards do not use (each is one engine); use 1 or tensor_parallel_size ({tp})"
+            )
+        return ep
+
 
 class GenerationSettings(_Section):
-    backend: str = Field("vllm", description="Generation backend; nemo_gen implements vllm.")
-    model_name: str | None = Field(None, description="NeMo-RL: the policy's model name.")
+    backend: str = Field(
+        "vllm", description="Generation backend, resolved by resolve_generation_class; nemo_gen implements vllm."
+    )
+    model_name: str | None = Field(
+        None, description="NeMo-RL's model to load (a local HF model directory): used when model.path "
+        "is unset, and as the name in results. A recipe's policy.model_name lands here.",
+    )
     max_new_tokens: int = Field(32, ge=1, description="Tokens to generate per request.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(None, description="Top-k sampling; null or -1 disables it.")
-    val_temperature: float | None = Field(None, description="NeMo-RL: validation temperature.")
-    val_top_p: float | None = Field(None, description="NeMo-RL: validation top_p.")
-    val_top_k: int | None = Field(None, description="NeMo-RL: validation top_k.")
+    top_k: int | None = Field(None, description="Top-k sampling: a positive integer; null or -1 disables it.")
     stop_token_ids: list[int] | None = Field(
         None, description="Token ids that end generation; null: the tokenizer's EOS."
     )
     stop_strings: list[str] | None = Field(None, description="Strings that end generation.")
-    bad_words: list[str] | None = Field(None, description="Words never generated.")
-    ignore_eos: bool | None = Field(None, description="Keep generating past EOS.")
-    colocated: ColocationSettings = Field(
-        default_factory=ColocationSettings, description="NeMo-RL colocation config."
+    bad_words: list[str] | None = Field(
+        None, description="Words never generated (vLLM's SamplingParams.bad_words; the engine loads "
+        "its tokenizer to apply them).",
     )
-    port_range_low: int | None = Field(None, description="NeMo-RL: low end of the port range.")
-    port_range_high: int | None = Field(None, description="NeMo-RL: high end of the port range.")
-    use_async_rollouts: bool | None = Field(None, description="NeMo-RL: async rollouts (sglang).")
-    refit_transport: str | None = Field(None, description="NeMo-RL: refit transport name.")
-    refit_cfg: dict[str, Any] | None = Field(None, description="NeMo-RL: refit transport config.")
-    quant_cfg: dict[str, Any] | None = Field(None, description="NeMo-RL: quantization config.")
-    real_quant: bool | None = Field(None, description="NeMo-RL: real quantized generation.")
-    real_quant_export_cpu_offload: bool | None = Field(None, description="NeMo-RL: quant export offload.")
-    real_quant_ignore: list[str] | None = Field(None, description="NeMo-RL: layers left unquantized.")
+    ignore_eos: bool | None = Field(None, description="Keep generating past EOS.")
     vllm_cfg: VllmCfg = Field(default_factory=VllmCfg, description="vLLM engine settings.")
     vllm_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Passed verbatim to vllm.LLM / AsyncEngineArgs."
+        default_factory=dict, description="Passed verbatim to vllm.LLM / AsyncEngineArgs (keys are "
+        "checked against the installed vLLM's EngineArgs); they win over everything derived.",
     )
 
+    @field_validator("backend")
+    @classmethod
+    def _backend_resolves(cls, value: str) -> str:
+        from nemo_gen.core.generation_config import check_backend
+
+        return check_backend({"backend": value})  # ConfigError (a ValueError) naming the choices
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value != -1 and value < 1:
+            raise ValueError("top_k must be null, -1 (off) or a positive integer")
+        return value
+
+    @field_validator("stop_strings", "bad_words")
+    @classmethod
+    def _no_empty_strings(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not s for s in value):
+            raise ValueError("entries must be non-empty strings")
+        return value
+
+    @field_validator("vllm_kwargs")
+    @classmethod
+    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from nemo_gen import vllm_choices
+        from nemo_gen.config_loader import suggest
+
+        known = vllm_choices.engine_arg_names()
+        unknown = [k for k in value if known is not None and k not in known]
+        if unknown:
+            raise ValueError("; ".join(f"{k!r} is not an argument of the installed vLLM's EngineArgs"
+                                       f"{suggest(k, known)}" for k in unknown))
+        return value
+
     @model_validator(mode="after")
-    def _check_port_range(self) -> "GenerationSettings":
-        lo, hi = self.port_range_low, self.port_range_high
-        if lo is not None and hi is not None and lo >= hi:
-            raise ValueError(f"port_range_low ({lo}) must be below port_range_high ({hi})")
+    def _tokenizer_for_bad_words(self) -> "GenerationSettings":
+        used = [k for k in ("stop_strings", "bad_words") if getattr(self, k)]
+        if used and self.vllm_cfg.skip_tokenizer_init:
+            raise ValueError(f"{' and '.join(used)} need the engine's tokenizer (vLLM drops them without "
+                             "one); vllm_cfg.skip_tokenizer_init must not be true")
         return self
 
     def to_generation_config(self) -> dict[str, Any]:
@@ -192,6 +270,9 @@ class GenerationSettings(_Section):
         for key in ("skip_tokenizer_init", "load_format", "worker_extension_cls"):
             if cfg["vllm_cfg"].get(key) is None:
                 cfg["vllm_cfg"].pop(key, None)
+        if self.bad_words and "skip_tokenizer_init" not in cfg["vllm_cfg"]:
+            # vLLM tokenizes bad_words in the engine; without a tokenizer it drops them.
+            cfg["vllm_cfg"]["skip_tokenizer_init"] = False
         return cfg
 
 
@@ -257,7 +338,8 @@ class RefitSettings(_Section):
         description="vLLM weight-transfer backend the engines start with (weight_transfer_config), "
         "used by trainers that drive fleet.weight_sync_client(): 'nemo_gen_shm' (shared memory, any "
         "device), 'nemo_gen_ipc' (CUDA IPC from a trainer on the engines' GPU, handles shared once), "
-        "or vLLM's own 'ipc' / 'nccl' (trainer on other GPUs).",
+        "or vLLM's own 'ipc' / 'nccl' (trainer on other GPUs); any backend registered in the installed "
+        "vLLM's weight-transfer factory is accepted.",
     )
     draft: bool = Field(
         False,
@@ -269,6 +351,13 @@ class RefitSettings(_Section):
         description="Draft refits carry the drafter's full state dict, not a partial set "
         "(NeMo-RL's draft_full_refit_enabled, true for Automodel draft co-training).",
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, value: str) -> str:
+        from nemo_gen import vllm_choices
+
+        return _one_of(value, vllm_choices.weight_transfer_backends(), "a registered weight-transfer backend")
 
 
 class HealthSettings(_Section):
@@ -371,7 +460,12 @@ class RunSettings(_Section):
         64, ge=1, description="Prompts per fleet.generate call; progress is reported between batches."
     )
     output: Path | None = Field(
-        None, description="JSONL results; unset: `home`/outputs/<flow>-<timestamp>.jsonl."
+        None, description="JSONL results, one line per input line in input order; each batch's lines "
+        "are written as soon as it finishes. Unset: `home`/outputs/<flow>-<timestamp>.jsonl.",
+    )
+    resume: bool = Field(
+        False, description="Keep the lines already in `output` that generated without error and "
+        "generate only the others (a killed or interrupted run continues where it stopped).",
     )
 
 
@@ -386,6 +480,8 @@ class _YamlSource(PydanticBaseSettingsSource):
 
 
 _YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
+# What ``load`` set aside as not used, for the settings object it builds.
+_NOT_USED: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("_NOT_USED", default=[])
 
 
 class NemoGenSettings(BaseSettings):
@@ -413,6 +509,18 @@ class NemoGenSettings(BaseSettings):
     ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster.")
     prefect: PrefectSettings = Field(default_factory=PrefectSettings, description="Prefect API.")
     run: RunSettings = Field(default_factory=RunSettings, description="`nemo-gen run` inputs/outputs.")
+
+    _not_used: list[Any] = PrivateAttr(default_factory=list)
+
+    def model_post_init(self, context: Any) -> None:
+        self._not_used = list(_NOT_USED.get())
+
+    @model_validator(mode="after")
+    def _model_from_generation_model_name(self) -> "NemoGenSettings":
+        """NeMo-RL loads ``generation.model_name``; so does nemo_gen when ``model.path`` is unset."""
+        if self.model.path is None and self.generation.model_name:
+            self.model.path = Path(self.generation.model_name)
+        return self
 
     @model_validator(mode="after")
     def _check_gpu_share(self) -> "NemoGenSettings":
@@ -458,19 +566,37 @@ class NemoGenSettings(BaseSettings):
         path: str | os.PathLike | None = None,
         overrides: Sequence[str] | Mapping[str, Any] | None = None,
     ) -> "NemoGenSettings":
-        """Read ``path`` (YAML), then ``NEMO_GEN_*`` env vars, then ``overrides``; validate once.
+        """Read ``path`` (YAML through OmegaConf: ``defaults:`` inheritance, ``${...}``
+        interpolations; a NeMo-RL recipe is mapped, see ``nemo_gen.config_loader``), then
+        ``NEMO_GEN_*`` env vars, then ``overrides``; validate once.
 
-        Raises ``ConfigError`` naming every bad dotted field (and the file it came from).
+        Raises ``ConfigError`` naming every bad dotted field (and the file it came from). Keys
+        read but not used by nemo_gen are in ``settings.not_used``.
         """
-        yaml_data = _read_yaml(path) if path is not None else {}
-        init = _overrides_to_nested(overrides)
-        token = _YAML_DATA.set(yaml_data)
+        from nemo_gen import config_loader
+
+        known = {"": cls.model_fields, "generation": GenerationSettings.model_fields,
+                 "generation.vllm_cfg": VllmCfg.model_fields}
+        prepared = config_loader.prepare(path, _override_pairs(overrides), known)
+        tokens = (_YAML_DATA.set(prepared.file_data), _NOT_USED.set(list(prepared.not_used)))
         try:
-            return cls(**init)
+            settings = cls(**prepared.override_data)
         except ValidationError as exc:
             raise _config_error(exc, path) from None
         finally:
-            _YAML_DATA.reset(token)
+            _YAML_DATA.reset(tokens[0])
+            _NOT_USED.reset(tokens[1])
+        if prepared.not_used:
+            log.info("%d settings keys are not used by nemo_gen (`nemo-gen config` lists them): %s",
+                     len(prepared.not_used), ", ".join(n.key for n in prepared.not_used))
+        return settings
+
+    @property
+    def not_used(self) -> list[Any]:
+        """Keys the sources set that nemo_gen read and does not use (``config_loader.NotUsed``:
+        key, value, reason): a NeMo-RL recipe's trainer sections, NeMo-RL generation keys whose
+        value asks for nothing nemo_gen lacks."""
+        return list(self._not_used)
 
     # -- derived values (computed here so every caller agrees) --------------------------------
 
@@ -488,39 +614,6 @@ class NemoGenSettings(BaseSettings):
         return self.fleet.mode == "eval"
 
 
-def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read settings file: {exc.strerror}", field=str(p)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}", field=str(p)) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"the top level must be a mapping, got {type(data).__name__}", field=str(p))
-    _reject_interpolations(data, p)
-    return data
-
-
-def _reject_interpolations(data: Any, path: Path, prefix: str = "") -> None:
-    """NeMo-RL YAML may carry OmegaConf ``${...}`` references to keys outside ``generation``;
-    nemo_gen has no ``policy`` section to resolve them against, so say which field to fill in."""
-    if isinstance(data, dict):
-        for key, value in data.items():
-            _reject_interpolations(value, path, f"{prefix}{key}.")
-    elif isinstance(data, str) and data.startswith("${") and data.endswith("}"):
-        raise ConfigError(
-            f"{path}: interpolation {data!r} cannot be resolved here; give a literal value",
-            field=prefix.rstrip("."),
-        )
-
-
 def parse_override(item: str) -> tuple[str, Any]:
     """``'fleet.num_shards=4'`` -> ``('fleet.num_shards', 4)``; the value is parsed as YAML."""
     import yaml
@@ -536,48 +629,43 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _overrides_to_nested(overrides: Sequence[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+def _override_pairs(overrides: Sequence[str] | Mapping[str, Any] | None) -> list[tuple[str, Any]]:
     if overrides is None:
-        return {}
+        return []
     if isinstance(overrides, Mapping):
-        pairs = list(overrides.items())
-    elif isinstance(overrides, (str, bytes)):
+        return [(str(k), v) for k, v in overrides.items()]
+    if isinstance(overrides, (str, bytes)):
         raise ConfigError("overrides must be a list of 'dotted.key=value' strings or a dict", field="overrides")
-    else:
-        pairs = [parse_override(item) for item in overrides]
-    nested: dict[str, Any] = {}
-    for key, value in pairs:
-        node = nested
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError("set both as a value and as a section", field=key)
-            node = child
-        _merge(node, parts[-1], copy.deepcopy(value), key)
-    return nested
+    return [parse_override(item) for item in overrides]
 
 
-def _merge(node: dict[str, Any], key: str, value: Any, dotted: str) -> None:
-    """Set ``node[key]``, merging into a section already there (never mutating the caller's)."""
-    existing = node.get(key)
-    if isinstance(existing, dict) and isinstance(value, dict):
-        for k, v in value.items():
-            _merge(existing, k, v, f"{dotted}.{k}")
-    elif isinstance(existing, dict) or (key in node and isinstance(value, dict)):
-        raise ConfigError("set both as a value and as a section", field=dotted)
-    else:
-        node[key] = value
+def _fields_at(loc: Sequence[Any]) -> list[str]:
+    """The field names of the settings model that holds ``loc``'s last part."""
+    model: Any = NemoGenSettings
+    for part in loc[:-1]:
+        info = getattr(model, "model_fields", {}).get(str(part))
+        ann = info.annotation if info is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(getattr(model, "model_fields", {}))
 
 
 def _config_error(exc: ValidationError, path: str | os.PathLike | None) -> ConfigError:
+    from nemo_gen.config_loader import NEMO_RL_KEYS, suggest
+
     problems = []
     for err in exc.errors():
         dotted = ".".join(str(part) for part in err["loc"])
-        msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown setting"
-        problems.append((dotted, f"{msg} (got {err.get('input')!r})" if err["type"] != "extra_forbidden" else msg))
+            foreign = NEMO_RL_KEYS.get(dotted)
+            if foreign is not None:
+                msg = f"a NeMo-RL key that nemo_gen does not use here: {foreign.reason}"
+            else:
+                msg = "unknown setting" + suggest(str(err["loc"][-1]), _fields_at(err["loc"]))
+        else:
+            msg = f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
+        problems.append((dotted, msg))
     source = f" (from settings file {path}, NEMO_GEN_* environment or overrides)" if path is not None else ""
     first_field = problems[0][0] if problems else None
     lines = "; ".join(f"{field}: {msg}" for field, msg in problems)
@@ -585,3 +673,63 @@ def _config_error(exc: ValidationError, path: str | os.PathLike | None) -> Confi
     err.field = first_field
     err.fields = [field for field, _ in problems]  # type: ignore[attr-defined]
     return err
+
+
+# --------------------------------------------------------------------------------------------
+# the settings' own documentation (``nemo-gen config --describe``)
+
+
+def _type_name(ann: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if ann is type(None):
+        return "null"
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin in (list, dict, tuple):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if ann is Any:
+        return "any"
+    if isinstance(ann, type):
+        return "path" if issubclass(ann, os.PathLike) else ann.__name__
+    return str(ann)
+
+
+def describe_settings(prefix: str = "") -> list[dict[str, Any]]:
+    """Every setting under ``prefix`` (a dotted key or section; empty: all): ``key``, ``type``,
+    ``default``, ``description`` — then NeMo-RL's keys nemo_gen reads but does not use, with the
+    values it accepts (``type`` "not used"). Raises ConfigError for an unknown prefix."""
+    import json
+
+    from nemo_gen.config_loader import NEMO_RL_KEYS, suggest
+
+    rows: list[dict[str, Any]] = []
+
+    def walk(model: type[BaseModel], at: str) -> None:
+        for name, info in model.model_fields.items():
+            key = f"{at}{name}"
+            ann = info.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                rows.append({"key": key, "type": "section", "default": None, "description": info.description})
+                walk(ann, f"{key}.")
+                continue
+            default = info.get_default(call_default_factory=True)
+            rows.append({"key": key, "type": _type_name(ann),
+                         "default": json.loads(json.dumps(default, default=str)),
+                         "description": info.description})
+
+    walk(NemoGenSettings, "")
+    for key, spec in NEMO_RL_KEYS.items():
+        rows.append({"key": key, "type": "not used", "default": None,
+                     "description": f"NeMo-RL key, not used by nemo_gen: {spec.reason}. Accepted: {spec.accepted}."})
+    if not prefix:
+        return rows
+    prefix = prefix.strip(".")
+    chosen = [r for r in rows if r["key"] == prefix or r["key"].startswith(prefix + ".")]
+    if not chosen:
+        raise ConfigError(f"no such setting{suggest(prefix, [r['key'] for r in rows])}", field=prefix)
+    return chosen

@@ -1,5 +1,6 @@
-"""nemo_gen.settings: defaults, YAML < env < overrides, one ConfigError naming the dotted field,
-and a NeMo-RL ``generation:`` block that loads unchanged."""
+"""nemo_gen.settings: defaults, YAML < env < overrides, one ConfigError naming the dotted field
+(with a suggestion for a misspelt key), enumerated values checked against what exists, every
+NeMo-RL key either acted on, listed as not used, or refused by name."""
 
 from __future__ import annotations
 
@@ -73,8 +74,7 @@ def test_defaults():
     assert g.backend == "vllm"
     assert g.max_new_tokens == 32
     assert g.temperature == 1.0 and g.top_p == 1.0 and g.top_k is None
-    assert g.stop_token_ids is None and g.stop_strings is None
-    assert g.colocated.enabled is False
+    assert g.stop_token_ids is None and g.stop_strings is None and g.bad_words is None
     assert g.vllm_kwargs == {}
     v = g.vllm_cfg
     assert (v.tensor_parallel_size, v.pipeline_parallel_size, v.expert_parallel_size) == (1, 1, 1)
@@ -85,6 +85,8 @@ def test_defaults():
     assert v.enforce_eager is None
     assert v.async_engine is False
     assert v.env_vars == {}
+    assert s.run.resume is False
+    assert s.not_used == []
 
 
 def test_default_factories_are_not_shared():
@@ -224,8 +226,6 @@ def test_override_value_then_section_conflict():
         "bogus",
         "model.bogus",
         "generation.bogus",
-        "generation.colocated.bogus",
-        "generation.colocated.resources.bogus",
         "generation.vllm_cfg.bogus",
         "fleet.bogus",
         "health.bogus",
@@ -244,7 +244,7 @@ def test_unknown_override_names_the_field(dotted):
 
 @pytest.mark.parametrize(
     "dotted",
-    ["bogus", "fleet.bogus", "generation.vllm_cfg.bogus", "generation.colocated.resources.bogus"],
+    ["bogus", "fleet.bogus", "generation.vllm_cfg.bogus", "refit.bogus"],
 )
 def test_unknown_yaml_key_names_field_and_file(tmp_path, dotted):
     doc: dict = {}
@@ -285,7 +285,7 @@ def test_every_problem_is_listed():
         ("generation.vllm_cfg.kv_cache_dtype=int4", "generation.vllm_cfg.kv_cache_dtype"),
         ("generation.vllm_cfg.gpu_memory_utilization=1.5", "generation.vllm_cfg.gpu_memory_utilization"),
         ("generation.vllm_cfg.env_vars=[1]", "generation.vllm_cfg.env_vars"),
-        ("generation.colocated.enabled=maybe", "generation.colocated.enabled"),
+        ("generation.top_k=0", "generation.top_k"),
         ("prefect.port=70000", "prefect.port"),
         ("fleet=5", "fleet"),
     ],
@@ -320,14 +320,6 @@ def test_zero_sizes_rejected(dotted):
     assert dotted in str(err)
 
 
-def test_port_range_must_ascend():
-    err = _raises_config_error(
-        overrides=["generation.port_range_low=5000", "generation.port_range_high=5000"]
-    )
-    assert err.field == "generation"
-    assert "port_range_low" in str(err)
-
-
 def test_assignment_is_validated():
     s = NemoGenSettings.load()
     with pytest.raises(ValueError):
@@ -337,7 +329,8 @@ def test_assignment_is_validated():
 
 
 # --------------------------------------------------------------------------------------------
-# a NeMo-RL generation block (grpo_math_1B.yaml, interpolations replaced by literals)
+# a NeMo-RL generation block (grpo_math_1B.yaml's, interpolations replaced by literals): the keys
+# nemo_gen acts on keep their values; NeMo-RL's others are listed as not used, with the reason
 
 NEMO_RL_BLOCK = """
 generation:
@@ -380,17 +373,32 @@ generation:
       num_nodes: null
 """
 
+NOT_USED_IN_BLOCK = {
+    "generation.port_range_low", "generation.port_range_high", "generation.refit_transport",
+    "generation.real_quant_export_cpu_offload", "generation.vllm_cfg.use_tqdm",
+    "generation.vllm_cfg.num_last_layers_in_bf16", "generation.vllm_cfg.num_first_layers_in_bf16",
+    "generation.vllm_cfg.reset_encoder_cache_after_weight_update", "generation.vllm_cfg.http_refit_server_port",
+    "generation.colocated.enabled", "generation.colocated.resources",
+}
 
-def test_nemo_rl_generation_block_loads_unchanged(tmp_path):
+
+def test_nemo_rl_generation_block_loads(tmp_path):
     import yaml
 
     path = tmp_path / "grpo.yaml"
     path.write_text(NEMO_RL_BLOCK)
     given = yaml.safe_load(NEMO_RL_BLOCK)["generation"]
-    cfg = NemoGenSettings.load(path).generation.to_generation_config()
+    settings = NemoGenSettings.load(path)
+    cfg = settings.generation.to_generation_config()
+    assert {n.key for n in settings.not_used} == NOT_USED_IN_BLOCK
+    assert all(n.reason for n in settings.not_used)
+    assert {n.key: n.value for n in settings.not_used}["generation.colocated.enabled"] is True
 
     def check(expected: dict, actual: dict, where: str) -> None:
         for key, value in expected.items():
+            if f"{where}{key}" in NOT_USED_IN_BLOCK or f"{where}{key}" == "generation.colocated":
+                assert key not in actual, f"{where}{key} is not used, yet in the generation config"
+                continue
             assert key in actual, f"{where}{key} missing"
             if isinstance(value, dict) and value:
                 check(value, actual[key], f"{where}{key}.")
@@ -398,17 +406,234 @@ def test_nemo_rl_generation_block_loads_unchanged(tmp_path):
                 assert actual[key] == value and type(actual[key]) is type(value), f"{where}{key}"
 
     check(given, cfg, "generation.")
-    # Spot checks against the reference defaults.
-    assert cfg["colocated"] == {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}}
-    assert cfg["vllm_cfg"]["gpu_memory_utilization"] == 0.6
+    assert cfg["vllm_cfg"]["enable_vllm_metrics_logger"] is True  # acts: vLLM's stats logging on
     assert cfg["vllm_cfg"]["vllm_metrics_logger_interval"] == 0.5
-    assert cfg["vllm_cfg"]["enforce_eager"] is False
-    assert cfg["vllm_kwargs"] == {}
-    assert cfg["top_k"] is None and cfg["stop_token_ids"] is None and cfg["stop_strings"] is None
+    # NeMo-RL's model_name is the model to load: model.path takes it when unset.
+    assert settings.model.path == Path("Qwen/Qwen2.5-1.5B")
     # NeMo-RL decides these when absent.
     assert "skip_tokenizer_init" not in cfg["vllm_cfg"]
     assert "load_format" not in cfg["vllm_cfg"]
     json.dumps(cfg)  # a plain, serialisable dict
+
+
+def test_every_nemo_rl_key_is_a_field_or_accounted_for():
+    """NeMo-RL's GenerationConfig / VllmConfig / VllmSpecificArgs keys: each is one nemo_gen acts
+    on (a field), or one the loader knows it does not use (NEMO_RL_KEYS) — never unknown."""
+    from nemo_gen.config_loader import NEMO_RL_ALIASES, NEMO_RL_KEYS
+    from nemo_gen.generation.interfaces import GenerationConfig, VllmConfig, VllmSpecificArgs
+
+    internal = {"_pad_token_id", "_mtp_weights_from_refit", "_debug_payload_metrics", "_draft_weights_from_refit",
+                "_draft_full_refit"}
+    for scope, typed, model in (("generation", VllmConfig, GenerationSettings),
+                                ("generation", GenerationConfig, GenerationSettings),
+                                ("generation.vllm_cfg", VllmSpecificArgs, VllmCfg)):
+        for key in set(typed.__annotations__) - internal:
+            dotted = f"{scope}.{key}"
+            assert [key in model.model_fields, dotted in NEMO_RL_KEYS, dotted in NEMO_RL_ALIASES].count(True) == 1, dotted
+    # and every table key names a place nemo_gen's schema does not hold
+    for dotted in NEMO_RL_KEYS:
+        scope, key = dotted.rsplit(".", 1)
+        model = VllmCfg if scope == "generation.vllm_cfg" else GenerationSettings
+        assert key not in model.model_fields, dotted
+
+
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ("generation.vllm_cfg.expose_http_server=true", "not supported yet"),
+        ("generation.vllm_cfg.tool_parser_plugin=my.parser", "not supported yet"),
+        ("generation.vllm_cfg.http_refit_server_port=8000", "not supported yet"),
+        ("generation.vllm_cfg.is_mx=true", "not supported"),
+        ("generation.vllm_cfg.enable_return_routed_experts=true", "not supported"),
+        ("generation.vllm_cfg.num_first_layers_in_bf16=2", "not supported"),
+        ("generation.vllm_cfg.num_last_layers_in_bf16=1", "not supported"),
+        ("generation.vllm_cfg.cap_max_tokens_to_context=false", "not supported"),
+        ("generation.vllm_cfg.video={num_frames: 8}", "not supported"),
+        ("generation.refit_transport=nixl", "refit.backend"),
+        ("generation.quant_cfg={algo: fp8}", "not supported"),
+        ("generation.real_quant=true", "not supported"),
+    ],
+)
+def test_a_nemo_rl_key_asking_for_a_missing_feature_is_refused_by_name(override, reason):
+    dotted = override.split("=", 1)[0]
+    err = _raises_config_error(overrides=[override])
+    assert err.field == dotted
+    assert f"{dotted}=" in str(err) and "is not supported by nemo_gen" in str(err) and reason in str(err)
+
+
+def test_nemo_rl_worker_extension_key_is_nemo_gens_field():
+    ext = "my.ext.Worker"
+    s = NemoGenSettings.load(overrides={"generation.worker_extension_cls_fqn": ext})
+    assert s.generation.vllm_cfg.worker_extension_cls == ext and s.not_used == []
+
+
+def test_a_refused_key_in_a_file_names_the_file(tmp_path):
+    path = _write(tmp_path, "generation:\n  vllm_cfg:\n    expose_http_server: true\n")
+    err = _raises_config_error(path=path)
+    assert err.field == "generation.vllm_cfg.expose_http_server" and str(path) in str(err)
+    assert "expose_http_server=true" in str(err)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["generation.vllm_cfg.expose_http_server=false", "generation.vllm_cfg.cap_max_tokens_to_context=true",
+     "generation.vllm_cfg.use_tqdm=true", "generation.colocated.enabled=true", "generation.val_temperature=0.7"],
+)
+def test_a_nemo_rl_key_that_asks_for_nothing_missing_is_listed_not_dropped(override):
+    dotted, _, raw = override.partition("=")
+    s = NemoGenSettings.load(overrides=[override])
+    (entry,) = s.not_used
+    assert entry.key == dotted and entry.reason
+    assert str(entry.value).lower() == raw.lower()
+
+
+def test_a_nemo_rl_key_from_the_environment_is_named_as_such(monkeypatch):
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__EXPOSE_HTTP_SERVER", "true")
+    err = _raises_config_error()
+    assert err.field == "generation.vllm_cfg.expose_http_server"
+    assert "NeMo-RL key that nemo_gen does not use" in str(err)
+
+
+# --------------------------------------------------------------------------------------------
+# enumerated values are checked against what exists
+
+
+def test_kv_cache_dtype_is_any_of_the_installed_vllms():
+    from nemo_gen import vllm_choices
+
+    assert {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"} <= set(vllm_choices.kv_cache_dtypes())
+    for dtype in vllm_choices.kv_cache_dtypes():
+        assert NemoGenSettings.load(overrides=[f"generation.vllm_cfg.kv_cache_dtype={dtype}"]).generation.vllm_cfg.kv_cache_dtype == dtype
+    err = _raises_config_error(overrides=["generation.vllm_cfg.kv_cache_dtype=fp9"])
+    assert err.field == "generation.vllm_cfg.kv_cache_dtype" and "fp8_e5m2" in str(err)
+
+
+@pytest.mark.parametrize("good", ["auto", "float32", "bfloat16", "float16", "half", "float", "fp8"])
+def test_precision_vllm_knows(good):
+    assert NemoGenSettings.load(overrides=[f"generation.vllm_cfg.precision={good}"]).generation.vllm_cfg.precision == good
+
+
+def test_unknown_precision_is_refused_with_a_suggestion():
+    err = _raises_config_error(overrides=["generation.vllm_cfg.precision=fp9"])
+    assert err.field == "generation.vllm_cfg.precision"
+    assert "did you mean 'fp8'" in str(err) and "bfloat16" in str(err)
+
+
+def test_refit_backend_must_be_registered():
+    for backend in ("nemo_gen_shm", "nemo_gen_ipc", "ipc", "nccl"):
+        assert NemoGenSettings.load(overrides=[f"refit.backend={backend}"]).refit.backend == backend
+    err = _raises_config_error(overrides=["refit.backend=bogus"])
+    assert err.field == "refit.backend" and "nemo_gen_shm" in str(err) and "nccl" in str(err)
+
+
+@pytest.mark.parametrize("backend, says", [("bogus", "Unknown generation backend"),
+                                           ("sglang", "does not implement"), ("megatron", "does not implement")])
+def test_generation_backend_must_resolve(backend, says):
+    err = _raises_config_error(overrides=[f"generation.backend={backend}"])
+    assert err.field == "generation.backend" and says in str(err) and "'vllm'" in str(err)
+
+
+@pytest.mark.parametrize("top_k, ok", [(None, True), (-1, True), (1, True), (50, True), (0, False),
+                                       (-5, False), (-2, False)])
+def test_top_k(top_k, ok):
+    override = {"generation.top_k": top_k}
+    if ok:
+        assert NemoGenSettings.load(overrides=override).generation.top_k == top_k
+    else:
+        assert _raises_config_error(overrides=override).field == "generation.top_k"
+
+
+def test_load_format_is_one_vllm_has():
+    assert NemoGenSettings.load(overrides=["generation.vllm_cfg.load_format=safetensors"]).generation.vllm_cfg.load_format == "safetensors"
+    err = _raises_config_error(overrides=["generation.vllm_cfg.load_format=bogus"])
+    assert err.field == "generation.vllm_cfg.load_format" and "vllm_kwargs.load_format" in str(err)
+
+
+def test_vllm_kwargs_must_be_engine_arguments():
+    s = NemoGenSettings.load(overrides=["generation.vllm_kwargs={max_num_seqs: 8, speculative_config: {method: ngram}}"])
+    assert s.generation.vllm_kwargs["max_num_seqs"] == 8
+    err = _raises_config_error(overrides=["generation.vllm_kwargs={enfoce_eager: true}"])
+    assert err.field == "generation.vllm_kwargs" and "did you mean 'enforce_eager'" in str(err)
+
+
+def test_expert_parallel_size_fits_one_engine():
+    ok = NemoGenSettings.load(overrides=["generation.vllm_cfg.tensor_parallel_size=2",
+                                         "generation.vllm_cfg.expert_parallel_size=2"])
+    assert ok.generation.vllm_cfg.expert_parallel_size == 2
+    err = _raises_config_error(overrides=["generation.vllm_cfg.expert_parallel_size=4"])
+    assert err.field == "generation.vllm_cfg.expert_parallel_size" and "data parallelism" in str(err)
+
+
+def test_bad_words_need_the_engines_tokenizer():
+    cfg = NemoGenSettings.load(overrides=["generation.bad_words=[foo]"]).generation.to_generation_config()
+    assert cfg["bad_words"] == ["foo"] and cfg["vllm_cfg"]["skip_tokenizer_init"] is False
+    err = _raises_config_error(overrides=["generation.bad_words=[foo]", "generation.vllm_cfg.skip_tokenizer_init=true"])
+    assert err.field == "generation" and "bad_words" in str(err)
+    assert _raises_config_error(overrides=["generation.bad_words=['']"]).field == "generation.bad_words"
+
+
+def test_a_misspelt_key_gets_a_suggestion(tmp_path):
+    err = _raises_config_error(overrides=["fleet.num_shard=3"])
+    assert err.field == "fleet.num_shard" and "did you mean 'num_shards'" in str(err)
+    err = _raises_config_error(overrides=["generation.vllm_cfg.tensor_paralel_size=2"])
+    assert "did you mean 'tensor_parallel_size'" in str(err)
+    path = _write(tmp_path, "flet:\n  num_shards: 3\n")
+    err = _raises_config_error(path=path)
+    assert err.field == "flet" and "did you mean 'fleet'" in str(err)
+
+
+# --------------------------------------------------------------------------------------------
+# OmegaConf: interpolations and defaults in nemo_gen's own files
+
+
+def test_interpolations_resolve_and_see_overrides(tmp_path):
+    path = _write(tmp_path, """
+        generation:
+          max_new_tokens: ${generation.vllm_cfg.max_model_len}
+          vllm_cfg:
+            max_model_len: 128
+    """)
+    assert NemoGenSettings.load(path).generation.max_new_tokens == 128
+    s = NemoGenSettings.load(path, ["generation.vllm_cfg.max_model_len=64"])
+    assert s.generation.max_new_tokens == 64 and s.generation.vllm_cfg.max_model_len == 64
+
+
+def test_an_override_may_interpolate(tmp_path):
+    path = _write(tmp_path, "generation:\n  vllm_cfg:\n    max_model_len: 96\n")
+    s = NemoGenSettings.load(path, ["generation.max_new_tokens=${generation.vllm_cfg.max_model_len}"])
+    assert s.generation.max_new_tokens == 96
+
+
+def test_an_unresolvable_interpolation_names_the_key_and_file(tmp_path):
+    path = _write(tmp_path, "generation:\n  max_new_tokens: ${policy.max_total_sequence_length}\n")
+    err = _raises_config_error(path=path)
+    assert err.field == "generation.max_new_tokens"
+    assert "policy.max_total_sequence_length" in str(err) and str(path) in str(err)
+
+
+def test_defaults_inheritance_in_a_nemo_gen_file(tmp_path):
+    _write(tmp_path, "fleet:\n  num_shards: 3\n  name: base\ngeneration:\n  temperature: 0.5\n", "base.yaml")
+    (tmp_path / "sub").mkdir()
+    child = _write(tmp_path, "defaults: ../base.yaml\nfleet:\n  name: child\n", "sub/child.yaml")
+    s = NemoGenSettings.load(child)
+    assert (s.fleet.num_shards, s.fleet.name, s.generation.temperature) == (3, "child", 0.5)
+
+
+def test_override_marker_replaces_an_inherited_section(tmp_path):
+    _write(tmp_path, "generation:\n  vllm_kwargs:\n    max_num_seqs: 8\n    seed: 1\n", "base.yaml")
+    child = _write(tmp_path, "defaults: base.yaml\ngeneration:\n  vllm_kwargs:\n    _override_: true\n    seed: 2\n",
+                   "child.yaml")
+    assert NemoGenSettings.load(child).generation.vllm_kwargs == {"seed": 2}
+
+
+def test_a_missing_or_looping_defaults_entry_names_the_file(tmp_path):
+    child = _write(tmp_path, "defaults: nope.yaml\n", "child.yaml")
+    err = _raises_config_error(path=child)
+    assert str(child) in err.field and "nope.yaml" in str(err)
+    _write(tmp_path, "defaults: b.yaml\n", "a.yaml")
+    _write(tmp_path, "defaults: a.yaml\n", "b.yaml")
+    err = _raises_config_error(path=tmp_path / "a.yaml")
+    assert "loops" in str(err)
 
 
 def test_generation_config_is_a_fresh_dict():
@@ -424,26 +649,6 @@ def test_every_generation_key_round_trips():
     omitted = {"skip_tokenizer_init", "load_format", "worker_extension_cls"}
     assert set(cfg) == set(GenerationSettings.model_fields)
     assert set(cfg["vllm_cfg"]) == set(VllmCfg.model_fields) - omitted
-
-
-@pytest.mark.parametrize(
-    "dotted",
-    ["generation.max_new_tokens", "generation.vllm_cfg.max_model_len", "generation.vllm_cfg.precision",
-     "generation.model_name"],
-)
-def test_interpolation_names_the_field(tmp_path, dotted):
-    parts = dotted.split(".")
-    lines, indent = [], ""
-    for part in parts[:-1]:
-        lines.append(f"{indent}{part}:")
-        indent += "  "
-    lines.append(f"{indent}{parts[-1]}: ${{policy.max_total_sequence_length}}")
-    path = tmp_path / "interp.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    err = _raises_config_error(path=path)
-    assert err.field == dotted
-    assert "${policy.max_total_sequence_length}" in str(err)
-    assert str(path) in str(err)
 
 
 def test_generation_config_unset_keys_absent_explicit_kept():
@@ -532,7 +737,7 @@ def test_every_field_has_a_description():
     fields = dict(_walk(NemoGenSettings))
     # The walk reaches every section, including the nested ones.
     for dotted in ("home", "fleet.num_shards", "generation.vllm_cfg.precision",
-                   "generation.colocated.resources.num_nodes", "health.enabled", "ray.address",
+                   "generation.vllm_cfg.kv_cache_dtype", "health.enabled", "ray.address",
                    "prefect.port", "run.batch_size", "model.path"):
         assert dotted in fields
     missing = [dotted for dotted, field in fields.items() if not (field.description or "").strip()]
@@ -610,3 +815,16 @@ def test_dict_overrides_do_not_mutate_the_callers_dict():
     s = NemoGenSettings.load(overrides={"fleet": inner, "fleet.name": "x"})
     assert (s.fleet.num_shards, s.fleet.name) == (3, "x")
     assert inner == {"num_shards": 3}
+
+
+def test_the_backends_settings_accept_are_the_ones_that_resolve():
+    from nemo_gen.core.generation_config import IMPLEMENTED_BACKENDS, NEMO_RL_ONLY_BACKENDS
+    from nemo_gen.generation import resolve_generation_class
+
+    for backend in IMPLEMENTED_BACKENDS:
+        assert NemoGenSettings.load(overrides={"generation.backend": backend}).generation.backend == backend
+        assert resolve_generation_class({"backend": backend}) is not None
+    for backend in NEMO_RL_ONLY_BACKENDS:
+        with pytest.raises(ConfigError):
+            resolve_generation_class({"backend": backend})
+        assert _raises_config_error(overrides={"generation.backend": backend}).field == "generation.backend"
