@@ -46,7 +46,9 @@ def engine_kwargs(
         "skip_tokenizer_init": bool(vc.get("skip_tokenizer_init", False)),
         "logprobs_mode": vc.get("logprobs_mode", "processed_logprobs"),
         "seed": seed,
-        "disable_log_stats": True,
+        # vllm_cfg.enable_vllm_metrics_logger: vLLM's periodic stats lines in the engine's log
+        # (their interval is VLLM_LOG_STATS_INTERVAL, set by engine_env).
+        "disable_log_stats": not vc.get("enable_vllm_metrics_logger"),
     }
     if precision == "fp8":
         kwargs["dtype"] = "bfloat16"
@@ -73,8 +75,10 @@ def engine_kwargs(
         kwargs["enable_prefix_caching"] = vc["enable_prefix_caching"]
     if device == "gpu":
         kwargs["gpu_memory_utilization"] = vc.get("gpu_memory_utilization", 0.6)
-        if vc.get("expert_parallel_size", 1) > 1:
-            kwargs["enable_expert_parallel"] = True
+    if vc.get("expert_parallel_size", 1) > 1:
+        # vLLM's EP group is the engine's TP ranks (settings allow EP = TP only): MoE layers are
+        # sharded by expert instead of by tensor.
+        kwargs["enable_expert_parallel"] = True
     world = kwargs["tensor_parallel_size"] * kwargs["pipeline_parallel_size"]
     if world > 1:
         # CPU ranks are forked processes inside the shard's bundle; on GPU vLLM schedules its
@@ -105,6 +109,13 @@ def engine_env(
     """
     vc = gen_cfg.get("vllm_cfg", {})
     env: dict[str, str] = {}
+    if vc.get("use_deep_gemm") is not None:
+        if vc["use_deep_gemm"] and device == "cpu":
+            raise ConfigError("DeepGEMM is a CUDA kernel library: use_deep_gemm=true needs a GPU fleet",
+                              field="generation.vllm_cfg.use_deep_gemm")
+        env["VLLM_USE_DEEP_GEMM"] = "1" if vc["use_deep_gemm"] else "0"
+    if vc.get("enable_vllm_metrics_logger") and vc.get("vllm_metrics_logger_interval") is not None:
+        env["VLLM_LOG_STATS_INTERVAL"] = str(vc["vllm_metrics_logger_interval"])
     if device == "cpu":
         world = vc.get("tensor_parallel_size", 1) * vc.get("pipeline_parallel_size", 1)
         env["OMP_NUM_THREADS"] = str(omp_threads)

@@ -19,6 +19,7 @@ SAMPLING_KEYS = (
     "top_k",
     "stop_token_ids",
     "stop_strings",
+    "bad_words",
     "seed",
     "ignore_eos",
 )
@@ -39,6 +40,14 @@ def resolve_sampling(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) 
         merged["stop_token_ids"] = None
     merged.update(overrides)
     _check(merged)
+    if (merged["stop_strings"] or merged["bad_words"]) and (defaults.get("vllm_cfg") or {}).get("skip_tokenizer_init"):
+        # vLLM applies both through the engine's tokenizer and silently drops them without one.
+        used = [k for k in ("stop_strings", "bad_words") if merged[k]]
+        raise RequestError(
+            f"{' and '.join(used)} need the engine's tokenizer, but this fleet's engines started without "
+            "one (generation.vllm_cfg.skip_tokenizer_init); set them in the generation config, or "
+            "skip_tokenizer_init: false, so the engines load it"
+        )
     return merged
 
 
@@ -67,6 +76,9 @@ def _check(s: dict[str, Any]) -> None:
     stops = s["stop_strings"]
     if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x for x in stops)):
         raise RequestError(f"stop_strings must be a list of non-empty strings or null, got {stops!r}")
+    bad = s["bad_words"]
+    if bad is not None and (not isinstance(bad, (list, tuple)) or not all(isinstance(x, str) and x for x in bad)):
+        raise RequestError(f"bad_words must be a list of non-empty strings or null, got {bad!r}")
     ids = s["stop_token_ids"]
     if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_int(x) and x >= 0 for x in ids)):
         raise RequestError(f"stop_token_ids must be a list of token ids or null, got {ids!r}")

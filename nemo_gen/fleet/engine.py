@@ -31,6 +31,7 @@ def sampling_params(s: dict[str, Any]):
         top_k=-1 if top_k is None else top_k,
         stop=list(s["stop_strings"]) if s.get("stop_strings") else None,
         stop_token_ids=list(s["stop_token_ids"]) if s.get("stop_token_ids") else None,
+        bad_words=list(s["bad_words"]) if s.get("bad_words") else None,
         seed=s.get("seed"),
         ignore_eos=bool(s.get("ignore_eos") or False),
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.

@@ -151,10 +151,30 @@ def test_prefix_caching_only_when_set():
     assert _kw("gpu", enable_prefix_caching=False)["enable_prefix_caching"] is False
 
 
-def test_expert_parallel_only_on_gpu():
-    assert _kw("gpu", expert_parallel_size=2)["enable_expert_parallel"] is True
-    assert "enable_expert_parallel" not in _kw("cpu", expert_parallel_size=2)
+def test_expert_parallel_on_any_device():
+    assert _kw("gpu", expert_parallel_size=2, tensor_parallel_size=2)["enable_expert_parallel"] is True
+    assert _kw("cpu", expert_parallel_size=2, tensor_parallel_size=2)["enable_expert_parallel"] is True
     assert "enable_expert_parallel" not in _kw("gpu", expert_parallel_size=1)
+
+
+def test_metrics_logger_turns_vllms_stats_logging_on():
+    assert _kw("cpu")["disable_log_stats"] is True  # unset: off
+    assert _kw("cpu", enable_vllm_metrics_logger=False)["disable_log_stats"] is True
+    assert _kw("cpu", enable_vllm_metrics_logger=True)["disable_log_stats"] is False
+    env = _env("cpu", enable_vllm_metrics_logger=True, vllm_metrics_logger_interval=0.5)
+    assert env["VLLM_LOG_STATS_INTERVAL"] == "0.5"
+    assert "VLLM_LOG_STATS_INTERVAL" not in _env("cpu", enable_vllm_metrics_logger=False, vllm_metrics_logger_interval=0.5)
+    assert "VLLM_LOG_STATS_INTERVAL" not in _env("cpu", enable_vllm_metrics_logger=True)
+
+
+def test_deep_gemm_is_vllms_switch_and_needs_a_gpu():
+    assert _env("gpu", use_deep_gemm=True)["VLLM_USE_DEEP_GEMM"] == "1"
+    assert _env("gpu", use_deep_gemm=False)["VLLM_USE_DEEP_GEMM"] == "0"
+    assert _env("cpu", use_deep_gemm=False)["VLLM_USE_DEEP_GEMM"] == "0"
+    assert "VLLM_USE_DEEP_GEMM" not in _env("gpu")
+    with pytest.raises(ConfigError) as info:
+        _env("cpu", use_deep_gemm=True)
+    assert info.value.field == "generation.vllm_cfg.use_deep_gemm"
 
 
 def test_worker_extension_cls():

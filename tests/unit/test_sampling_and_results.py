@@ -139,6 +139,31 @@ def test_stop_lists_bad(key, value):
     assert key in str(_bad(**{key: value}))
 
 
+@pytest.mark.parametrize("value", [None, [], ["foo"], ("foo", "bar baz")])
+def test_bad_words_ok(value):
+    assert resolve_sampling(DEFAULTS, {"bad_words": value})["bad_words"] == value
+
+
+@pytest.mark.parametrize("value", ["foo", [""], [1], {"a": 1}])
+def test_bad_words_bad(value):
+    assert "bad_words" in str(_bad(bad_words=value))
+
+
+def test_bad_words_default_from_the_generation_config():
+    assert resolve_sampling({**DEFAULTS, "bad_words": ["x"]}, {})["bad_words"] == ["x"]
+
+
+@pytest.mark.parametrize("key", ["bad_words", "stop_strings"])
+def test_tokenizer_dependent_keywords_refused_on_engines_without_a_tokenizer(key):
+    no_tokenizer = {**DEFAULTS, "vllm_cfg": {"skip_tokenizer_init": True}}
+    with pytest.raises(RequestError) as info:
+        resolve_sampling(no_tokenizer, {key: ["foo"]})
+    assert key in str(info.value) and "skip_tokenizer_init" in str(info.value)
+    with_tokenizer = {**DEFAULTS, "vllm_cfg": {"skip_tokenizer_init": False}}
+    assert resolve_sampling(with_tokenizer, {key: ["foo"]})[key] == ["foo"]
+    assert resolve_sampling(no_tokenizer, {})[key] is None  # nothing asked for, nothing refused
+
+
 @pytest.mark.parametrize("key", ["temperature", "top_k"])
 def test_booleans_are_not_numbers(key):
     _bad(**{key: True})
