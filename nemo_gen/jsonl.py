@@ -1,19 +1,25 @@
 """Prompts in, results out, as JSONL — one output line per input line, in order.
 
 A malformed input line does not stop the job: it becomes an output line carrying its line
-number and the reason, and every other line is still generated. Output is written to a
-temporary file and renamed, so a crash never leaves a half-written result file behind.
+number and the reason, and every other line is still generated.
+
+Nothing done is lost: while a job runs, ``OutputWriter`` appends each finished line to the
+output file (flushed, in the order lines finish); when the job ends, ``write_jsonl`` rewrites
+the file in input order (a temporary file renamed over it). A job killed in between leaves
+every line it finished; ``read_finished`` reads them back so a resumed job generates only the
+rest (a last line cut short by the kill is ignored).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.errors import InputFileError
@@ -102,3 +108,91 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path
         raise
     return p
 
+
+
+class OutputWriter:
+    """Appends finished lines to ``path`` as they come, each batch flushed to the file at once
+    (``append``: after the lines already there, for a resumed job; else the file starts empty)."""
+
+    def __init__(self, path: str | os.PathLike, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+        if append and self._file.tell() > 0 and not _ends_with_newline(self.path):
+            self._file.write("\n")  # a line cut short by a kill stays on its own (ignored) line
+
+    def write(self, rows: Iterable[dict[str, Any]]) -> None:
+        self._file.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "OutputWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def read_finished(path: str | os.PathLike, lines: Sequence[PromptLine]) -> dict[int, dict[str, Any]]:
+    """The rows of ``path`` (a nemo-gen output, complete or left by a killed job) that generated
+    without error, by input line number. Each must be the result of the same prompt as that
+    line of ``lines``: an output made from another input is refused, not silently mixed in.
+    A missing file holds nothing yet."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise InputFileError(str(p), f"cannot read the output to resume: {exc.strerror or exc}") from None
+    by_line = {line.line: line for line in lines}
+    raw_lines = text.split("\n")
+    done: dict[int, dict[str, Any]] = {}
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError:
+            if all(not r.strip() for r in raw_lines[number:]):
+                continue  # the last line, cut short when the job was killed
+            raise InputFileError(str(p), f"line {number} is not valid JSON: not a nemo-gen output to resume") from None
+        if not isinstance(row, dict) or not isinstance(row.get("line"), int):
+            raise InputFileError(str(p), f"line {number} has no 'line' number: not a nemo-gen output to resume")
+        line = by_line.get(row["line"])
+        if line is None:
+            raise InputFileError(str(p), f"line {number} is the result of input line {row['line']}, which the "
+                                         "input does not have: this output was made from another input")
+        if row.get("error") is not None or line.error is not None:
+            continue  # a failed line is generated again
+        if not _same_prompt(line, row):
+            raise InputFileError(str(p), f"line {number} is the result of a different prompt than input line "
+                                         f"{line.line}: this output was made from another input")
+        done[line.line] = row
+    return done
+
+
+def _same_prompt(line: PromptLine, row: dict[str, Any]) -> bool:
+    if isinstance(line.prompt, str):
+        return row.get("prompt") == line.prompt
+    return row.get("prompt_token_ids") == line.prompt
+
+
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult) if f.name != "index")
+
+
+def result_from_row(row: dict[str, Any], index: int) -> GenerationResult:
+    """The ``GenerationResult`` an output row was written from (``result_row``'s inverse)."""
+    kwargs = {name: row[name] for name in _RESULT_FIELDS if name in row}
+    kwargs.setdefault("prompt", None)
+    kwargs.setdefault("prompt_token_ids", [])
+    kwargs.setdefault("text", None)
+    return GenerationResult(index=index, **kwargs)

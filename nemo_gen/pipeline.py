@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from nemo_gen import progress
 from nemo_gen.core.results import GenerationResult
-from nemo_gen.jsonl import PromptLine, read_prompts, result_row, write_jsonl
+from nemo_gen.jsonl import OutputWriter, PromptLine, read_finished, read_prompts, result_from_row, result_row, write_jsonl
 from nemo_gen.errors import InfraError
 from nemo_gen.settings import NemoGenSettings
 
@@ -26,19 +26,70 @@ def load_prompts(settings: NemoGenSettings) -> list[PromptLine]:
     return [PromptLine(line=i + 1, prompt=p, record={"prompt": p}) for i, p in enumerate(settings.run.prompts)]
 
 
-def generate_lines(fleet, lines: Sequence[PromptLine], batch_size: int, **sampling: Any) -> list[GenerationResult | None]:
+class LineResults(list):
+    """One ``GenerationResult`` (or None for a malformed line) per input line; ``resumed``: the
+    indexes whose result was read back from the output of an earlier, interrupted run."""
+
+    def __init__(self, items=(), resumed: frozenset[int] = frozenset()):
+        super().__init__(items)
+        self.resumed = resumed
+
+
+def resumable(settings: NemoGenSettings, lines: Sequence[PromptLine]) -> dict[int, dict[str, Any]]:
+    """With ``run.resume``: the lines ``run.output`` already holds (by input line number),
+    checked against ``lines``; empty otherwise. A bad output file fails here, before anything
+    starts (InputFileError naming it)."""
+    if not settings.run.resume or settings.run.output is None:
+        return {}
+    return read_finished(settings.run.output, lines)
+
+
+def generate_lines(
+    fleet,
+    lines: Sequence[PromptLine],
+    batch_size: int,
+    output: str | Path | None = None,
+    resume: bool | None = None,
+    **sampling: Any,
+) -> LineResults:
     """Generate every valid line, ``batch_size`` at a time, reporting progress between batches.
-    Malformed lines get ``None`` (their error travels with the line)."""
-    valid = [i for i, line in enumerate(lines) if line.error is None]
+    Malformed lines get ``None`` (their error travels with the line).
+
+    ``output`` (default: the fleet's ``run.output``): each batch's rows are appended to it as soon
+    as the batch finishes, so a killed run keeps what it finished (``write_outputs`` then puts the
+    file in input order). ``resume`` (default: ``run.resume``): lines that file already holds are
+    not generated again; their results are read back from it."""
+    settings = getattr(fleet, "settings", None)
+    if output is None and settings is not None:
+        output = settings.run.output
+    if resume is None:
+        resume = bool(settings is not None and settings.run.resume)
+    done = read_finished(output, lines) if resume and output is not None else {}
     out: list[GenerationResult | None] = [None] * len(lines)
-    progress.emit("generate", done=0, total=len(valid))
-    for start in range(0, len(valid), batch_size):
-        chunk = valid[start : start + batch_size]
-        results = fleet.generate([lines[i].prompt for i in chunk], **sampling)
-        for i, result in zip(chunk, results):
-            out[i] = result
-        progress.emit("generate", done=min(start + batch_size, len(valid)), total=len(valid))
-    return out
+    resumed = set()
+    for i, line in enumerate(lines):
+        if line.line in done:
+            out[i] = result_from_row(done[line.line], i)
+            resumed.add(i)
+    valid = [i for i, line in enumerate(lines) if line.error is None]
+    todo = [i for i in valid if i not in resumed]
+    writer = OutputWriter(output, append=resume) if output is not None else None
+    try:
+        if writer is not None:
+            writer.write(result_row(line, None, line.error) for line in lines if line.error is not None)
+        progress.emit("generate", done=len(resumed), total=len(valid))
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            results = fleet.generate([lines[i].prompt for i in chunk], **sampling)
+            for i, result in zip(chunk, results):
+                out[i] = result
+            if writer is not None:
+                writer.write(result_row(lines[i], out[i]) for i in chunk)
+            progress.emit("generate", done=len(resumed) + min(start + batch_size, len(todo)), total=len(valid))
+    finally:
+        if writer is not None:
+            writer.close()
+    return LineResults(out, frozenset(resumed))
 
 
 def initial_refit(fleet, settings: NemoGenSettings) -> dict[str, Any] | None:
@@ -67,11 +118,15 @@ def write_outputs(lines: Sequence[PromptLine], results: Sequence[GenerationResul
 
 
 def summarize(fleet, lines: Sequence[PromptLine], results: Sequence[GenerationResult | None], path: Path, seconds: float) -> dict[str, Any]:
+    """The run's summary. Lines resumed from an earlier run's output count as completed; the
+    token counts and tokens/s are this run's generation only."""
+    resumed = getattr(results, "resumed", frozenset())
     done = [r for r in results if r is not None]
     ok = [r for r in done if r.ok]
-    tokens = sum(len(r.token_ids) for r in ok)
+    fresh = [r for i, r in enumerate(results) if r is not None and r.ok and i not in resumed]
+    tokens = sum(len(r.token_ids) for r in fresh)
     per_shard: dict[int, dict[str, int]] = {}
-    for r in ok:
+    for r in fresh:
         entry = per_shard.setdefault(r.shard, {"requests": 0, "tokens": 0})
         entry["requests"] += 1
         entry["tokens"] += len(r.token_ids)
@@ -79,6 +134,7 @@ def summarize(fleet, lines: Sequence[PromptLine], results: Sequence[GenerationRe
         "shards": len(fleet.shards),
         "requests": len(lines),
         "completed": len(ok),
+        "resumed": len(resumed),
         "failed": len(lines) - len(ok),
         "errors": [
             {"line": line.line, "error": line.error or (result.error if result else None)}

@@ -400,3 +400,134 @@ def test_summarize_counts(tmp_path):
 def test_summarize_zero_seconds(tmp_path):
     s = summarize(SimpleNamespace(shards=[]), [], [], tmp_path / "o.jsonl", seconds=0.0)
     assert s["tokens_per_s"] == 0.0 and s["requests"] == 0 and s["failed"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# nothing done is lost: lines written as they finish, read back to resume
+
+
+from nemo_gen.jsonl import OutputWriter, read_finished  # noqa: E402
+from nemo_gen.pipeline import generate_lines  # noqa: E402
+
+
+class _Fleet:
+    """A stand-in for GenerationFleet.generate: answers each prompt with its upper-case text,
+    records what it was asked, and can be told to fail (as a kill would stop it) on a call."""
+
+    def __init__(self, output: Path | None, resume: bool = False, fail_on_call: int | None = None, watch=None):
+        self.settings = NemoGenSettings.load(overrides={"run.output": str(output) if output else None,
+                                                        "run.resume": resume})
+        self.asked: list[list[str]] = []
+        self.fail_on_call = fail_on_call
+        self.watch = watch
+        self.shards = [object()]
+
+    def generate(self, prompts, **sampling):
+        if self.watch:
+            self.watch(len(self.asked))
+        self.asked.append(list(prompts))
+        if self.fail_on_call == len(self.asked):
+            raise KeyboardInterrupt
+        return [GenerationResult(index=i, prompt=p, prompt_token_ids=[1], text=p.upper(), token_ids=[7, 8],
+                                 shard=0, weight_version=0) for i, p in enumerate(prompts)]
+
+
+def _prompts(tmp_path: Path, n: int, bad_at: int | None = None) -> list:
+    rows = [json.dumps({"prompt": f"p{i}", "id": i}) if i != bad_at else "not json" for i in range(1, n + 1)]
+    return read_prompts(_file(tmp_path, *rows))
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def test_the_writer_flushes_each_batch(tmp_path):
+    path = tmp_path / "out" / "o.jsonl"
+    with OutputWriter(path) as w:
+        w.write([{"line": 1}, {"line": 2}])
+        assert _rows(path) == [{"line": 1}, {"line": 2}]  # on disk before the writer closes
+        w.write([{"line": 3}])
+        assert len(_rows(path)) == 3
+
+
+def test_each_batch_is_in_the_output_as_soon_as_it_finishes(tmp_path):
+    out = tmp_path / "o.jsonl"
+    lines = _prompts(tmp_path, 5, bad_at=3)
+    seen = []
+    fleet = _Fleet(out, watch=lambda calls: seen.append(sorted(r["line"] for r in _rows(out))))
+    results = generate_lines(fleet, lines, batch_size=2)
+    # the malformed line at once, then each batch of 2 valid lines before the next is asked
+    assert seen == [[3], [1, 2, 3]]
+    assert sorted(r["line"] for r in _rows(out)) == [1, 2, 3, 4, 5]
+    write_outputs(lines, results, out)  # the end of the job: one row per line, in input order
+    assert [r["line"] for r in _rows(out)] == [1, 2, 3, 4, 5]
+    assert [r["text"] for r in _rows(out)] == ["P1", "P2", None, "P4", "P5"]
+
+
+def test_an_interrupted_run_keeps_its_finished_lines_and_resumes_from_them(tmp_path):
+    out = tmp_path / "o.jsonl"
+    lines = _prompts(tmp_path, 7)
+    with pytest.raises(KeyboardInterrupt):
+        generate_lines(_Fleet(out, fail_on_call=3), lines, batch_size=2)
+    kept = _rows(out)
+    assert sorted(r["line"] for r in kept) == [1, 2, 3, 4]
+    with open(out, "a") as f:
+        f.write('{"line": 5, "prompt": "p5", "te')  # a row cut short by the kill
+    fleet = _Fleet(out, resume=True)
+    results = generate_lines(fleet, lines, batch_size=2)
+    assert fleet.asked == [["p5", "p6"], ["p7"]]  # only what was not finished
+    assert results.resumed == frozenset({0, 1, 2, 3})
+    write_outputs(lines, results, out)
+    rows = _rows(out)
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]  # every line exactly once, in order
+    assert [r["text"] for r in rows] == [f"P{i}" for i in range(1, 8)]
+    assert rows[0] == {**kept[0], "line": 1}
+    s = summarize(fleet, lines, results, out, seconds=1.0)
+    assert (s["completed"], s["resumed"], s["failed"]) == (7, 4, 0)
+    assert s["generated_tokens"] == 3 * 2  # this run's generation only
+
+
+def test_failed_lines_are_generated_again_on_resume(tmp_path):
+    out = tmp_path / "o.jsonl"
+    lines = _prompts(tmp_path, 2)
+    out.write_text(json.dumps({"line": 1, "prompt": "p1", "text": None, "error": "InfraError: shard died"}) + "\n"
+                   + json.dumps({"line": 2, "prompt": "p2", "text": "P2", "error": None}) + "\n")
+    fleet = _Fleet(out, resume=True)
+    generate_lines(fleet, lines, batch_size=8)
+    assert fleet.asked == [["p1"]]
+
+
+def test_resume_refuses_an_output_of_another_input(tmp_path):
+    lines = _prompts(tmp_path, 2)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"line": 1, "prompt": "something else", "error": None}) + "\n")
+    with pytest.raises(InputFileError, match="different prompt"):
+        read_finished(other, lines)
+    other.write_text(json.dumps({"line": 9, "prompt": "p9", "error": None}) + "\n")
+    with pytest.raises(InputFileError, match="input line 9"):
+        read_finished(other, lines)
+    other.write_text('{"a": 1}\n')
+    with pytest.raises(InputFileError, match="not a nemo-gen output"):
+        read_finished(other, lines)
+    other.write_text('garbage\n{"line": 1, "prompt": "p1", "error": null}\n')
+    with pytest.raises(InputFileError, match="line 1 is not valid JSON"):
+        read_finished(other, lines)
+
+
+def test_resume_with_no_output_yet_generates_everything(tmp_path):
+    lines = _prompts(tmp_path, 3)
+    assert read_finished(tmp_path / "none.jsonl", lines) == {}
+    fleet = _Fleet(tmp_path / "none.jsonl", resume=True)
+    generate_lines(fleet, lines, batch_size=8)
+    assert fleet.asked == [["p1", "p2", "p3"]]
+
+
+def test_token_id_prompts_resume_by_their_ids(tmp_path):
+    lines = read_prompts(_file(tmp_path, json.dumps({"prompt_token_ids": [4, 5]})))
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps({"line": 1, "prompt": None, "prompt_token_ids": [4, 5], "text": "x",
+                               "token_ids": [1], "error": None}) + "\n")
+    assert set(read_finished(out, lines)) == {1}
+    out.write_text(json.dumps({"line": 1, "prompt": None, "prompt_token_ids": [4, 6], "error": None}) + "\n")
+    with pytest.raises(InputFileError):
+        read_finished(out, lines)
