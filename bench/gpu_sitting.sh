@@ -4,6 +4,7 @@
 # and this repository's committed state carried as .gpu-src/:
 #   bash .gpu-src/bench/gpu_sitting.sh tests    install the stack, run tests/gpu  -> $OUT/test_gpu.log
 #   bash .gpu-src/bench/gpu_sitting.sh bench    run bench/gpu_bench.py          -> $OUT/gpu_bench.{json,md}, bench.log
+#   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
 set -uo pipefail
 root=$PWD
 export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
@@ -29,11 +30,19 @@ from nemo_gen.fleet import gpu_memory
 for p in gpu_memory.gpu_processes():
     print('left by the tests, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
 "
+    # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
-      --deadline-s "${BENCH_DEADLINE:-530}" 2> "$OUT/bench.log"
+      --deadline-s "${BENCH_DEADLINE:-530}" > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"
     cat "$OUT/gpu_bench.md" 2>/dev/null
     tail -c 2500 "$OUT/bench.log"
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench"; exit 2 ;;
+  recovery)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    timeout "${RECOVERY_TIMEOUT:-330}" python3 bench/gpu_recovery.py --out "$OUT" > "$OUT/recovery.log" 2>&1
+    echo "recovery rc=$?"
+    grep "^RECOVERY" "$OUT/recovery.log"
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery"; exit 2 ;;
 esac
