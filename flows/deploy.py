@@ -1,6 +1,16 @@
 """Register ``deployments/prefect.yaml`` with a Prefect API (what ``nemo-gen deploy`` does):
-validate every parameter the file sets, create the process work pool if missing, register the
-deployments on it, and install the automation that re-runs crashed flow runs.
+check the file, create the process work pool if missing, hand each deployment to Prefect's own
+deploy (what ``prefect deploy`` runs), and install the automation that re-runs crashed flow runs.
+
+Checked before anything is registered: every key of the file is one Prefect's deployment model
+holds (Prefect's own loader ignores a misspelt key; here it is an error naming it), schedules and
+triggers validate as Prefect's, and every parameter the file sets is valid and inside the
+allowed paths. Then every field reaches the API as written — name, version, version_type,
+description, tags, parameters, schedules (cron / interval / rrule, timezone, anchor, active,
+their parameters, slug), paused, concurrency_limit (with collision_strategy), enforce_parameter_
+schema, work_pool.job_variables and work_queue_name, triggers, sla, pull steps — except the
+work pool's name: nemo-gen deploy uses ``prefect.work_pool``. ``{{ $NEMO_GEN_ROOT }}`` is the
+repository root unless set.
 
 Why an automation: flow ``retries`` only cover a flow that raises. A flow-run process that is
 killed (OOM killer, a node going away, SIGKILL) is reported Crashed and never retried. The
@@ -13,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import datetime
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "deployments" / "prefect.yaml"
 AUTOMATION = "nemo-gen-rerun-crashed"
 
+# Top-level keys besides Prefect's own: YAML anchors live under `definitions` (Prefect's CLI
+# skips it too).
+_EXTRA_TOP_LEVEL = {"definitions"}
+
 
 @dataclass
 class Registered:
@@ -38,26 +54,69 @@ class Registered:
     error: str | None = None
 
 
+def load_file(path: Path = SPEC) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the deployments file: {exc}", field=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("the top level must be a mapping", field=str(path))
+    return data
+
+
 def load_spec(path: Path = SPEC) -> list[dict[str, Any]]:
-    data = yaml.safe_load(path.read_text()) or {}
-    return list(data.get("deployments") or [])
+    return list(load_file(path).get("deployments") or [])
 
 
-def _schedules(entry: dict[str, Any]) -> list[Any]:
-    from prefect.schedules import Cron, Interval
+def check_file(data: dict[str, Any], path: Path = SPEC) -> None:
+    """Every key is one Prefect's deployment model holds; schedules and triggers are Prefect's."""
+    from prefect.cli.deploy._models import (
+        ConcurrencyLimitSpec,
+        DeploymentConfig,
+        PrefectYamlModel,
+        RawScheduleConfig,
+        WorkPoolConfig,
+    )
+    from pydantic import TypeAdapter, ValidationError
 
-    out = []
-    for s in entry.get("schedules") or []:
-        common = dict(active=s.get("active", True), parameters=s.get("parameters") or {})
-        if "interval" in s:
-            # Anchored at deploy time: the first run comes one interval later, not at once.
-            anchor = datetime.datetime.now(datetime.timezone.utc)
-            out.append(Interval(datetime.timedelta(seconds=s["interval"]), anchor_date=anchor, **common))
-        elif "cron" in s:
-            out.append(Cron(s["cron"], timezone=s.get("timezone"), **common))
-        else:
-            raise ConfigError(f"schedule {s!r}: give `interval` (seconds) or `cron`", field=entry["entrypoint"])
-    return out
+    from nemo_gen.config_loader import suggest
+
+    def unknown(keys, model, where: str, extra: set[str] = frozenset()) -> None:
+        known = set(extra)
+        for name, info in model.model_fields.items():
+            known |= {name, info.alias or name}
+        for key in keys:
+            if key not in known:
+                raise ConfigError(f"{path}: {where}: {key!r} is not a field of a Prefect deployment file"
+                                  f"{suggest(str(key), known)}", field=f"{where}.{key}".lstrip("."))
+
+    unknown(data, PrefectYamlModel, "(top level)", _EXTRA_TOP_LEVEL)
+    from prefect.events import DeploymentTriggerTypes
+
+    triggers = TypeAdapter(DeploymentTriggerTypes)
+    for i, entry in enumerate(data.get("deployments") or []):
+        where = f"deployments[{i}] ({entry.get('entrypoint', '?')})"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{path}: {where} must be a mapping", field=where)
+        unknown(entry, DeploymentConfig, where)
+        if isinstance(entry.get("work_pool"), dict):
+            unknown(entry["work_pool"], WorkPoolConfig, f"{where}.work_pool")
+        if isinstance(entry.get("concurrency_limit"), dict):
+            unknown(entry["concurrency_limit"], ConcurrencyLimitSpec, f"{where}.concurrency_limit")
+        checks = [(f"schedules[{j}]", RawScheduleConfig.model_validate, s)
+                  for j, s in enumerate(entry.get("schedules") or [])]
+        checks += [(f"triggers[{j}]", triggers.validate_python, {"name": "check", **t})
+                   for j, t in enumerate(entry.get("triggers") or [])]
+        for what, validate, value in checks:
+            try:
+                validate(value)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    (f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "") + e["msg"] for e in exc.errors()
+                )
+                raise ConfigError(f"{path}: {where}.{what}: {problems}", field=f"{where}.{what}") from None
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"{path}: {where}.{what}: {exc}", field=f"{where}.{what}") from None
 
 
 def check_parameters(flow_name: str, entry: dict[str, Any], settings: NemoGenSettings) -> None:
@@ -82,12 +141,15 @@ def check_parameters(flow_name: str, entry: dict[str, Any], settings: NemoGenSet
 
 
 def deploy(settings: NemoGenSettings, spec: Path = SPEC) -> list[Registered]:
-    """Register what ``spec`` declares on ``prefect.work_pool``. Parameters are all checked before
-    anything is registered; an entrypoint that cannot be loaded is reported, the rest go ahead."""
+    """Register what ``spec`` declares on ``prefect.work_pool``. The file and every parameter are
+    checked before anything is registered; an entrypoint that cannot be loaded is reported, the
+    rest go ahead. Entrypoints are relative to the repository root."""
     from prefect import flow as prefect_flow
 
+    data = load_file(spec)
+    check_file(data, spec)
     loaded, results = [], []
-    for entry in load_spec(spec):
+    for entry in data.get("deployments") or []:
         try:
             fl = prefect_flow.from_source(source=str(ROOT), entrypoint=entry["entrypoint"])
         except Exception as exc:  # a missing file or function: say which, register the others
@@ -97,32 +159,61 @@ def deploy(settings: NemoGenSettings, spec: Path = SPEC) -> list[Registered]:
         loaded.append((fl, entry))
     pool = settings.prefect.work_pool
     asyncio.run(ensure_work_pool(pool))
-    for fl, entry in loaded:
-        # Prefect prints a table per deployment; our caller prints one for all (or JSON).
-        with contextlib.redirect_stdout(io.StringIO()):
-            deployment_id = _register(fl, entry, pool)
-        results.append(Registered(f"{fl.name}/{entry['name']}", id=deployment_id))
+    actions = {key: data[key] for key in ("build", "push", "pull") if data.get(key)}
+    results += asyncio.run(_register_all(loaded, actions, pool, spec))
     ids = [r.id for r in results if r.id is not None]
     if ids:
         asyncio.run(ensure_crash_automation(ids, settings.prefect.crash_reruns))
     return results
 
 
-def _register(fl: Any, entry: dict[str, Any], pool: str) -> UUID:
-    return fl.deploy(
-        name=entry["name"],
-        work_pool_name=pool,
-        work_queue_name=(entry.get("work_pool") or {}).get("work_queue_name"),
-        parameters=entry.get("parameters") or {},
-        schedules=_schedules(entry),
-        tags=entry.get("tags"),
-        description=entry.get("description"),
-        concurrency_limit=entry.get("concurrency_limit"),
-        build=False,
-        push=False,
-        print_next_steps=False,
-        ignore_warnings=True,
-    )
+async def _register_all(loaded, actions: dict[str, Any], pool: str, spec: Path) -> list[Registered]:
+    from prefect.client.orchestration import get_client
+
+    out = []
+    with _at_root():
+        async with get_client() as client:
+            for fl, entry in loaded:
+                name = f"{fl.name}/{entry['name']}"
+                try:
+                    await _prefect_deploy(entry, actions, pool, client, spec)
+                    deployment = await client.read_deployment_by_name(name)
+                except Exception as exc:  # noqa: BLE001 - one deployment's failure is reported, the rest go on
+                    out.append(Registered(name, error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                out.append(Registered(name, id=deployment.id))
+    return out
+
+
+async def _prefect_deploy(entry: dict[str, Any], actions: dict[str, Any], pool: str, client, spec: Path) -> None:
+    """One deployment through Prefect's own deploy (``prefect deploy``'s code path), quietly.
+    The work pool is nemo-gen's (``prefect.work_pool``), whatever the file names."""
+    from prefect.cli.deploy._core import _run_single_deploy
+    from rich.console import Console
+
+    config = copy.deepcopy(entry)
+    config["work_pool"] = {**(config.get("work_pool") or {}), "name": pool}
+    # Prefect prints a panel per deployment; our caller prints one table for all (or JSON).
+    with contextlib.redirect_stdout(io.StringIO()):
+        await _run_single_deploy(
+            config, copy.deepcopy(actions), {}, client=client, prefect_file=spec,
+            console=Console(file=io.StringIO()), is_interactive=lambda: False,
+        )
+
+
+@contextlib.contextmanager
+def _at_root():
+    """Entrypoints and relative paths resolve from the repository root; ``{{ $NEMO_GEN_ROOT }}``
+    (the pull step's working directory) is that root unless the caller set it."""
+    old_cwd, old_root = os.getcwd(), os.environ.get("NEMO_GEN_ROOT")
+    os.environ.setdefault("NEMO_GEN_ROOT", str(ROOT))
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(old_cwd)
+        if old_root is None:
+            os.environ.pop("NEMO_GEN_ROOT", None)
 
 
 async def ensure_work_pool(name: str) -> bool:
