@@ -7,6 +7,11 @@ Prefect's crash report, Ray's and vLLM's shutdown chatter — so the command's o
 it was interrupted is all that is printed; the exit code is 128 + the signal (130, 143). A
 second signal exits at once, leaving whatever is still running.
 
+Prefect, while a flow runs in this process, swaps SIGTERM for its own handler (it raises
+``TerminationSignal``, logs each running task as crashed, then re-sends the signal to the
+handler it replaced — ours). A filter on Prefect's run loggers recognises that exception in
+flight, and turns logging off before the first crash report is printed.
+
 Ray would otherwise take SIGTERM over: ``ray.init`` installs its own Python handler
 (``sys.exit``) and its C++ core worker a failure-signal handler that prints a stack dump
 (``*** SIGTERM received at time=... PC: @ ...``). ``SignalGuard.before_ray`` turns both off in
@@ -39,14 +44,18 @@ class Interrupted(KeyboardInterrupt):
 class SignalGuard:
     def __init__(self) -> None:
         self.received: int | None = None
+        self._raised = False
         self._previous: dict[int, object] = {}
         self._notes: list[Callable[[], str]] = []
+        self._filter = _PrefectTermination(self)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        for name in _PREFECT_RUN_LOGGERS:
+            logging.getLogger(name).addFilter(self._filter)
 
     def before_ray(self) -> None:
         """Keep Ray's driver from replacing these handlers (call before Ray starts)."""
@@ -57,6 +66,8 @@ class SignalGuard:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        for name in _PREFECT_RUN_LOGGERS:
+            logging.getLogger(name).removeFilter(self._filter)
         if self.received is not None:
             logging.disable(logging.NOTSET)
 
@@ -65,14 +76,21 @@ class SignalGuard:
         self._notes.append(note)
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received is not None:
+        if self._raised:
             # A second signal: stop waiting for the clean-up, die of the signal itself.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signum
+        self._raised = True
+        self.received = self.received or signum
         logging.disable(logging.CRITICAL)
         raise Interrupted(signum)
+
+    def termination_seen(self) -> None:
+        """Prefect's SIGTERM bridge is unwinding the flow (our handler runs when it is done)."""
+        if self.received is None:
+            self.received = signal.SIGTERM
+            logging.disable(logging.CRITICAL)
 
     def report(self) -> int:
         """Print the one line and return the exit code."""
@@ -89,6 +107,23 @@ class SignalGuard:
         print(f"nemo-gen: interrupted by {signal.Signals(signum).name}; stopped what this command "
               f"started{extra}", file=sys.stderr, flush=True)
         return 128 + signum
+
+
+# The loggers of Prefect's flow and task run loggers (``get_run_logger``): crash reports.
+_PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+class _PrefectTermination(logging.Filter):
+    def __init__(self, guard: SignalGuard):
+        super().__init__()
+        self._guard = guard
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = sys.exc_info()[1]
+        if exc is not None and type(exc).__name__ == "TerminationSignal" and type(exc).__module__.startswith("prefect"):
+            self._guard.termination_seen()
+            return False
+        return True
 
 
 def _keep_ray_off_signals() -> None:

@@ -1,0 +1,138 @@
+"""Nothing done is lost on interruption: `nemo-gen generate` killed mid-generation (SIGTERM on the
+Prefect path, Ctrl-C to its process group on the plain path) prints one line, exits 143 / 130,
+leaves nothing running and keeps every line it finished; `--resume` generates only the rest,
+and the final output holds every input line exactly once, in input order. The runs use
+examples/eval.yaml, as the README does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import wait_gone
+
+pytestmark = pytest.mark.e2e
+
+N = 400
+EVAL = Path(__file__).resolve().parents[2] / "examples" / "eval.yaml"
+
+
+def _marked(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("NEMO_GEN_TEST_MARKER") == marker:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    for raw in path.read_text().split("\n"):  # not splitlines: JSON strings may hold U+2028, U+0085
+        if not raw.strip():
+            continue
+        try:
+            rows.append(json.loads(raw))
+        except json.JSONDecodeError:
+            pass  # a line cut short by the kill
+    return rows
+
+
+def _ok_lines(path: Path) -> dict[int, dict]:
+    return {r["line"]: r for r in _rows(path) if r.get("error") is None} if path.exists() else {}
+
+
+class _Run:
+    def __init__(self, tmp: Path, tiny: Path, extra: list[str]):
+        self.marker = uuid.uuid4().hex
+        self.err = tmp / f"err-{self.marker[:6]}.txt"
+        env = {**os.environ, "NEMO_GEN_TEST_MARKER": self.marker}
+        env.pop("PREFECT_API_URL", None)  # the CLI manages its own server
+        cmd = [sys.executable, "-m", "nemo_gen.cli", "generate", "--input", str(tmp / "prompts.jsonl"),
+               "--output", str(tmp / "samples.jsonl"), "--json", "--config", str(EVAL),
+               "--set", f"home={tmp / 'home'}", "--set", f"model.path={tiny}", "--set", "fleet.num_shards=1",
+               "--set", "fleet.name=interrupt-test", "--set", "run.batch_size=2",
+               "--set", "generation.max_new_tokens=16", "--set", "generation.vllm_cfg.max_model_len=128", *extra]
+        with open(self.err, "w") as err:
+            # A session of its own: a Ctrl-C to "its terminal" is a SIGINT to this process group.
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         cwd=tmp, start_new_session=True)
+
+    def wait_for_lines(self, path: Path, at_least: int, timeout: float = 420) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"exited early ({self.proc.returncode}): {self.err.read_text()[-2000:]}"
+            n = len(_ok_lines(path))
+            if n >= at_least:
+                return n
+            time.sleep(0.2)
+        raise AssertionError(f"fewer than {at_least} lines after {timeout}s: {self.err.read_text()[-2000:]}")
+
+    def finish(self, timeout: float = 180) -> tuple[int, str, str]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, self.err.read_text()
+
+
+def _assert_one_line_interrupted(stderr: str, signame: str) -> None:
+    assert "Traceback" not in stderr and "*** SIG" not in stderr and "PC: @" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(said) == 1 and said[0].startswith(f"nemo-gen: interrupted by {signame}"), stderr[-3000:]
+    assert stderr.rstrip().splitlines()[-1] == said[0]
+    assert "--resume continues" in said[0]
+
+
+def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Prompt number {i} says", "id": f"p{i}"}) + "\n"
+                               for i in range(1, N + 1)))
+    out = tmp_path / "samples.jsonl"
+
+    # 1. Prefect path (its own Prefect server), SIGTERM mid-generation.
+    run = _Run(tmp_path, tiny_model_dir, [])
+    run.wait_for_lines(out, 10)
+    run.proc.send_signal(signal.SIGTERM)
+    code, _, err = run.finish()
+    assert code == 143, err[-3000:]
+    _assert_one_line_interrupted(err, "SIGTERM")
+    assert wait_gone(_marked(run.marker), 60) == []  # engines, Ray, the Prefect server: all gone
+    first = _ok_lines(out)
+    assert 10 <= len(first) < N
+    assert f"{len(first)} of {N} lines are in" in err
+
+    # 2. Plain path, resumed, then Ctrl-C (SIGINT to the process group) mid-generation.
+    run = _Run(tmp_path, tiny_model_dir, ["--resume", "--no-prefect"])
+    run.wait_for_lines(out, len(first) + 10)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, _, err = run.finish()
+    assert code == 130, err[-3000:]
+    _assert_one_line_interrupted(err, "SIGINT")
+    assert wait_gone(_marked(run.marker), 60) == []
+    second = _ok_lines(out)
+    assert len(second) < N
+    assert all(second[line] == row for line, row in first.items())  # what was kept stays as it was
+
+    # 3. Resumed to the end.
+    run = _Run(tmp_path, tiny_model_dir, ["--resume"])
+    code, stdout, err = run.finish(timeout=600)
+    assert code == 0, err[-3000:]
+    summary = json.loads(stdout)
+    assert summary["resumed"] == len(second) and summary["completed"] == N and summary["failed"] == 0
+    assert summary["per_shard"]["0"]["requests"] == N - len(second)  # only the rest was generated
+    rows = [json.loads(line) for line in out.read_text().split("\n") if line]
+    assert [r["line"] for r in rows] == list(range(1, N + 1))  # every line exactly once, in order
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(1, N + 1)]
+    assert all(r["error"] is None and len(r["token_ids"]) >= 1 for r in rows)
+    final = {r["line"]: r for r in rows}
+    assert all(final[line] == row for line, row in second.items())
+    assert wait_gone(_marked(run.marker), 60) == []
