@@ -73,10 +73,13 @@ def spare(work: Path) -> dict:
             freed = gpu_memory.wait_released(dead, timeout_s=30, poll_s=0.005)
             serving = wait_until(lambda: fleet.handle(0).name == spare_row.name
                                  and fleet.health.state_of(0).value == "healthy", 60, "the spare serving")
-            results = running.result(timeout=120)
-        out.update(gpu_memory_back_s=freed.seconds, released=freed.released, to_full_strength_s=serving - killed,
-                   answered=len(results), all_ok=all(r.ok for r in results) and len(results) == len(prompts),
-                   versions={r.weight_version for r in results} == {fleet.weight_version})
+            out.update(gpu_memory_back_s=freed.seconds, released=freed.released, to_full_strength_s=serving - killed)
+            try:  # recorded, not raised: the timings above stand either way
+                results = running.result(timeout=120)
+                out.update(answered=len(results), all_ok=all(r.ok for r in results) and len(results) == len(prompts),
+                           versions={r.weight_version for r in results} == {fleet.weight_version})
+            except Exception as exc:  # seen 2026-12-01: FleetExhausted while the only slot's spare was promoted
+                out["in_flight_error"] = f"{type(exc).__name__}: {exc}"
         new_spare = wait_until(lambda: any(r.state == "spare" and r.weight_version == fleet.weight_version
                                            for r in fleet.status()), 240, "a new spare", poll_s=0.2)
         out["new_spare_loaded_s"] = new_spare - killed
@@ -119,8 +122,7 @@ print("RESULT " + json.dumps(out, default=str))
 
 
 def start_orphan(work: Path) -> subprocess.Popen:
-    """The orphan run, in a process (and Ray cluster) of its own, beside the spare run: engines
-    start one at a time on the GPU anyway (the start lock), their imports overlap."""
+    """The orphan run, in a process (and Ray cluster) of its own."""
     env = dict(os.environ, RAY_process_group_cleanup_enabled="0")
     return subprocess.Popen([sys.executable, "-c", ORPHAN, str(Path(__file__).resolve()), str(work)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -148,8 +150,10 @@ def main() -> None:
     from nemo_gen.tiny_model import make_tiny_model
 
     make_tiny_model(work / "tiny")  # once, before the two runs that load it
-    proc = start_orphan(work)
-    for name, fn in (("spare", spare), ("orphan", lambda _: orphan_result(proc))):
+    # One after the other: engines on one GPU start one at a time anyway (seen 2026-12-01: run
+    # side by side, the orphan run's three starts queued behind the spare run's and missed the
+    # sitting's deadline).
+    for name, fn in (("spare", spare), ("orphan", lambda w: orphan_result(start_orphan(w)))):
         t = time.monotonic()
         try:
             result["steps"][name] = {"ok": True, **fn(work)}
