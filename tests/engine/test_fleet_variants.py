@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -44,17 +43,34 @@ def test_async_engine_serves_many_requests_concurrently(async_and_train):
     assert fleet.status()[0].state == "healthy"
 
     async def burst(n):
-        t0 = time.perf_counter()
-        out = await asyncio.gather(*(fleet.generate_async(p, temperature=0, max_new_tokens=16) for p in PROMPTS * n))
-        return out, time.perf_counter() - t0
+        return await asyncio.gather(*(fleet.generate_async(p, temperature=0, max_new_tokens=16) for p in PROMPTS * n))
 
     asyncio.run(burst(1))  # warm-up: the first batch after start is slow
-    one, _ = asyncio.run(burst(1))
-    many, _ = asyncio.run(burst(4))
+    one = asyncio.run(burst(1))
+    many = asyncio.run(burst(4))
     assert all(r.ok and r.shard == 0 for r in many)
     assert [r.token_ids for r in many[:4]] == [r.token_ids for r in one]
     # Batched through the same engine path as a synchronous call.
     assert [r.token_ids for r in fleet.generate(PROMPTS, temperature=0)] == [r.token_ids for r in one]
+
+    # Concurrency, by order of completion rather than by the clock: four 200-token requests go
+    # to the one engine, then a 1-token one. Served one at a time, the last sent finishes last;
+    # served together (continuous batching), it finishes after one step, long before the others.
+    async def race():
+        finished = []
+
+        async def request(tag, prompt, tokens):
+            result = await fleet.generate_async(prompt, temperature=0, max_new_tokens=tokens, ignore_eos=True)
+            finished.append(tag)
+            return result
+
+        longs = [asyncio.ensure_future(request(f"long-{i}", p, 200)) for i, p in enumerate(PROMPTS)]
+        short = asyncio.ensure_future(request("short", PROMPTS[0], 1))
+        return await asyncio.gather(*longs, short), finished
+
+    results, finished = asyncio.run(race())
+    assert [len(r.token_ids) for r in results] == [200, 200, 200, 200, 1] and all(r.shard == 0 for r in results)
+    assert finished[0] == "short", finished
 
 
 def test_train_mode_waits_for_its_first_refit(async_and_train):
