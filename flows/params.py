@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -55,6 +55,8 @@ class EvalParams(GenerateParams):
 class RefitParams(_Params):
     checkpoint: str = Field(..., min_length=1, description="HF safetensors checkpoint directory")
     version: int | None = Field(None, ge=0, description="weight version to install")
+    in_flight: Literal["drain", "abort", "keep"] | None = Field(
+        None, description="what the refit does to running requests (default: refit.in_flight)")
 
     path_fields: ClassVar[tuple[str, ...]] = ("config", "checkpoint")
 

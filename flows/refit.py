@@ -19,14 +19,16 @@ def refit(
     version: int | None = None,
     config: str | None = None,
     overrides: list[str] | None = None,
+    in_flight: str | None = None,
 ) -> dict[str, Any]:
-    """attach to the fleet -> refit from ``checkpoint`` -> publish the timing -> detach."""
+    """attach to the fleet -> refit from ``checkpoint`` -> publish the timing -> detach.
+    ``in_flight``: drain | abort | keep (default: the settings' ``refit.in_flight``)."""
     _, settings = checked(RefitParams, dict(checkpoint=checkpoint, version=version, config=config,
-                                            overrides=overrides), "refit")
+                                            overrides=overrides, in_flight=in_flight), "refit")
     setup_tasks.configure_environment(settings)
     fleet = fleet_tasks.attach_fleet(settings)
     try:
-        report = fleet_tasks.refit_checkpoint(fleet, checkpoint, version)
+        report = fleet_tasks.refit_checkpoint(fleet, checkpoint, version, in_flight)
         publish_refit(report)
         publish_fleet_health(settings.fleet.name, fleet.status(), "after the refit")
         return report

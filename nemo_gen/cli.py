@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     refit.add_argument("--verbose", "-v", action="store_true", help="show engine, Ray and Prefect logs")
     refit.add_argument("--checkpoint", type=Path, required=True, metavar="DIR", help="HF safetensors checkpoint directory")
     refit.add_argument("--version", type=int, metavar="N", help="weight version to install (default: previous + 1)")
+    refit.add_argument("--in-flight", choices=("drain", "abort", "keep"), metavar="MODE",
+                       help="what the refit does to requests running on the shards: drain (wait for them), "
+                       "abort (cut and resume on the new weights), keep (swap under them); default: refit.in_flight")
 
     dep = sub.add_parser("deploy", help="register deployments/prefect.yaml with the Prefect API in PREFECT_API_URL "
                          "(work pool, deployments, the automation that re-runs crashed flow runs)")
@@ -259,7 +262,7 @@ def _refit(args: argparse.Namespace, guard: SignalGuard) -> int:
 
         fleet = GenerationFleet.attach(settings)
         try:
-            report = fleet.refit(checkpoint, version=args.version).to_json()
+            report = fleet.refit(checkpoint, version=args.version, in_flight=args.in_flight).to_json()
         finally:
             fleet.detach()
     else:
@@ -268,7 +271,7 @@ def _refit(args: argparse.Namespace, guard: SignalGuard) -> int:
         with prefect_api(settings):
             from flows.refit import refit
 
-            report = refit(checkpoint=checkpoint, version=args.version,
+            report = refit(checkpoint=checkpoint, version=args.version, in_flight=args.in_flight,
                            config=str(args.config) if args.config else None, overrides=list(args.overrides))
     if args.json:
         print(json.dumps(report, indent=2))

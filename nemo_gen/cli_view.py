@@ -103,15 +103,22 @@ class LiveView:
 
 
 def status_table(fleet: str, rows: list[dict[str, Any]]) -> None:
+    # GPU memory (NVML) is a column only where there are GPUs: on a CPU machine it is None.
+    gpu = any(r.get("gpu_memory_bytes") is not None for r in rows)
     table = Table(title=f"fleet {fleet}", title_justify="left")
-    for col in ("shard", "state", "weight version", "actor pid", "engine pids", "restarts", "last error", "orphans"):
+    for col in ("shard", "state", "weight version", "actor pid", "engine pids", *(("GPU memory",) if gpu else ()),
+                "restarts", "last error", "orphans"):
         table.add_column(col)
     for r in rows:
         # Processes a dead actor left running (RAY_process_group_cleanup_enabled=0): pid (memory).
-        orphans = " ".join(f"{o['pid']} ({o['rss_bytes'] / 2**30:.1f} GiB)" for o in r.get("orphans") or [])
+        orphans = " ".join(
+            f"{o['pid']} ({o['rss_bytes'] / 2**30:.1f} GiB" + (f", GPU {o['gpu_bytes'] / 2**30:.1f} GiB" if o.get("gpu_bytes") else "")
+            + ")" for o in r.get("orphans") or [])
+        held = r.get("gpu_memory_bytes")
         table.add_row(
             str(r["index"]), r["state"], str(r["weight_version"]), str(r["actor_pid"]),
-            " ".join(map(str, r["engine_pids"])), str(r.get("restarts", 0)), r.get("last_error") or "", orphans,
+            " ".join(map(str, r["engine_pids"])), *((f"{held / 2**30:.1f} GiB" if held is not None else "",) if gpu else ()),
+            str(r.get("restarts", 0)), r.get("last_error") or "", orphans,
         )
     Console().print(table)
 

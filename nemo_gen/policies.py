@@ -5,8 +5,11 @@ and from nowhere else (no parameter defaults or literal timeouts further down).
 
 from __future__ import annotations
 
+from typing import Any
+
 from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import FleetHealthPolicy
+from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
 
 
@@ -31,6 +34,22 @@ def backoff_policy(settings: NemoGenSettings) -> BackoffPolicy:
         jitter=min(h.restart_jitter, 1.0),
         max_attempts=max(1, h.max_restart_attempts_per_shard),
     )
+
+
+IN_FLIGHT_MODES = ("drain", "abort", "keep")
+
+
+def in_flight(settings: NemoGenSettings, mode: str | None = None) -> dict[str, Any]:
+    """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given),
+    as the shards take it: ``{"mode", "resume_aborted", "max_staleness"}``."""
+    r = settings.refit
+    mode = r.in_flight if mode is None else mode
+    if mode not in IN_FLIGHT_MODES:
+        raise ConfigError(f"must be one of {list(IN_FLIGHT_MODES)}, got {mode!r}", field="refit.in_flight")
+    if mode != "drain" and settings.generation.vllm_cfg.async_engine:
+        raise ConfigError(f"{mode} needs the sync engine, but generation.vllm_cfg.async_engine is true",
+                          field="refit.in_flight")
+    return {"mode": mode, "resume_aborted": r.resume_aborted, "max_staleness": r.max_staleness}
 
 
 def driver_timeouts(settings: NemoGenSettings):

@@ -316,6 +316,11 @@ class FleetSettings(_Section):
         0, ge=0, description="Warm spares: extra engines loaded and refit with the fleet but given no "
         "traffic; one takes a dead shard's place at once.",
     )
+    session_affinity_slack: int = Field(
+        4, ge=0, description="A session's next turn (session_id) goes to the shard that served its last "
+        "one, where its prompt's KV is cached, while that shard serves and has at most this many more "
+        "requests in flight than the least-loaded shard; otherwise the least-loaded shard, and the session moves.",
+    )
     shards_per_gpu: int = Field(
         1, ge=1, description="Engines per GPU (GPU only): each shard's bundle takes 1/k of a GPU (Ray "
         "fractional GPUs), so k small engines share one device; k x generation.vllm_cfg."
@@ -351,6 +356,25 @@ class RefitSettings(_Section):
         description="Draft refits carry the drafter's full state dict, not a partial set "
         "(NeMo-RL's draft_full_refit_enabled, true for Automodel draft co-training).",
     )
+    in_flight: Literal["drain", "abort", "keep"] = Field(
+        "drain",
+        description="What a refit does to requests running on a shard: 'drain' waits for them to finish "
+        "(strict on-policy); 'abort' stops them at once and, with refit.resume_aborted, sends each on as "
+        "prompt + its tokens so far on the new weights; 'keep' freezes them with their KV cache, swaps the "
+        "weights and resumes them (results then span two versions: GenerationResult.weight_versions). "
+        "keep/abort need the sync engine (generation.vllm_cfg.async_engine: false).",
+    )
+    resume_aborted: bool = Field(
+        True,
+        description="With refit.in_flight abort (or a keep request past refit.max_staleness): resubmit a "
+        "cut request on the new weights so the caller gets one complete result; false: the caller gets the "
+        "partial result with finish_reason 'abort'.",
+    )
+    max_staleness: int | None = Field(
+        None, ge=0,
+        description="With refit.in_flight keep: a running request with more than this many tokens from "
+        "older weights is cut and resumed on the new ones (its prefix re-computed); unset: no bound.",
+    )
 
     @field_validator("backend")
     @classmethod
@@ -377,8 +401,9 @@ class HealthSettings(_Section):
         10.0, gt=0, description="A probe not answered within this counts as a failure (a hung engine)."
     )
     warmup_grace_s: float = Field(
-        120.0, gt=0, description="While an engine's first generation step (kernel selection, warm-up) "
-        "runs, a probe counts it as alive for this long instead of health.probe_timeout_s.",
+        120.0, gt=0, description="While a batch's first step (its prefill; on a fresh engine also kernel "
+        "selection) runs, a probe counts the busy engine as alive for this long instead of "
+        "health.probe_timeout_s. A hang later in the batch is caught within probe_timeout_s.",
     )
     watch_interval_s: float = Field(
         0.2, gt=0, description="How often a shard actor checks that its engine processes are alive."
@@ -520,6 +545,27 @@ class NemoGenSettings(BaseSettings):
         """NeMo-RL loads ``generation.model_name``; so does nemo_gen when ``model.path`` is unset."""
         if self.model.path is None and self.generation.model_name:
             self.model.path = Path(self.generation.model_name)
+        return self
+
+    @model_validator(mode="after")
+    def _check_in_flight(self) -> "NemoGenSettings":
+        """In-flight refit freezes the sync engine's running batch; the async engine cannot."""
+        if self.refit.in_flight != "drain" and self.generation.vllm_cfg.async_engine:
+            from pydantic_core import InitErrorDetails, PydanticCustomError
+
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [InitErrorDetails(
+                    type=PydanticCustomError(
+                        "in_flight",
+                        "refit.in_flight={mode} needs the sync engine, but generation.vllm_cfg.async_engine "
+                        "is true; use refit.in_flight=drain or async_engine: false",
+                        {"mode": self.refit.in_flight},
+                    ),
+                    loc=("refit", "in_flight"),
+                    input=self.refit.in_flight,
+                )],
+            )
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ A finished directory holds::
     generation_config.json    bos/eos/pad ids
     model.safetensors         the random weights
     tokenizer.json            the trained tokenizer (plus tokenizer_config.json)
-    tokenizer_config.json     special tokens <s> </s> <pad> <unk>; loads with AutoTokenizer
+    tokenizer_config.json     special tokens <s> </s> <pad> <unk> and a chat template; loads with AutoTokenizer
     special_tokens_map.json
     nemo_gen_tiny_model.json  marker: the parameters it was made with (written last)
 
@@ -278,6 +278,14 @@ def _train_tokenizer(vocab_size: int) -> Any:
     return tok
 
 
+# A minimal chat format in the tiny tokenizer's own special tokens, so chat prompts (lists of
+# {"role", "content"} messages) render and run on the tiny model like on a real instruct model.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}" + BOS + "{{ m['role'] }}\n{{ m['content'] }}" + EOS + "\n{% endfor %}"
+    "{% if add_generation_prompt %}" + BOS + "assistant\n{% endif %}"
+)
+
+
 def _write_model(tmp: Path, params: dict[str, int]) -> None:
     """Write every file of the model into ``tmp`` (the marker last)."""
     from safetensors.torch import save_file
@@ -300,6 +308,7 @@ def _write_model(tmp: Path, params: dict[str, int]) -> None:
     tc_path = tmp / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc["chat_template"] = CHAT_TEMPLATE
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
     if not (tmp / "special_tokens_map.json").exists():
         (tmp / "special_tokens_map.json").write_text(

@@ -56,6 +56,6 @@ def attach_fleet(settings):
 
 
 @task(name="refit-checkpoint", cache_policy=NO_CACHE)
-def refit_checkpoint(fleet, checkpoint: str, version: int | None) -> dict[str, Any]:
+def refit_checkpoint(fleet, checkpoint: str, version: int | None, in_flight: str | None = None) -> dict[str, Any]:
     """Push a checkpoint directory into every shard; the report as JSON."""
-    return fleet.refit(checkpoint, version=version).to_json()
+    return fleet.refit(checkpoint, version=version, in_flight=in_flight).to_json()

@@ -215,9 +215,11 @@ class FakeDriver:
         results = []
         for req in batch:
             seed = sum(req.prompt_token_ids)
-            ids = [(seed + i) % VOCAB for i in range(n)]
-            results.append({"index": req.index, "token_ids": ids, "text": "", "logprobs": [0.0] * n,
-                            "finish_reason": "length", "error": None})
+            # Sample k of a request differs from the others by k (a GRPO group of distinct answers).
+            samples = [{"token_ids": [(seed + k + i) % VOCAB for i in range(n)], "text": "", "logprobs": [0.0] * n,
+                        "finish_reason": "length", "weight_versions": [(version, n)]}
+                       for k in range(params.get("n") or 1)]
+            results.append({"index": req.index, **samples[0], "samples": samples, "error": None})
         shard.generated += len(batch)
         return {"shard": shard.slot, "weight_version": version, "results": results, "seconds": 0.0}
 

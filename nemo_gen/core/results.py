@@ -21,8 +21,21 @@ class GenerationRequest:
 
 
 @dataclass
+class Sample:
+    """One of the ``n`` samples generated for a prompt (a GRPO group has ``n`` of them)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationResult:
-    """What the fleet returns for one prompt."""
+    """What the fleet returns for one prompt. With ``n`` samples, ``samples`` holds them all and
+    the result's own text/token_ids/logprobs/finish_reason/weight_versions are ``samples[0]``'s,
+    so code written for one sample is unchanged."""
 
     index: int
     prompt: str | None
@@ -32,15 +45,23 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     shard: int | None = None
-    weight_version: int | None = None
+    weight_version: int | None = None  # the version of the last generated token
     error: str | None = None
+    # (version, token count) spans in generation order, covering every generated token: two
+    # or more when a refit landed while the request ran (refit.in_flight keep / abort).
+    weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """As JSON; ``samples`` only when there is more than one (the result's fields are the first)."""
+        data = asdict(self)
+        if len(self.samples) <= 1:
+            data.pop("samples")
+        return data
 
     @classmethod
     def failed(cls, request: GenerationRequest, error: str, shard: int | None = None) -> "GenerationResult":

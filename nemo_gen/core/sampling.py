@@ -22,6 +22,7 @@ SAMPLING_KEYS = (
     "bad_words",
     "seed",
     "ignore_eos",
+    "n",  # samples per prompt (a GRPO group): one engine request, the prompt prefilled once
 )
 
 
@@ -85,5 +86,10 @@ def _check(s: dict[str, Any]) -> None:
     seed = s["seed"]
     if seed is not None and not _int(seed):
         raise RequestError(f"seed must be an integer or null, got {seed!r}")
+    n = s["n"]
+    if n is not None and (not _int(n) or n < 1):
+        raise RequestError(f"n must be a positive integer (samples per prompt), got {n!r}")
+    if n is not None and n > 1 and temp == 0:
+        raise RequestError(f"n={n} samples need temperature > 0: greedy decoding gives one answer (vLLM refuses it)")
     if s["ignore_eos"] is not None and not isinstance(s["ignore_eos"], bool):
         raise RequestError(f"ignore_eos must be true, false or null, got {s['ignore_eos']!r}")

@@ -11,12 +11,15 @@ import asyncio
 import contextlib
 import itertools
 import os
+import threading
 import time
 from typing import Any
 
 import psutil
 
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet.batch import Track
 
 
 def sampling_params(s: dict[str, Any]):
@@ -26,6 +29,7 @@ def sampling_params(s: dict[str, Any]):
     top_k = s.get("top_k")
     return SamplingParams(
         max_tokens=s["max_new_tokens"],
+        n=s.get("n") or 1,
         temperature=float(s["temperature"]),
         top_p=float(s["top_p"]),
         top_k=-1 if top_k is None else top_k,
@@ -39,21 +43,17 @@ def sampling_params(s: dict[str, Any]):
     )
 
 
-def _result_dict(req: GenerationRequest, out) -> dict[str, Any]:
-    comp = out.outputs[0]
+# One greedy token: the warm-up generation of a fresh engine.
+_WARMUP = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": None, "stop_strings": None,
+           "stop_token_ids": None, "seed": None, "ignore_eos": True}
+
+
+def _sample_dict(comp, version: int | None) -> dict[str, Any]:
+    """One finished (cumulative) completion output as a sample of a result."""
     token_ids = list(comp.token_ids)
-    logprobs: list[float] = []
-    if comp.logprobs:
-        for tok, lp in zip(token_ids, comp.logprobs):
-            logprobs.append(float(lp[tok].logprob))
-    return {
-        "index": req.index,
-        "token_ids": token_ids,
-        "text": comp.text if comp.text is not None else None,
-        "logprobs": logprobs,
-        "finish_reason": comp.finish_reason,
-        "error": None,
-    }
+    logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)] if comp.logprobs else []
+    return {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
+            "finish_reason": comp.finish_reason, "weight_versions": [(version, len(token_ids))]}
 
 
 def _error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
@@ -61,12 +61,19 @@ def _error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
 
 
 class Engine:
-    """A started vLLM engine. Construct with ``await Engine.start(kwargs, async_engine)``."""
+    """A started vLLM engine. Construct with ``await Engine.start(kwargs, async_engine, version)``.
 
-    def __init__(self, llm: Any, async_engine: bool, load_s: float):
+    ``version`` is the weight version the engine holds (the shard actor sets it after each
+    refit): every generated token is counted under the version that sampled it, and prompts are
+    prefix-cached under a salt of their version, so after a version change no new request reuses
+    KV computed by older weights. A refit with ``in_flight`` ``keep`` or ``abort`` swaps the
+    weights while a batch runs (``swap``); see ``nemo_gen.fleet.batch``."""
+
+    def __init__(self, llm: Any, async_engine: bool, load_s: float, version: int | None):
         self._llm = llm
         self.async_engine = async_engine
         self.load_s = load_s
+        self.version = version
         self._lock = asyncio.Lock()  # the sync LLM is not re-entrant
         self._rpc_lock = asyncio.Lock()
         # Refit needs the engine to itself: no request may run on half-loaded weights.
@@ -79,14 +86,27 @@ class Engine:
         self._generating = False
         self._rpc_active = 0
         self.last_step_at = time.monotonic()
-        # Steps completed since start: the first ones (kernel selection, warm-up) can take far
-        # longer than a normal step without the engine being wedged.
-        self.steps_done = 0
+        # Steps completed in the running batch: its first (the prefill of the whole batch, and
+        # on a fresh engine kernel selection for new shapes) can take far longer than a decode
+        # step without the engine being wedged.
+        self.batch_steps = 0
+        # The longest time without a finished step since the last reset (a refit's stall on
+        # generation, as bench/refit_inflight.py measures it), and when the last step finished.
+        self.max_step_gap = 0.0
+        self._last_step_end: float | None = None
+        # In-flight refit of the sync engine: the running batch's requests by engine id, whether a
+        # swap is under way, and why the weights can no longer be trusted (a failed swap).
+        self._tracks: dict[str, Track] = {}
+        self._swapping = False
+        self._poisoned: str | None = None
+        self._parked = threading.Event()  # the step thread waits in get_output
+        if not async_engine:
+            self._instrument_core()
         self.max_model_len = self._model_config().max_model_len
         self.dtype = str(self._model_config().dtype).removeprefix("torch.")
 
     @classmethod
-    async def start(cls, kwargs: dict[str, Any], async_engine: bool) -> "Engine":
+    async def start(cls, kwargs: dict[str, Any], async_engine: bool, version: int | None) -> "Engine":
         t0 = time.monotonic()
         if async_engine:
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -97,12 +117,48 @@ class Engine:
             from vllm import LLM
 
             llm = await asyncio.to_thread(LLM, **kwargs)
-        return cls(llm, async_engine, time.monotonic() - t0)
+        engine = cls(llm, async_engine, time.monotonic() - t0, version)
+        # One token before the engine counts as up: its first step (kernel selection for the
+        # decode shapes) is paid here, not by the first probe, which would time out on it.
+        (out,) = await engine.generate([GenerationRequest(index=0, prompt_token_ids=[1, 1])], _WARMUP)
+        if out.get("error"):
+            raise RuntimeError(f"the engine's warm-up generation failed: {out['error']}")
+        engine.load_s = time.monotonic() - t0
+        return engine
 
     def _model_config(self):
         if self.async_engine:
             return self._llm.model_config
         return self._llm.llm_engine.model_config
+
+    def _instrument_core(self) -> None:
+        """Two guards on the sync engine's core client: its input socket is used by the step
+        thread (aborts on stop strings) and by a swap's control calls, so sends take a lock (zmq
+        sockets are not thread-safe); and the step thread marks when it waits for output, which
+        is how a swap knows every output sampled before the pause has been counted."""
+        core = self._llm.llm_engine.engine_core
+        send, get, lock, parked = core._send_input, core.get_output, threading.Lock(), self._parked
+
+        def locked_send(*args, **kwargs):
+            with lock:
+                return send(*args, **kwargs)
+
+        def marked_get():
+            parked.set()
+            try:
+                return get()
+            finally:
+                parked.clear()
+
+        core._send_input, core.get_output = locked_send, marked_get
+
+    @property
+    def generating(self) -> bool:
+        return self._generating
+
+    @property
+    def _salt(self) -> str:
+        return f"nemo-gen-w{self.version}"
 
     async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> list[dict]:
         """One result dict per request, in order. A request vLLM rejects gets an ``error`` entry;
@@ -120,6 +176,7 @@ class Engine:
                     return await asyncio.to_thread(self._generate_sync, requests, params)
                 finally:
                     self._generating = False
+                    self._tracks = {}
 
     @contextlib.asynccontextmanager
     async def _serving(self):
@@ -155,6 +212,82 @@ class Engine:
             self._exclusive = False
             self._idle.notify_all()
 
+    # -- in-flight refit (sync engine) ------------------------------------------------------------
+
+    async def begin_swap(self) -> None:
+        """Freeze the running batch (its requests keep their KV cache) so weights can be loaded
+        under it; new requests wait until ``end_swap``. Without a running batch this is
+        ``hold``: nothing is in flight to keep."""
+        if self.async_engine:
+            raise ValueError("refit.in_flight keep/abort needs the sync engine "
+                             "(generation.vllm_cfg.async_engine: false); use drain")
+        async with self._idle:
+            await self._idle.wait_for(lambda: not self._exclusive)
+            self._exclusive = True
+        self._swapping = True
+        if self._generating:
+            await self._utility("pause_scheduler", "keep", False)
+            # The pause's answer comes after every output sampled before it; once the step
+            # thread waits again with nothing queued, each of them has been counted.
+            core = self._llm.llm_engine.engine_core
+            while not (self._parked.is_set() and core.outputs_queue.empty()) and self._generating:
+                await asyncio.sleep(0.001)
+
+
+    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool,
+                       max_staleness: int | None, failed: str | None = None) -> None:
+        """The weights are ``version`` now (unchanged when None): cut what the mode says —
+        every running request (``abort``), or those with more than ``max_staleness`` tokens
+        from older weights (``keep``) — resume the batch, let new requests in. ``failed``:
+        the load broke off, the weights are half-loaded: every running request is aborted and
+        the batch fails (the fleet re-routes it), and so does every later one."""
+        try:
+            if failed is not None:
+                self._poisoned = failed
+            if self._generating:
+                self._cut(version, mode, resume_aborted, max_staleness)
+                if version is not None:
+                    self.version = version
+                await self._utility("resume_scheduler")
+                # The step thread may wait for output that no request will make any more.
+                self._llm.llm_engine.engine_core.outputs_queue.put_nowait(_wake())
+            elif version is not None:
+                self.version = version
+        finally:
+            self._swapping = False
+            await self.release()
+
+    def _cut(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None) -> None:
+        """Runs while the step thread is parked: no engine state moves under us."""
+        engine = self._llm.llm_engine
+        tracks = {id(t): t for t in self._tracks.values()}.values()  # a request may be several parts
+        if self._poisoned is not None:
+            engine.abort_request([i for t in tracks for i in t.internal_ids()], internal=True)
+            return
+        new = self.version if version is None else version
+        for t in tracks:
+            if not (mode == "abort" or (max_staleness is not None and t.stale_tokens(new) > max_staleness)):
+                continue
+            engine.abort_request(t.internal_ids(), internal=True)
+            for rid in list(t.parts):
+                del self._tracks[rid]
+            if not resume_aborted:
+                t.abandon()
+                continue
+            for sample, prompt, remaining in t.cut():
+                if remaining <= 0:
+                    continue
+                params = t.params.clone()
+                params.max_tokens, params.n = remaining, 1
+                rid, internal = self._enqueue(prompt, params, f"nemo-gen-w{new}")
+                t.parts[rid] = (internal, sample)
+                self._tracks[rid] = t
+            t.finished_if_done()
+
+    async def _utility(self, method: str, *args: Any) -> Any:
+        core = self._llm.llm_engine.engine_core
+        return await asyncio.to_thread(core.call_utility, method, *args)
+
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
         self._rpc_active += 1
@@ -162,9 +295,10 @@ class Engine:
             if self.async_engine:
                 async with self._rpc_lock:  # one control message at a time on the engine's queue
                     return await self._llm.collective_rpc(method, timeout=timeout, args=args)
-            # The sync LLM is not thread-safe: RPCs and generate calls take turns (two concurrent
-            # collective_rpc calls from worker threads deadlocked here).
-            async with self._lock:
+            # Beside a running batch: the core client's sends are locked (``_instrument_core``;
+            # two unlocked concurrent sends deadlocked here) and control calls go one at a time.
+            # A drain refit's load still waits for the batch: ``hold`` waits for it to finish.
+            async with self._rpc_lock:
                 return await asyncio.to_thread(self._llm.collective_rpc, method, timeout, args)
         finally:
             self._rpc_active -= 1
@@ -173,13 +307,15 @@ class Engine:
                     warmup_s: float) -> dict[str, Any]:
         """Is the engine generating? Idle: generate one real token. Busy with a batch (the sync
         engine runs one at a time): it is alive if a step completed within ``stall_s`` — or
-        within ``warmup_s`` while its very first step (warm-up) is still running.
+        within ``warmup_s`` while the batch's first step (its prefill) is still running.
         During a refit or control RPC the answer is ``skipped`` (the engine is held on purpose)."""
         if self._exclusive or self._rpc_active:
             return {"ok": True, "skipped": "refit or control call in progress"}
+        if self._poisoned is not None:
+            return {"ok": False, "error": f"weights half-loaded: {self._poisoned}"}
         if not self.async_engine and self._lock.locked():
             age = time.monotonic() - self.last_step_at
-            bound = stall_s if self.steps_done else max(stall_s, warmup_s)
+            bound = stall_s if self.batch_steps else max(stall_s, warmup_s)
             if self._generating and age <= bound:
                 return {"ok": True, "busy": True, "step_age_s": age}
             return {"ok": False, "error": f"engine busy and no generation step for {age:.1f}s"}
@@ -189,57 +325,95 @@ class Engine:
             return {"ok": False, "error": out["error"]}
         return {"ok": True, "seconds": time.monotonic() - t0}
 
-    def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
+    # -- the sync engine's batch ------------------------------------------------------------------
+
+    def _enqueue(self, prompt_ids: list[int], params: Any, salt: str) -> tuple[str, str]:
+        """Add one request; (the id its outputs carry, the engine's internal id). Straight to the
+        engine rather than through ``LLM.enqueue``, which asks for final outputs only: the step
+        loop needs each step's new tokens (``params`` are DELTA) to count them per version."""
         from vllm.inputs import TokensPrompt
 
+        rid = f"nemo-gen-{next(self._ids)}"
+        internal = self._llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt),
+                                                    params)
+        return rid, internal
+
+    def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.DELTA
+        if self._poisoned is not None:
+            raise ShardDiedError(-1, f"weights half-loaded: {self._poisoned}")
         results: dict[int, dict] = {}
-        enqueued: list[GenerationRequest] = []
+        tracks: list[Track] = []
+        self._tracks = {}
         # enqueue one by one so vLLM's validation rejects only the bad request, not the batch.
         for req in requests:
             try:
-                self._llm.enqueue(
-                    [TokensPrompt(prompt_token_ids=req.prompt_token_ids)], params, use_tqdm=False
-                )
+                rid, internal = self._enqueue(req.prompt_token_ids, params, self._salt)
             except (ValueError, TypeError) as exc:
                 results[req.index] = _error_dict(req, exc)
                 continue
-            enqueued.append(req)
-        if enqueued:
-            outputs = self._run_to_completion()
-            if len(outputs) != len(enqueued):
-                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(enqueued)} requests")
-            for req, out in zip(enqueued, outputs):
-                results[req.index] = _result_dict(req, out)
+            tracks.append(track := Track.start(req, params, rid, internal))
+            self._tracks[rid] = track
+        if tracks:
+            self._run_to_completion()
+            if self._poisoned is not None:
+                raise ShardDiedError(-1, f"weights half-loaded: {self._poisoned}")
+            for t in tracks:
+                if t.result is None:
+                    raise RuntimeError(f"vLLM returned no output for request {t.req.index}")
+                results[t.req.index] = t.result
         return [results[r.index] for r in requests]
 
-    def _run_to_completion(self) -> list[Any]:
-        """``LLM.wait_for_completion`` with a heartbeat: each finished engine step is stamped,
-        so a probe can tell a busy engine from a wedged one."""
+    def _run_to_completion(self) -> None:
+        """``LLM.wait_for_completion`` with a heartbeat (each finished engine step is stamped,
+        so a probe can tell a busy engine from a wedged one) and per-token versions: a step's
+        tokens were sampled by ``self.version`` as read right after it, since a swap changes the
+        version only while this thread is parked with every earlier output counted."""
         engine = self._llm.llm_engine
-        outputs = []
         self.last_step_at = time.monotonic()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        self.batch_steps = 0
+        while engine.has_unfinished_requests() and self._poisoned is None:
+            outputs = engine.step()
+            version = self.version
+            for out in outputs:
+                track = self._tracks.get(out.request_id)
+                if track is None:
+                    continue  # cut by a swap meanwhile
+                track.observe(out.request_id, out, version)
                 if out.finished:
-                    outputs.append(out)
-            self.last_step_at = time.monotonic()
-            self.steps_done += 1
-        # As vLLM sorts them: by request counter, i.e. in enqueue order.
-        return sorted(outputs, key=lambda o: int(o.request_id))
+                    self._tracks.pop(out.request_id, None)
+            now = time.monotonic()
+            if self._last_step_end is not None:
+                self.max_step_gap = max(self.max_step_gap, now - self._last_step_end)
+            self.last_step_at = self._last_step_end = now
+            self.batch_steps += 1
+
+    def step_gaps(self, reset: bool) -> dict[str, float]:
+        """The longest time the engine went without finishing a step (sync engine) since the
+        last reset; ``reset`` starts a new window."""
+        out = {"max_step_gap_s": self.max_step_gap}
+        if reset:
+            self.max_step_gap, self._last_step_end = 0.0, None
+        return out
 
     async def _generate_async(self, req: GenerationRequest, params) -> dict:
         from vllm.inputs import TokensPrompt
 
         request_id = f"nemo-gen-{next(self._ids)}"
-        final = None
+        version, final = self.version, None
         try:
             async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id
+                TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt), params, request_id
             ):
                 final = out
         except (ValueError, TypeError) as exc:
             return _error_dict(req, exc)
-        return _result_dict(req, final)
+        # The async engine refits only by draining (refit.in_flight keep/abort are refused with
+        # it): every token of the request comes from the version it started on.
+        samples = [_sample_dict(comp, version) for comp in sorted(final.outputs, key=lambda c: c.index)]
+        return {"index": req.index, **samples[0], "samples": samples, "error": None}
 
     def child_pids(self) -> list[int]:
         """PIDs of the processes vLLM forked for this engine (EngineCore, workers)."""
@@ -257,3 +431,10 @@ class Engine:
             llm.shutdown()
         else:
             llm.llm_engine.engine_core.shutdown()
+
+
+def _wake():
+    """An empty batch of engine outputs: wakes a step thread waiting for output."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    return EngineCoreOutputs()

@@ -14,7 +14,6 @@ No module of the fleet package imports this one.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -29,7 +28,7 @@ from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
 from nemo_gen.fleet.driver import ProgressFn, ShardDriver
-from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.members import Membership, claimed_slots
 from nemo_gen.fleet.monitor import FleetMonitor, Prober
 from nemo_gen.fleet.processes import reap
 from nemo_gen.fleet.record import create_record, find_record, remove_record, update_record
@@ -39,12 +38,10 @@ from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_g
 from nemo_gen.fleet.router import Prompt, Router
 from nemo_gen.fleet.shard import ShardHandle
 from nemo_gen.fleet.spares import SparePool
-from nemo_gen.fleet.status import ShardStatus, fleet_status
+from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
 from nemo_gen.fleet.weight_sync import FleetWeightSyncClient
 from nemo_gen.fleet.weights import FleetWeights
 from nemo_gen.settings import NemoGenSettings
-
-log = logging.getLogger(__name__)
 
 __all__ = ["GenerationFleet", "ShardStatus"]
 
@@ -88,7 +85,8 @@ class GenerationFleet:
                                  policies.backoff_policy(s), lambda: self.settings.health.auto_recover, self._watch)
         self.router = Router(self.health, self.members, self.driver, self._tokenizer, int(resolved.max_model_len or 0),
                              bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")), s.fleet.request_timeout_s,
-                             lambda: self.weights.version, self.recovery.shard_lost, s.fleet.name)
+                             lambda: self.weights.version, self.recovery.shard_lost, s.fleet.name,
+                             s.fleet.session_affinity_slack)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         probe_sampling = resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0})
         self.prober = Prober(self.driver, self.health, self.members, probe_sampling, tokens,
@@ -143,12 +141,7 @@ class GenerationFleet:
         driver = policies.shard_driver(settings)
         resolved = resolve_generation(settings, cluster=None)
         actors = driver.find(settings.fleet.name, settings.ray.namespace)
-        slots: dict[int, ShardHandle] = {}
-        for h in sorted(actors, key=lambda h: -1 if h.info.get("weight_version") is None else h.info["weight_version"]):
-            if h.index is not None and h.index < settings.fleet.num_shards:
-                if h.index in slots:  # two claim a slot (a promotion cut short): newer weights win
-                    log.warning("slot %d is claimed by %s and %s; using %s", h.index, slots[h.index].name, h.name, h.name)
-                slots[h.index] = h
+        slots = claimed_slots(actors, settings.fleet.num_shards)
         record, recorded = find_record(settings.fleet.name, settings.ray.namespace, settings.fleet.control_timeout_s)
         if not slots and record is None:
             if conn.owned:
@@ -177,17 +170,20 @@ class GenerationFleet:
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], **sampling: Any) -> list[GenerationResult]:
-        """One ``GenerationResult`` per prompt, in order. Sampling keywords are the generation
-        config's (max_new_tokens, temperature, top_p, top_k, stop_strings, stop_token_ids).
-        Requests on a shard that dies are re-routed; every prompt gets exactly one result."""
+    def generate(self, prompts: Sequence[Prompt], session_id: str | Sequence[str | None] | None = None,
+                 **sampling: Any) -> list[GenerationResult]:
+        """One ``GenerationResult`` per prompt (a string, token ids or chat messages), in order;
+        ``n`` samples each. Sampling keywords are the generation config's. ``session_id`` (one, or
+        one per prompt) keeps a conversation on the shard that served its last turn. Requests on a
+        shard that dies are re-routed; every prompt gets exactly one result."""
         self.background.check_open()
-        return self.router.generate(prompts, resolve_sampling(self.resolved.generation_config, sampling))
+        return self.router.generate(prompts, resolve_sampling(self.resolved.generation_config, sampling), session_id)
 
-    async def generate_async(self, prompt: Prompt, **sampling: Any) -> GenerationResult:
+    async def generate_async(self, prompt: Prompt, session_id: str | None = None, **sampling: Any) -> GenerationResult:
         """The per-request awaitable for async RL loops; many may be in flight at once."""
         self.background.check_open()
-        return await self.router.generate_async(prompt, resolve_sampling(self.resolved.generation_config, sampling))
+        params = resolve_sampling(self.resolved.generation_config, sampling)
+        return await self.router.generate_async(prompt, params, session_id)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -195,17 +191,19 @@ class GenerationFleet:
     def weight_version(self) -> int | None:
         return self.weights.version
 
-    def refit(self, source: Any, version: int | None = None) -> RefitReport:
+    def refit(self, source: Any, version: int | None = None, in_flight: str | None = None) -> RefitReport:
         """Push new weights into every shard that holds an engine; see ``nemo_gen.fleet.refit``.
 
         ``source``: a checkpoint directory, a ``WeightSource``, or live tensors (an ``nn.Module``,
         a name->tensor mapping, or a callable returning one). ``version`` defaults to the
-        previous + 1. Raises ``RefitError`` (nothing changed) for a bad manifest; a shard that
-        fails while loading is quarantined and listed in the report."""
+        previous + 1. ``in_flight``: ``drain`` | ``abort`` | ``keep`` (default ``refit.in_flight``).
+        Raises ``RefitError`` (nothing changed) for a bad manifest; a shard that fails while
+        loading is quarantined and listed in the report."""
         self.background.check_open()
-        return self.refitter.refit(source, version)
+        return self.refitter.refit(source, version, policies.in_flight(self.settings, in_flight))
 
-    def weight_sync_client(self, version: int | None = None, draft: bool = False) -> FleetWeightSyncClient:
+    def weight_sync_client(self, version: int | None = None, draft: bool = False,
+                           in_flight: str | None = None) -> FleetWeightSyncClient:
         """This fleet as a ``VLLMWeightSyncClient``: hand it to one of vLLM's trainer engines
         (``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)``) and
         ``send_weights()`` refits every shard through the engines' ``refit.backend``, with the
@@ -213,7 +211,8 @@ class GenerationFleet:
         the updates go to the speculative drafter (names without the ``draft.`` prefix)."""
         self.background.check_open()
         return FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
-                                     self.background.check_open, version, draft)
+                                     self.background.check_open, version, draft,
+                                     policies.in_flight(self.settings, in_flight))
 
     @property
     def engine_dtype(self) -> str:
@@ -276,6 +275,10 @@ class GenerationFleet:
         (state ``spare``)."""
         return fleet_status(self.health, self.members, self.driver, self.recovery.orphans,
                             live=not self.closed, on_lost=self.recovery.shard_lost)
+
+    def metrics(self) -> dict[str, float]:
+        """The fleet's own series (NeMo-RL's ledger names, plus version, re-routing and refits)."""
+        return fleet_metrics(self.health, self.weights.version, self.router.rerouted, self.refitter.totals)
 
     def shutdown(self, reap_timeout_s: float | None = None) -> list[int]:
         """Stop every shard and spare and wait until their engine processes have exited

@@ -8,15 +8,26 @@ an actor that has since been replaced is recognised as old.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Iterable
 
 from nemo_gen.core.members import Member
 from nemo_gen.fleet.shard import ShardHandle
 
+log = logging.getLogger(__name__)
 
-def member_of(handle: ShardHandle, spare: bool = False) -> Member:
-    return Member(handle.name, None if spare else handle.index)
+
+def claimed_slots(actors: Iterable[ShardHandle], num_slots: int) -> dict[int, ShardHandle]:
+    """Slot -> the actor serving it, among a running fleet's actors (found when attaching).
+    Two that claim one slot (a promotion cut short): the one with newer weights wins."""
+    slots: dict[int, ShardHandle] = {}
+    for h in sorted(actors, key=lambda h: -1 if h.info.get("weight_version") is None else h.info["weight_version"]):
+        if h.index is not None and h.index < num_slots:
+            if h.index in slots:
+                log.warning("slot %d is claimed by %s and %s; using %s", h.index, slots[h.index].name, h.name, h.name)
+            slots[h.index] = h
+    return slots
 
 
 class Membership:
@@ -80,6 +91,11 @@ class Membership:
                 return False
             self._recovering.add(slot)
             return True
+
+    def recovering(self) -> bool:
+        """Is a background recovery under way for any slot?"""
+        with self._lock:
+            return bool(self._recovering)
 
     def end_recovery(self, slot: int) -> None:
         with self._lock:

@@ -34,6 +34,7 @@ from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Restart, Retire
 from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.environment import REAPING_FLAG
 from nemo_gen.errors import ShardRetired, StaleShard
+from nemo_gen.fleet import gpu_memory
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -59,6 +60,10 @@ class ReapReport:
     orphans: list[dict[str, Any]] = field(default_factory=list)  # kept (cleanup disabled): pid, rss
     seconds: float = 0.0
     checked: bool = True  # False: the shard ran on another host, its PIDs mean nothing here
+    # GPU memory (NVML) the shard's processes still held when the reaper gave up waiting for it
+    # (pid -> bytes; empty: all of it came back, or the shard used no GPU).
+    gpu_held: dict[int, int] = field(default_factory=dict)
+    gpu_seconds: float = 0.0  # how long the reaper waited for that memory
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,10 +93,12 @@ def reap_shard(driver: ShardDriver, handle: ShardHandle, timeout_s: float) -> Re
         # Honour the operator: wait for the actor only, then report what it left behind.
         wait_exit(actor, timeout_s)
         time.sleep(_ORPHAN_SETTLE_S)
+        gpu = gpu_memory.used_by_pids([p.pid for p in engine])
         for proc in engine:
             try:
                 if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    report.orphans.append({"pid": proc.pid, "rss_bytes": proc.memory_info().rss, "name": proc.name()})
+                    report.orphans.append({"pid": proc.pid, "rss_bytes": proc.memory_info().rss, "name": proc.name(),
+                                           "gpu_bytes": gpu.get(proc.pid, 0)})
             except psutil.NoSuchProcess:
                 report.exited.append(proc.pid)
         if report.orphans:
@@ -105,6 +112,14 @@ def reap_shard(driver: ShardDriver, handle: ShardHandle, timeout_s: float) -> Re
     report.exited, report.killed = wait_or_kill(actor + engine, timeout_s)
     if report.killed:
         log.warning("shard %s: killed engine processes that outlived their actor: %s", report.shard, report.killed)
+    # A process that has exited can still hold its GPU memory for a moment (the driver frees it
+    # after the last reference): the replacement is placed only once it is back.
+    pids = [p.pid for p in actor + engine]
+    released = gpu_memory.wait_released(pids, max(0.0, timeout_s - (time.monotonic() - t0)))
+    report.gpu_held, report.gpu_seconds = released.held, released.seconds
+    if released.held:
+        log.warning("shard %s: GPU memory still held after health.reap_timeout_s=%g: %s", report.shard,
+                    timeout_s, gpu_memory.describe(released.held))
     report.seconds = time.monotonic() - t0
     return report
 

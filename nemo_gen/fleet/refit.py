@@ -45,6 +45,8 @@ from nemo_gen.refit.sources import as_source
 
 log = logging.getLogger(__name__)
 
+# How a newcomer that serves nothing yet takes its catch-up refit.
+_DRAIN = {"mode": "drain", "resume_aborted": True, "max_staleness": None}
 # The workers enforce refit.timeout_s; these margins cover an actor that never answers.
 _CHECK_MARGIN_S = 0.0
 _LOAD_MARGIN_S = 60.0
@@ -63,9 +65,16 @@ class Refitter:
         self.members = members
         self.weights = weights
         self.driver = driver
-        self.draft_full = bool(generation_config.get("_draft_full_refit"))
+        self._generation_config = generation_config
         self.bucket_bytes = bucket_bytes
         self._on_spare_failed = on_spare_failed
+        # Refits that landed (on at least one shard), their seconds and bytes: metrics.
+        self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
+
+    @property
+    def draft_full(self) -> bool:
+        """The trainer streams the drafter's whole state dict (``draft_full_refit_enabled``)."""
+        return bool(self._generation_config.get("_draft_full_refit"))
 
     # -- who takes a refit, and what the engines expect ------------------------------------------
 
@@ -104,7 +113,8 @@ class Refitter:
 
     # -- checkpoint / live-tensor refit ----------------------------------------------------------
 
-    def refit(self, source: Any, version: int | None) -> RefitReport:
+    def refit(self, source: Any, version: int | None, in_flight: dict[str, Any]) -> RefitReport:
+        """``in_flight``: what the shards do to running requests (``policies.in_flight``)."""
         with self.weights.refitting():
             new_version = next_version(self.weights.version, version)
             members = self.refit_members()
@@ -112,12 +122,19 @@ class Refitter:
             report = RefitReport(version=new_version, bytes=staged.total, tensors=staged.tensors,
                                  stage_seconds=staged.stage_seconds, load_seconds=0.0)
             t1 = time.perf_counter()
-            for member, (ok, seconds, error) in self.apply_staged(staged, members).items():
+            for member, (ok, seconds, error) in self.apply_staged(staged, members, in_flight).items():
                 self.settle(report, member, new_version, None if ok else error, seconds)
             report.load_seconds = time.perf_counter() - t1
             if any(s.ok for s in report.shards):
                 self.weights.landed(new_version, staged.source, staged)
+                self.count(report)
             return report
+
+    def count(self, report: RefitReport) -> None:
+        """A refit landed: add it to the totals."""
+        self.totals["refits"] += 1
+        self.totals["seconds"] += report.stage_seconds + report.load_seconds
+        self.totals["bytes"] += report.bytes
 
     def _groups(self, metas: list[TensorMeta]) -> list[tuple[str, list[TensorMeta]]]:
         """Check the manifest against the engine; return (target, tensors) groups to load."""
@@ -182,7 +199,8 @@ class Refitter:
             source=str(source) if isinstance(source, (str, os.PathLike)) else None,
         )
 
-    def apply_staged(self, staged: StagedRefit, handles: dict[Member, ShardHandle]) -> dict[Member, tuple[bool, float, str | None]]:
+    def apply_staged(self, staged: StagedRefit, handles: dict[Member, ShardHandle],
+                     in_flight: dict[str, Any]) -> dict[Member, tuple[bool, float, str | None]]:
         """Phase 1 then phase 2 on ``handles``; returns member -> (ok, seconds, error). Phase 1:
         every shard reads the staged tensors, nothing changes; a shard that is dead or hung is
         left out, any other failure refuses the refit everywhere (``RefitError``). Phase 2: all
@@ -202,7 +220,8 @@ class Refitter:
             outcome[member] = (False, 0.0, f"lost before loading version {staged.version}: {answer.error}")
         loading = {m: h for m, h in handles.items() if m not in outcome}
         loads = self.driver.fan_out(
-            loading, "load_refit", (staged.path, staged.total, staged.groups, staged.version, timeout, staged.source),
+            loading, "load_refit",
+            (staged.path, staged.total, staged.groups, staged.version, timeout, staged.source, in_flight),
             _LOAD_MARGIN_S,
         )
         for member, answer in loads.items():
@@ -254,7 +273,8 @@ class Refitter:
                     # Another process did the last refit (its staging is gone): stage it again.
                     staged = self.stage(self.weights.source, version)
                     self.weights.keep_staged(staged)
-                ok, _, error = self.apply_staged(staged, {member: handle})[member]
+                # A fresh engine runs nothing: there is no request to keep or cut.
+                ok, _, error = self.apply_staged(staged, {member: handle}, _DRAIN)[member]
                 if not ok:
                     if not member.is_spare:
                         self.health.mark_dead(member.slot, error)

@@ -87,6 +87,7 @@ class ShardActor:
         self.engine = None
         self._engine_pids: list[int] = []
         self._sync_was: tuple[int | None, str | None] = (weight_version, None)  # before a weight-sync start
+        self._sync_in_flight: dict[str, Any] = {}  # the in-flight settings of that session
 
     async def start(self) -> dict[str, Any]:
         import asyncio
@@ -99,7 +100,7 @@ class ShardActor:
             # device's free memory (no-op on CPU).
             lock = await asyncio.to_thread(engine_start_lock().acquire)
             try:
-                self.engine = await Engine.start(self._kwargs, self._async)
+                self.engine = await Engine.start(self._kwargs, self._async, self.weight_version)
             finally:
                 lock.release()
             self._engine_pids = self.engine.child_pids()
@@ -160,6 +161,9 @@ class ShardActor:
             "dtype": engine.dtype if engine else None,
             "load_s": engine.load_s if engine else None,
             "async_engine": self._async,
+            # What the engine is doing: a batch running, and its steps so far.
+            "generating": bool(engine and engine.generating),
+            "batch_steps": engine.batch_steps if engine else 0,
         }
 
     async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +178,10 @@ class ShardActor:
             "results": results,
             "seconds": time.perf_counter() - t0,
         }
+
+    def step_gaps(self, reset: bool = False) -> dict[str, float]:
+        """The engine's longest stretch without a finished step since the last reset."""
+        return self.engine.step_gaps(reset)
 
     async def expected_manifest(self, target: str = "policy") -> dict[str, Any]:
         (manifest, *_) = await self.engine.rpc("nemo_gen_expected_manifest", target)
@@ -193,38 +201,60 @@ class ShardActor:
         return min(seen)
 
     async def load_refit(
-        self, path: str, total: int, groups: list, version: int, timeout_s: float, source: str | None = None
+        self, path: str, total: int, groups: list, version: int, timeout_s: float, source: str | None,
+        in_flight: dict[str, Any],
     ) -> float:
-        """Phase 2: load each (target, entries) group, then serve as ``version``. Requests are
-        held back for the duration; on failure the shard keeps no claim to any version."""
+        """Phase 2: load each (target, entries) group, then serve as ``version``. ``in_flight``
+        (``refit.in_flight`` and its companions): ``drain`` holds requests back until the running
+        ones finish; ``keep`` / ``abort`` swap the weights under the running batch (see
+        ``Engine.end_swap``). On failure the shard keeps no claim to any version."""
         t0 = time.perf_counter()
-        async with self.engine.exclusive():
+
+        async def load():
             self.weight_version = None  # half-loaded weights must never be stamped as a version
             self.weight_source = None
             for target, entries in groups:
                 await self.engine.rpc("nemo_gen_load_staged", path, total, entries, target, timeout=timeout_s)
-            self.weight_version = version
-            self.weight_source = source
+
+        if in_flight["mode"] == "drain":
+            async with self.engine.exclusive():
+                await load()
+                self.engine.version = version
+        else:
+            await self.engine.begin_swap()
+            try:
+                await load()
+            except BaseException as exc:
+                await self.engine.end_swap(None, **in_flight, failed=f"refit to version {version} failed: {exc}")
+                raise
+            await self.engine.end_swap(version, **in_flight)
+        self.weight_version = version
+        self.weight_source = source
         return time.perf_counter() - t0
 
     async def weight_sync(self, step: str, payload: Any = None, timeout_s: float = 600.0) -> None:
         """One step of vLLM's weight-sync protocol on this engine's workers, with the shard's
-        refit rules around it: from ``start`` until ``finish`` or ``abort`` requests are held
-        back and the shard claims no version (its weights may be half-loaded); ``finish``
-        stamps ``payload`` as the version; ``abort`` ends the workers' session and restores the
-        old version only when ``payload`` says nothing was loaded."""
+        refit rules around it: from ``start`` (``payload``: the in-flight settings) until
+        ``finish`` or ``abort`` requests are held back (``drain``) or the running batch is frozen
+        (``keep``/``abort``), and the shard claims no version (its weights may be half-loaded);
+        ``finish`` stamps ``payload`` as the version; ``abort`` ends the workers' session and
+        restores the old version only when ``payload`` says nothing was loaded."""
         rpc = {"init": "init_weight_transfer_engine", "start": "start_weight_update",
                "start_draft": "start_draft_weight_update", "update": "update_weights",
                "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
         if step in ("start", "start_draft"):
-            await self.engine.hold()
+            self._sync_in_flight = payload
+            if payload["mode"] == "drain":
+                await self.engine.hold()
+            else:
+                await self.engine.begin_swap()
             self._sync_was = (self.weight_version, self.weight_source)
             self.weight_version, self.weight_source = None, None
             try:
                 await self.engine.rpc(rpc[step], timeout=timeout_s)
             except BaseException:
                 self.weight_version, self.weight_source = self._sync_was  # nothing was loaded
-                await self.engine.release()
+                await self._end_sync(None)
                 raise
         elif step == "abort":
             try:  # end the workers' session (a layerwise reload puts unloaded layers back)
@@ -234,17 +264,30 @@ class ShardActor:
             finally:
                 if payload:  # nothing reached the weights
                     self.weight_version, self.weight_source = self._sync_was
-                await self.engine.release()
+                await self._end_sync(None, failed=None if payload else "the weight update was aborted after loading")
         elif step == "finish":
             try:
                 await self.engine.rpc(rpc[step], timeout=timeout_s)
-                self.weight_version = payload
-            finally:
-                await self.engine.release()
+            except BaseException as exc:
+                await self._end_sync(None, failed=f"finishing the weight update failed: {exc}")
+                raise
+            self.weight_version = payload
+            await self._end_sync(payload)
         elif step in rpc:
             await self.engine.rpc(rpc[step], *(() if payload is None else (payload,)), timeout=timeout_s)
         else:
             raise ValueError(f"unknown weight-sync step {step!r}")
+
+    async def _end_sync(self, version: int | None, failed: str | None = None) -> None:
+        """Let requests flow again after a weight-sync session (the engine serves ``version``,
+        or what it had when None)."""
+        in_flight = self._sync_in_flight
+        if in_flight["mode"] == "drain":
+            if version is not None:
+                self.engine.version = version
+            await self.engine.release()
+        else:
+            await self.engine.end_swap(version, **in_flight, failed=failed)
 
     def shutdown(self) -> list[int]:
         """Stop the engine's processes; returns the PIDs that were running, for the caller to check."""

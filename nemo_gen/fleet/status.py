@@ -14,6 +14,7 @@ from typing import Any, Callable
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet import gpu_memory
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
 from nemo_gen.fleet.processes import alive
@@ -30,8 +31,10 @@ class ShardStatus:
     restarts: int = 0
     last_error: str | None = None
     name: str | None = None  # the Ray actor serving the slot (a replacement or promoted spare)
-    # Processes a dead actor of this slot left running (RAY_process_group_cleanup_enabled=0).
+    # Processes a dead actor of this slot left running (RAY_process_group_cleanup_enabled=0),
+    # each with the GPU memory it still holds.
     orphans: list[dict[str, Any]] = field(default_factory=list)
+    gpu_memory_bytes: int | None = None  # what the shard's processes hold on GPUs (NVML); None: no GPU
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -50,12 +53,13 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
                 info = driver.info(handle)
             except ShardDiedError as exc:
                 on_lost(Member(handle.name, slot), f"ShardDiedError: {exc}")
+        left = [o for o in orphans if o["shard"] == slot and alive(o["pid"])]
         out.append(ShardStatus(
             index=slot, state=str(health.state_of(slot).value), weight_version=info.get("weight_version"),
             actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),
             node_id=info.get("node_id"), restarts=snap.restart_attempts, last_error=snap.last_error or None,
-            name=handle.name if handle else None,
-            orphans=[o for o in orphans if o["shard"] == slot and alive(o["pid"])],
+            name=handle.name if handle else None, orphans=_with_gpu(left),
+            gpu_memory_bytes=_gpu_bytes([info.get("actor_pid"), *info.get("engine_pids", [])]),
         ))
     for spare in members.spares():
         info = dict(spare.info)
@@ -66,5 +70,33 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
             index=spare.index, state="spare", weight_version=info.get("weight_version"),
             actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),
             node_id=info.get("node_id"), name=spare.name,
+            gpu_memory_bytes=_gpu_bytes([info.get("actor_pid"), *info.get("engine_pids", [])]),
         ))
     return out
+
+
+def _gpu_bytes(pids: list[int | None]) -> int | None:
+    """GPU memory the PIDs hold together; None where NVML sees no GPU (a CPU machine)."""
+    if not gpu_memory.available():
+        return None
+    return sum(gpu_memory.used_by_pids([p for p in pids if p]).values())
+
+
+def _with_gpu(orphans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The orphans, each with the GPU memory it holds now."""
+    held = gpu_memory.used_by_pids([o["pid"] for o in orphans]) if orphans and gpu_memory.available() else {}
+    return [{**o, "gpu_bytes": held.get(o["pid"], 0)} for o in orphans]
+
+
+def fleet_metrics(health: GenerationFleetHealth, version: int | None, rerouted: int,
+                  refits: dict[str, float]) -> dict[str, float]:
+    """The fleet's series: the ledger's (shards by state, restart attempts; NeMo-RL's names) and
+    the weight version, re-routed requests, refits with their seconds and bytes."""
+    return {
+        **health.as_metrics(),
+        "gen_fleet/weight_version": float(-1 if version is None else version),
+        "gen_fleet/rerouted_requests": float(rerouted),
+        "gen_fleet/refits": float(refits["refits"]),
+        "gen_fleet/refit_seconds": float(refits["seconds"]),
+        "gen_fleet/refit_bytes": float(refits["bytes"]),
+    }

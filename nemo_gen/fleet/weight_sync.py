@@ -72,12 +72,13 @@ class FleetWeightSyncClient:
     ``report`` holds that refit's ``RefitReport``."""
 
     def __init__(self, refitter: Refitter, generation_config: dict[str, Any], backend: str,
-                 check_open: Callable[[], None], version: int | None, draft: bool):
+                 check_open: Callable[[], None], version: int | None, draft: bool, in_flight: dict[str, Any]):
         self.refitter = refitter
         self.weights = refitter.weights
         self._vllm_cfg = generation_config.get("vllm_cfg", {})
         self._backend = backend
         self._check_open = check_open
+        self.in_flight = in_flight
         self.version = version
         self.draft = draft
         self.report: RefitReport | None = None
@@ -163,7 +164,7 @@ class FleetWeightSyncClient:
                 raise RefitError("no shard can take this weight update (none is set up for the backend)")
             session = _Session(target, version, handles, time.perf_counter(), lock)
             step = "start_draft" if target == "draft" else "start"
-            failed = self._fan_out(session, step, None)
+            failed = self._fan_out(session, step, self.in_flight)
             # A shard that cannot start has loaded nothing: it sits this refit out.
             session.failed.update(failed)
             if len(session.failed) == len(handles):
@@ -213,6 +214,7 @@ class FleetWeightSyncClient:
             if any(s.ok for s in report.shards):
                 # No staged bytes: the staging file, if any, holds an older version.
                 self.weights.landed(version, None, None)
+                self.refitter.count(report)
             self.report = report
             return report
         finally:

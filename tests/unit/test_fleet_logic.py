@@ -12,7 +12,7 @@ import pytest
 
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.refit import RefitError
-from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, ShardUnavailableError
+from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, RequestError, ShardUnavailableError
 from tests import helpers
 from tests.fakes import FakeDriver, fake_fleet
 
@@ -128,6 +128,18 @@ def test_generate_async_reroutes_a_request_whose_shard_dies(settings, driver):
         results = asyncio.run(run())
         assert [r.token_ids for r in results] == [expected_ids(p) for p in PROMPTS[:4]]
         assert {r.shard for r in results} == {1}
+
+
+def test_a_request_waits_for_a_spare_taking_the_only_slot(settings, driver):
+    """One slot and a warm spare: while the spare is promoted no shard serves, and a request
+    waits for it (within fleet.request_timeout_s) instead of failing with FleetExhausted."""
+    with fake_fleet(settings(fleet__num_shards=1, fleet__spares=1), driver) as fleet:
+        spare = fleet.members.spares()[0].name
+        driver.set_slow(spare, 0.3)  # promotion asks the spare twice: ~0.6 s without a serving shard
+        driver.set_dead(fleet.handle(0).name)
+        wait_until(lambda: fleet.health.serving_shards() == [], what="slot 0 condemned")
+        results = fleet.generate(PROMPTS[:2])
+        assert all(r.ok for r in results) and fleet.handle(0).name == spare
 
 
 def test_losing_every_shard_raises_fleet_exhausted(settings, driver):
@@ -249,3 +261,53 @@ def test_status_lists_slots_then_spares(settings, driver):
         fleet.settings.health.auto_recover = False
         rows = fleet.status()  # a shard that does not answer info is condemned
         assert rows[1].state == "dead"
+
+
+def test_n_samples_come_back_as_one_result_from_one_shard(settings, driver):
+    with fake_fleet(settings(), driver) as fleet:
+        results = fleet.generate(PROMPTS[:4], n=3)
+        for r, p in zip(results, PROMPTS):
+            assert len(r.samples) == 3 and r.token_ids == r.samples[0].token_ids == expected_ids(p)
+            assert len({tuple(s.token_ids) for s in r.samples}) == 3
+        assert sum(driver.shard(h).generated for h in fleet.shards) == 4  # one request per prompt, not 12
+        assert "samples" in results[0].to_json() and "samples" not in fleet.generate(PROMPTS[:1])[0].to_json()
+        with pytest.raises(RequestError, match="n must be a positive integer"):
+            fleet.generate(PROMPTS[:1], n=0)
+        with pytest.raises(RequestError, match="need temperature > 0"):
+            fleet.generate(PROMPTS[:1], n=2, temperature=0)
+
+
+def test_chat_prompts_are_rendered_with_the_chat_template(settings, driver):
+    with fake_fleet(settings(), driver) as fleet:
+        chat = [{"role": "user", "content": "Hello there"}]
+        (r,) = fleet.generate([chat])
+        assert r.ok and r.prompt == "<s>user\nHello there</s>\n<s>assistant\n"
+        assert r.prompt_token_ids == fleet.router.tokenizer(r.prompt, add_special_tokens=False)["input_ids"]
+        with pytest.raises(RequestError, match="string 'role' and 'content'"):
+            fleet.generate([[{"role": "user"}]])
+        fleet.router.tokenizer.chat_template = None
+        (bad, ok) = fleet.generate([chat, "plain"])
+        assert not bad.ok and "no chat template" in bad.error and ok.ok
+
+
+def test_a_session_stays_on_its_shard_and_moves_when_it_is_busy_or_gone(settings, driver):
+    with fake_fleet(settings(fleet__session_affinity_slack=1, health__auto_recover=False), driver) as fleet:
+        first = fleet.generate(["turn one"], session_id="s")[0].shard
+        for turn in range(3):  # unloaded fleet: every turn on the same shard
+            assert fleet.generate([f"turn {turn}"], session_id="s")[0].shard == first
+        other = 1 - first
+        # Its shard busier than the least-loaded one by more than the slack: the session moves.
+        for _ in range(2):
+            fleet.router.selector.acquire(first)
+        assert fleet.generate(["busy"], session_id="s")[0].shard == other
+        for _ in range(2):
+            fleet.router.selector.release(first)
+        assert fleet.generate(["follows"], session_id="s")[0].shard == other  # it stays where it moved
+        driver.set_dead(fleet.handle(other).name)
+        wait_until(lambda: fleet.health.state_of(other) is ShardState.DEAD, what="its shard condemned")
+        assert fleet.generate(["after the loss"], session_id="s")[0].shard == first
+        # One id per prompt in a batch.
+        rs = fleet.generate(["a", "b"], session_id=["s", None])
+        assert rs[0].shard == first
+        with pytest.raises(RequestError, match="session_id has 1 entries for 2 prompts"):
+            fleet.generate(["a", "b"], session_id=["s"])

@@ -18,6 +18,9 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/refit/vllm_backend.py", "WeightTransferTrainerFactory._registry"),
     # torch's own parameter table, written in place by the direct refit path.
     ("nemo_gen/refit/worker_ext.py", "module._parameters"),
+    # the sync engine's core client: its input socket is shared by the step thread and an
+    # in-flight refit's control calls (a send lock), and the step thread marks its output waits.
+    ("nemo_gen/fleet/engine.py", "core._send_input"),
     # our scratch buffers, kept on vLLM's worker object between refits.
     ("nemo_gen/refit/worker_ext.py", "worker._nemo_gen_scratch"),
 }

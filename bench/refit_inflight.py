@@ -1,0 +1,140 @@
+"""In-flight refit benchmark: what a refit costs a fleet that is generating, per ``refit.in_flight``
+mode, measured side by side in one run.
+
+For each arm (no refit, then drain, keep, abort) the same window of continuous load runs: client
+threads that each loop ``fleet.generate`` on long batches (ignore_eos), while a refitter swaps the
+weights every ``--every`` seconds (alternating two checkpoints of the same shape). Printed per arm:
+
+- fleet tokens/s over the window, and as a ratio of the no-refit arm (target for keep: >= 0.9);
+- the generation stall per refit: the longest time a shard's engine went without finishing a step
+  in the window (the engines report it), against the refit's own load time measured on an idle
+  fleet in the same run (target for keep: stall <= 1.5x the load time);
+- how many results spanned two weight versions, and refits done.
+
+Run: ``.venv/bin/python bench/refit_inflight.py [--window 30] [--every 10] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+PROMPTS = [f"{w} the quick brown fox jumps over the lazy dog" for w in ("One", "Two", "Three", "Four")] * 2
+
+
+def settings(home: Path, model: Path, shards: int):
+    from nemo_gen.settings import NemoGenSettings
+
+    return NemoGenSettings.load(overrides={
+        "home": str(home), "model.path": str(model), "fleet.name": "bench-inflight", "fleet.device": "cpu",
+        "fleet.num_shards": shards, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60,
+        "ray.num_cpus": max(2, shards),
+    })
+
+
+def max_gap(fleet, reset: bool) -> float:
+    import ray
+
+    gaps = ray.get([h.actor.step_gaps.remote(reset) for h in fleet.shards], timeout=60)
+    return max(g["max_step_gap_s"] for g in gaps)
+
+
+def arm(fleet, mode: str | None, models: list[str], window_s: float, every_s: float, clients: int, tokens: int):
+    """One window of load; ``mode`` None: no refit."""
+    stop = threading.Event()
+    counted = {"tokens": 0, "two_versions": 0, "results": 0}
+    lock = threading.Lock()
+
+    def client():
+        while not stop.is_set():
+            results = fleet.generate(PROMPTS, temperature=0, max_new_tokens=tokens, ignore_eos=True)
+            with lock:
+                counted["tokens"] += sum(len(r.token_ids) for r in results if r.ok)
+                counted["results"] += len(results)
+                counted["two_versions"] += sum(len(r.weight_versions) > 1 for r in results)
+
+    refits = []
+    max_gap(fleet, reset=True)
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    n = 0
+    while time.monotonic() - t0 < window_s:
+        time.sleep(min(every_s, max(0.0, window_s - (time.monotonic() - t0))))
+        if mode is not None and time.monotonic() - t0 < window_s:
+            r0 = time.monotonic()
+            fleet.refit(models[n % 2], in_flight=mode)
+            refits.append(time.monotonic() - r0)
+            n += 1
+    stop.set()
+    elapsed = time.monotonic() - t0
+    for t in threads:
+        t.join()
+    return {"mode": mode or "no refit", "tokens_per_s": counted["tokens"] / elapsed, "refits": len(refits),
+            "refit_s_median": statistics.median(refits) if refits else 0.0,
+            "max_stall_s": max_gap(fleet, reset=True), "results": counted["results"],
+            "spanning_two_versions": counted["two_versions"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--window", type=float, default=30.0, help="seconds of load per arm")
+    p.add_argument("--every", type=float, default=10.0, help="seconds between refits")
+    p.add_argument("--clients", type=int, default=2, help="concurrent generate loops")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per request (ignore_eos)")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    from nemo_gen import GenerationFleet
+    from nemo_gen.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-inflight-"))
+    a = make_tiny_model(work / "a")
+    b = make_tiny_model(work / "b", seed=1)
+    fleet = GenerationFleet.launch(settings(work / "home", a, args.shards))
+    out = {"window_s": args.window, "every_s": args.every, "clients": args.clients, "tokens": args.tokens}
+    try:
+        fleet.generate(PROMPTS, max_new_tokens=8)  # warm
+        idle = []
+        for i in range(3):  # the refit's own time, with nothing running
+            r0 = time.monotonic()
+            fleet.refit(str([b, a][i % 2]))
+            idle.append(time.monotonic() - r0)
+        idle_s = statistics.median(idle)
+        out["idle_refit_s"] = idle_s
+        print(f"refit on an idle fleet: {idle_s * 1000:.0f} ms median {[round(t * 1000) for t in idle]}")
+        arms = [arm(fleet, mode, [str(b), str(a)], args.window, args.every, args.clients, args.tokens)
+                for mode in (None, "drain", "keep", "abort")]
+    finally:
+        fleet.shutdown()
+    base = arms[0]["tokens_per_s"]
+    print(f"\n{'mode':<10}{'tokens/s':>10}{'vs none':>9}{'max stall':>11}{'stall/load':>12}{'refits':>8}"
+          f"{'refit s':>9}{'2-version results':>19}")
+    for r in arms:
+        r["throughput_vs_no_refit"] = r["tokens_per_s"] / base
+        r["stall_vs_idle_refit"] = r["max_stall_s"] / idle_s
+        print(f"{r['mode']:<10}{r['tokens_per_s']:>10.0f}{r['throughput_vs_no_refit']:>9.2f}"
+              f"{r['max_stall_s']:>10.3f}s{r['stall_vs_idle_refit']:>12.1f}{r['refits']:>8}"
+              f"{r['refit_s_median']:>9.3f}{r['spanning_two_versions']:>19}")
+    keep = next(r for r in arms if r["mode"] == "keep")
+    print(f"\nkeep: throughput {keep['throughput_vs_no_refit']:.2f} of no refit (target >= 0.9); "
+          f"stall {keep['stall_vs_idle_refit']:.1f}x the refit's own time (target <= 1.5); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    out["arms"] = arms
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""One request of a batch as the sync engine's step loop follows it: for each of its ``n``
+samples, the tokens so far and the weight version each was sampled under, and the continuations
+a refit turns it into.
+
+The engine runs a request as one vLLM request (n samples share one prefill). A refit that lands
+while it runs (``refit.in_flight``: ``keep`` past ``refit.max_staleness``, or ``abort``) may cut
+it: it is aborted in the engine and, unless ``refit.resume_aborted`` is off, each unfinished
+sample is sent on by itself as prompt + the tokens it had, for the tokens it still has to make,
+on the new weights. ``Track`` stitches the parts back into one result whose ``weight_versions``
+spans cover every token of every sample in generation order. Plain data: no vLLM types beyond
+the completion outputs it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gen.core.results import GenerationRequest
+
+
+def add_span(spans: list[list[Any]], version: int | None, count: int) -> None:
+    """Extend ``spans`` ([version, tokens] in generation order) by ``count`` tokens of ``version``."""
+    if count <= 0:
+        return
+    if spans and spans[-1][0] == version:
+        spans[-1][1] += count
+    else:
+        spans.append([version, count])
+
+
+@dataclass
+class SampleTrack:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    spans: list[list[Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, comp: Any, version: int | None) -> None:
+        """A delta completion output: its new tokens were sampled by ``version``."""
+        new = list(comp.token_ids)
+        add_span(self.spans, version, len(new))
+        self.tokens += new
+        if comp.logprobs:
+            self.logprobs += [float(lp[tok].logprob) for tok, lp in zip(new, comp.logprobs)]
+        self.text += comp.text or ""
+        if comp.finish_reason is not None:
+            self.finish_reason = comp.finish_reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"token_ids": self.tokens, "text": self.text, "logprobs": self.logprobs,
+                "finish_reason": self.finish_reason, "weight_versions": [tuple(s) for s in self.spans]}
+
+
+@dataclass
+class Track:
+    req: GenerationRequest
+    params: Any  # vLLM SamplingParams of the request (n samples)
+    max_tokens: int  # what the caller asked for, per sample
+    samples: list[SampleTrack]
+    # The engine requests it is made of now: output id -> (internal id, the sample it carries, or
+    # None for the original request, whose outputs name their sample by index).
+    parts: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    result: dict[str, Any] | None = None
+
+    @classmethod
+    def start(cls, req: GenerationRequest, params: Any, rid: str, internal_id: str) -> "Track":
+        n = max(1, int(getattr(params, "n", 1) or 1))
+        return cls(req, params, params.max_tokens, [SampleTrack() for _ in range(n)], {rid: (internal_id, None)})
+
+    def observe(self, rid: str, out: Any, version: int | None) -> bool:
+        """A delta output of part ``rid``; True when the whole request is finished."""
+        _, sample = self.parts[rid]
+        for comp in out.outputs:
+            self.samples[comp.index if sample is None else sample].add(comp, version)
+        if out.finished:
+            del self.parts[rid]
+            if not self.parts:
+                self._close()
+                return True
+        return False
+
+    def internal_ids(self) -> list[str]:
+        return [internal for internal, _ in self.parts.values()]
+
+    def cut(self) -> list[tuple[int, list[int], int]]:
+        """The request is aborted by a refit: (sample, the continuation's prompt, tokens still to
+        make) for each sample that had not finished."""
+        self.parts = {}
+        return [(i, list(self.req.prompt_token_ids) + s.tokens, self.max_tokens - len(s.tokens))
+                for i, s in enumerate(self.samples) if s.finish_reason is None]
+
+    def abandon(self) -> dict[str, Any]:
+        """Cut and not resumed: the partial result; unfinished samples end with "abort"."""
+        self.parts = {}
+        for s in self.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        return self._close()
+
+    def stale_tokens(self, current: int | None) -> int:
+        """The most tokens any sample has from a version other than ``current``."""
+        return max(sum(count for version, count in s.spans if version != current) for s in self.samples)
+
+    def finished_if_done(self) -> bool:
+        """After a cut: close the result when no part is left to run."""
+        if not self.parts and self.result is None:
+            self._close()
+            return True
+        return False
+
+    def _close(self) -> dict[str, Any]:
+        for s in self.samples:
+            s.finish_reason = s.finish_reason or "abort"
+        samples = [s.as_dict() for s in self.samples]
+        self.result = {"index": self.req.index, **samples[0], "samples": samples, "error": None}
+        return self.result

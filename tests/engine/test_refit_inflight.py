@@ -1,0 +1,153 @@
+"""Refit while requests run, on real vLLM CPU engines (refit.in_flight): long generations with a
+refit landing mid-way in each mode. Every prompt gets exactly one result with no error, and its
+weight_versions spans sum to its token count; in keep and abort the refit returns before the
+generation ends and some results span two versions, in drain none does; with
+resume_aborted false the partial results come back with finish_reason "abort"; after a version
+change a repeated prompt is not answered from the old version's prefix cache (its tokens equal a
+fresh engine's on the new weights).
+
+Two fleets for the module, started together: the one under test (one shard, refit back and forth
+between the tiny model and model B) and a fresh engine on model B, the reference."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nemo_gen import GenerationFleet
+from nemo_gen.tiny_model import make_tiny_model
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.engine
+
+# Prompts longer than a KV block (16 tokens), so their prefix is cached and could be reused.
+PROMPTS = [f"{w} the quick brown fox jumps over the lazy dog while a fleet of engines keeps serving"
+           for w in ("One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight")]
+# As long as the tiny model's 512 positions allow, so that a refit lands well inside the batch.
+TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def model_b(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("inflight-models") / "tiny-b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def fleets(ray_cluster, make_settings, model_b):
+    common = dict(fleet__num_shards=1, health__probe_interval_s=60, generation__vllm_cfg__max_model_len=512)
+    with ThreadPoolExecutor(2) as pool:
+        main = pool.submit(GenerationFleet.launch, make_settings(fleet__name="inflight", **common))
+        fresh = pool.submit(GenerationFleet.launch, make_settings(fleet__name="inflight-b", model__path=str(model_b),
+                                                                  **common))
+        fleets = {"main": main.result(), "fresh_b": fresh.result()}
+    yield fleets
+    for f in fleets.values():
+        f.shutdown()
+
+
+def generate_then_refit(fleet, source, mode):
+    """Start a long batch, refit once it is well under way; (results, refit report, when the
+    refit returned, when the batch ended)."""
+    done: dict = {}
+
+    def run():
+        done["results"] = fleet.generate(PROMPTS, temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+        done["at"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    # Synchronised on the engine's own progress: the batch is running and past its first steps.
+    wait_until(lambda: (info := fleet.driver.info(fleet.handle(0)))["generating"] and info["batch_steps"] >= 5,
+               120, "the batch to be under way")
+    t0 = time.monotonic()
+    report = fleet.refit(source, in_flight=mode)
+    refit_at = time.monotonic()
+    print(f"{mode}: refit {refit_at - t0:.3f}s", end=" ")
+    thread.join(300)
+    assert not thread.is_alive()
+    print(f"batch ended {done['at'] - refit_at:+.3f}s after the refit returned")
+    return done["results"], report, refit_at, done["at"]
+
+
+def check_whole(results, report):
+    assert [r.index for r in results] == list(range(len(PROMPTS)))
+    assert all(r.ok for r in results), [r.error for r in results]
+    for r in results:
+        assert sum(n for _, n in r.weight_versions) == len(r.token_ids)
+        assert r.weight_version == r.weight_versions[-1][0]
+    assert [s.ok for s in report.shards] == [True]
+
+
+def test_drain_waits_for_the_batch_and_nothing_spans_two_versions(fleets, model_b, tiny_model_dir):
+    fleet = fleets["main"]
+    before = fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "drain")
+    check_whole(results, report)
+    assert refit_at >= batch_at  # the load waited for the batch to finish
+    assert {tuple(r.weight_versions) for r in results} == {((before, TOKENS),)}
+    fleet.refit(str(tiny_model_dir))  # back to the tiny model for the next test
+
+
+def test_keep_swaps_under_the_running_batch_and_results_span_both_versions(fleets, model_b, tiny_model_dir):
+    fleet = fleets["main"]
+    before = fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
+    check_whole(results, report)
+    assert refit_at < batch_at  # the refit did not wait for the batch
+    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
+    two = [r.weight_versions for r in results if len(r.weight_versions) == 2]
+    assert two, [r.weight_versions for r in results]
+    assert all(spans[0][0] == before and spans[1][0] == report.version for spans in two)
+    fleet.refit(str(tiny_model_dir))
+
+
+def test_abort_resumes_each_request_on_the_new_weights(fleets, model_b, tiny_model_dir):
+    fleet = fleets["main"]
+    before = fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "abort")
+    check_whole(results, report)
+    assert refit_at < batch_at
+    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
+    assert all(r.weight_versions[-1][0] == report.version for r in results)
+    assert any(r.weight_versions[0][0] == before for r in results)  # some tokens came from before the cut
+    fleet.refit(str(tiny_model_dir))
+
+
+def test_abort_without_resume_returns_the_partial_results(fleets, model_b, tiny_model_dir):
+    fleet = fleets["main"]
+    fleet.settings.refit.resume_aborted = False
+    try:
+        results, report, _, _ = generate_then_refit(fleet, str(model_b), "abort")
+    finally:
+        fleet.settings.refit.resume_aborted = True
+    check_whole(results, report)
+    cut = [r for r in results if r.finish_reason == "abort"]
+    assert cut and all(0 < len(r.token_ids) < TOKENS for r in cut)
+    fleet.refit(str(tiny_model_dir))
+
+
+def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleets, model_b):
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    # Prompts of several KV blocks (the CPU backend's blocks are 128 tokens): their prefix is cached.
+    long = [" ".join([p] * 8) for p in PROMPTS[:2]]
+    probe = fleet.generate(long, max_new_tokens=1)
+    assert all(r.ok for r in probe) and 256 < min(len(r.prompt_token_ids) for r in probe) < 480, \
+        [len(r.prompt_token_ids) for r in probe]
+    fleet.generate(long, temperature=0, max_new_tokens=8)  # the old weights' KV, cached
+    results, report, _, _ = generate_then_refit(fleet, str(model_b), "keep")
+    again = fleet.generate(long, temperature=0, max_new_tokens=16)
+    reference = fresh.generate(long, temperature=0, max_new_tokens=16)
+    assert {r.weight_version for r in again} == {report.version}
+    assert [r.token_ids for r in again] == [r.token_ids for r in reference]
+
+
+def test_async_engine_refuses_keep_and_abort(make_settings):
+    from nemo_gen.errors import ConfigError
+    from nemo_gen.settings import NemoGenSettings
+
+    with pytest.raises(ConfigError, match="refit.in_flight"):
+        make_settings(refit__in_flight="keep", generation__vllm_cfg__async_engine=True)
+    assert NemoGenSettings.load(overrides={"refit.in_flight": "abort"}).refit.in_flight == "abort"
