@@ -21,21 +21,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from nemo_gen.core.results import GenerationResult
+from nemo_gen.core.results import GenerationResult, Sample
 from nemo_gen.errors import InputFileError
 
 
 @dataclass(frozen=True)
 class PromptLine:
     line: int
-    prompt: str | list[int] | None
+    prompt: str | list[int] | list[dict[str, str]] | None  # text, token ids, or chat messages
     error: str | None = None
     record: dict[str, Any] | None = None  # the input object, for pass-through fields
 
+    @property
+    def session_id(self) -> str | None:
+        """The conversation the line belongs to (``session_id``): its turns share a shard."""
+        return (self.record or {}).get("session_id")
+
 
 def read_prompts(path: str | os.PathLike) -> list[PromptLine]:
-    """Parse ``path``. Lines: ``{"prompt": "..."}``, ``{"prompt_token_ids": [...]}`` or a bare
-    JSON string. Blank lines are skipped; bad lines come back with ``error`` set."""
+    """Parse ``path``. Lines: ``{"prompt": "..."}``, ``{"prompt_token_ids": [...]}``,
+    ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a chat) or a bare JSON string, each
+    optionally with a string ``session_id``. Blank lines are skipped; bad lines come back with
+    ``error`` set."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8-sig")  # -sig: a leading BOM is not part of line 1
@@ -65,13 +72,22 @@ def _parse_line(number: int, raw: str) -> PromptLine:
         return PromptLine(number, obj, None, {"prompt": obj})
     if not isinstance(obj, dict):
         return PromptLine(number, None, f"expected an object or a string, got {type(obj).__name__}")
+    if "session_id" in obj and not isinstance(obj["session_id"], str):
+        return PromptLine(number, None, "'session_id' must be a string", obj)
+    if "messages" in obj:
+        messages = obj["messages"]
+        if (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            return PromptLine(number, [{"role": m["role"], "content": m["content"]} for m in messages], None, obj)
+        return PromptLine(number, None, "'messages' must be a non-empty list of {\"role\": str, \"content\": str}", obj)
     if isinstance(obj.get("prompt"), str):
         return PromptLine(number, obj["prompt"], None, obj)
     ids = obj.get("prompt_token_ids")
     if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         return PromptLine(number, list(ids), None, obj)
     return PromptLine(
-        number, None, "needs a string 'prompt' or a non-empty integer list 'prompt_token_ids'", obj
+        number, None, "needs a string 'prompt', a non-empty integer list 'prompt_token_ids' or 'messages'", obj
     )
 
 
@@ -195,4 +211,7 @@ def result_from_row(row: dict[str, Any], index: int) -> GenerationResult:
     kwargs.setdefault("prompt", None)
     kwargs.setdefault("prompt_token_ids", [])
     kwargs.setdefault("text", None)
+    kwargs["samples"] = [Sample(**{**s, "weight_versions": [tuple(v) for v in s.get("weight_versions") or []]})
+                         for s in row.get("samples") or []]
+    kwargs["weight_versions"] = [tuple(s) for s in kwargs.get("weight_versions") or []]
     return GenerationResult(index=index, **kwargs)

@@ -80,7 +80,9 @@ def generate_lines(
         progress.emit("generate", done=len(resumed), total=len(valid))
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            results = fleet.generate([lines[i].prompt for i in chunk], **sampling)
+            sessions = [lines[i].session_id for i in chunk]
+            results = fleet.generate([lines[i].prompt for i in chunk],
+                                     session_id=sessions if any(sessions) else None, **sampling)
             for i, result in zip(chunk, results):
                 out[i] = result
             if writer is not None:

@@ -202,6 +202,12 @@ class GenerationSettings(_Section):
     )
     max_new_tokens: int = Field(32, ge=1, description="Tokens to generate per request.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    n: int = Field(
+        1, ge=1, description="Samples per prompt (a GRPO group): one engine request, the prompt prefilled "
+        "once, every sample from one shard; results carry them all in GenerationResult.samples (JSONL: "
+        "'samples' when n > 1). n > 1 needs temperature > 0. nemo_gen's key (NeMo-RL sets the group size "
+        "in its GRPO config).",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int | None = Field(None, description="Top-k sampling: a positive integer; null or -1 disables it.")
     stop_token_ids: list[int] | None = Field(

@@ -531,3 +531,28 @@ def test_token_id_prompts_resume_by_their_ids(tmp_path):
     out.write_text(json.dumps({"line": 1, "prompt": None, "prompt_token_ids": [4, 6], "error": None}) + "\n")
     with pytest.raises(InputFileError):
         read_finished(out, lines)
+
+
+def test_chat_lines_and_session_ids(tmp_path):
+    from nemo_gen.core.results import GenerationResult, Sample
+    from nemo_gen.jsonl import read_prompts, result_from_row, result_row
+
+    p = tmp_path / "chat.jsonl"
+    p.write_text("\n".join([
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "session_id": "a"}),
+        json.dumps({"messages": [{"role": "user"}]}),
+        json.dumps({"prompt": "x", "session_id": 3}),
+        json.dumps({"messages": []}),
+    ]) + "\n")
+    lines = read_prompts(p)
+    assert lines[0].prompt == [{"role": "user", "content": "hi"}] and lines[0].session_id == "a" and lines[0].error is None
+    assert "'messages' must be a non-empty list" in lines[1].error and "'messages'" in lines[3].error
+    assert lines[2].error == "'session_id' must be a string"
+    # n samples survive the JSONL round trip a resumed run reads back.
+    r = GenerationResult(index=0, prompt="x", prompt_token_ids=[1], text="a", token_ids=[2], weight_version=1,
+                         weight_versions=[(1, 1)], samples=[Sample("a", [2], [0.0], "length", [(1, 1)]),
+                                                            Sample("b", [3], [0.0], "stop", [(1, 1)])])
+    row = json.loads(json.dumps(result_row(lines[0], r)))
+    assert [s["text"] for s in row["samples"]] == ["a", "b"]
+    back = result_from_row(row, 0)
+    assert back.samples == r.samples and back.weight_versions == [(1, 1)]
