@@ -515,6 +515,15 @@ _YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YA
 _NOT_USED: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("_NOT_USED", default=[])
 
 
+def _invalid(title: str, loc: tuple[str, ...], value: Any, kind: str, template: str,
+             context: dict[str, Any]) -> ValidationError:
+    """A cross-field check's failure as pydantic reports a field's, so the loader names the field."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    return ValidationError.from_exception_data(
+        title, [InitErrorDetails(type=PydanticCustomError(kind, template, context), loc=loc, input=value)])
+
+
 class NemoGenSettings(BaseSettings):
     """Root of all settings. Build it with ``NemoGenSettings.load(...)``."""
 
@@ -557,21 +566,10 @@ class NemoGenSettings(BaseSettings):
     def _check_in_flight(self) -> "NemoGenSettings":
         """In-flight refit freezes the sync engine's running batch; the async engine cannot."""
         if self.refit.in_flight != "drain" and self.generation.vllm_cfg.async_engine:
-            from pydantic_core import InitErrorDetails, PydanticCustomError
-
-            raise ValidationError.from_exception_data(
-                type(self).__name__,
-                [InitErrorDetails(
-                    type=PydanticCustomError(
-                        "in_flight",
-                        "refit.in_flight={mode} needs the sync engine, but generation.vllm_cfg.async_engine "
-                        "is true; use refit.in_flight=drain or async_engine: false",
-                        {"mode": self.refit.in_flight},
-                    ),
-                    loc=("refit", "in_flight"),
-                    input=self.refit.in_flight,
-                )],
-            )
+            raise _invalid(type(self).__name__, ("refit", "in_flight"), self.refit.in_flight, "in_flight",
+                           "refit.in_flight={mode} needs the sync engine, but generation.vllm_cfg.async_engine "
+                           "is true; use refit.in_flight=drain or async_engine: false",
+                           {"mode": self.refit.in_flight})
         return self
 
     @model_validator(mode="after")
@@ -581,23 +579,12 @@ class NemoGenSettings(BaseSettings):
         util = self.generation.vllm_cfg.gpu_memory_utilization
         limit = 1.0 - GPU_SHARE_HEADROOM
         if k > 1 and k * util > limit + 1e-9:
-            from pydantic_core import InitErrorDetails, PydanticCustomError
-
-            raise ValidationError.from_exception_data(
-                type(self).__name__,
-                [InitErrorDetails(
-                    type=PydanticCustomError(
-                        "gpu_share",
-                        "{k} engines per GPU x generation.vllm_cfg.gpu_memory_utilization {util} = {total} of "
-                        "the device, more than {limit}; lower generation.vllm_cfg.gpu_memory_utilization to "
-                        "at most {most} or fleet.shards_per_gpu",
-                        {"k": k, "util": util, "total": round(k * util, 4), "limit": round(limit, 4),
-                         "most": int(limit / k * 1000) / 1000},
-                    ),
-                    loc=("fleet", "shards_per_gpu"),
-                    input=k,
-                )],
-            )
+            raise _invalid(type(self).__name__, ("fleet", "shards_per_gpu"), k, "gpu_share",
+                           "{k} engines per GPU x generation.vllm_cfg.gpu_memory_utilization {util} = {total} of "
+                           "the device, more than {limit}; lower generation.vllm_cfg.gpu_memory_utilization to "
+                           "at most {most} or fleet.shards_per_gpu",
+                           {"k": k, "util": util, "total": round(k * util, 4), "limit": round(limit, 4),
+                            "most": int(limit / k * 1000) / 1000})
         return self
 
     @classmethod

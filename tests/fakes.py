@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, classify
+from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify
 from nemo_gen.fleet.shard import ShardHandle, ShardSpec
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
@@ -59,7 +59,7 @@ class FakeDriver:
         self.manifest = manifest or {"w": ((4, 4), "float32"), "b": ((4,), "float32")}
         self.shards: dict[str, FakeShard] = {}
         self.launched: list[ShardSpec] = []
-        self.launch_failures: list[BaseException] = []  # raised by the next launches, in order
+        self.launch_failures: list[BaseException | None] = []  # the next launches: raise this, or (None) start
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-shard")
         self._lock = threading.Lock()
 
@@ -127,18 +127,8 @@ class FakeDriver:
         self.shards[shard.name] = shard
         return ShardHandle(index=spec.index, name=shard.name, actor=None, placement_group=None, info=shard.info())
 
-    def launch_all(self, specs: Iterable[ShardSpec], progress=None) -> list[ShardHandle]:
-        handles, errors = [], []
-        for spec in specs:
-            try:
-                handles.append(self.launch(spec))
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            for handle in handles:
-                self.stop(handle)
-            raise errors[0]
-        return handles
+    # The real all-or-none parallel start, over the fake launch/stop.
+    launch_all = ShardDriver.launch_all
 
     def stop(self, handle: ShardHandle) -> list[int]:
         self.kill(handle)

@@ -311,3 +311,13 @@ def test_a_session_stays_on_its_shard_and_moves_when_it_is_busy_or_gone(settings
         assert rs[0].shard == first
         with pytest.raises(RequestError, match="session_id has 1 entries for 2 prompts"):
             fleet.generate(["a", "b"], session_id=["s"])
+
+
+def test_a_launch_is_all_or_none(settings, driver):
+    """One engine failing to start stops the others it started and raises that failure."""
+    # The first launch succeeds (None), the second fails.
+    driver.launch_failures = [None, EngineStartError(1, "not ready within fleet.engine_start_timeout_s=600s")]
+    with pytest.raises(EngineStartError, match="engine_start_timeout_s"):
+        fake_fleet(settings(), driver)
+    (started,) = driver.shards.values()
+    assert started.stopped  # the one that came up was stopped again
