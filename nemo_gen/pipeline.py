@@ -126,12 +126,15 @@ def summarize(fleet, lines: Sequence[PromptLine], results: Sequence[GenerationRe
     done = [r for r in results if r is not None]
     ok = [r for r in done if r.ok]
     fresh = [r for i, r in enumerate(results) if r is not None and r.ok and i not in resumed]
-    tokens = sum(len(r.token_ids) for r in fresh)
+    def generated(r: GenerationResult) -> int:  # every sample of a group counts
+        return sum(len(s.token_ids) for s in r.samples) if r.samples else len(r.token_ids)
+
+    tokens = sum(generated(r) for r in fresh)
     per_shard: dict[int, dict[str, int]] = {}
     for r in fresh:
         entry = per_shard.setdefault(r.shard, {"requests": 0, "tokens": 0})
         entry["requests"] += 1
-        entry["tokens"] += len(r.token_ids)
+        entry["tokens"] += generated(r)
     return {
         "shards": len(fleet.shards),
         "requests": len(lines),
