@@ -28,6 +28,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SecretStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -500,6 +501,22 @@ class RunSettings(_Section):
     )
 
 
+class ServerSettings(_Section):
+    """`nemo-gen serve` (and `generation.vllm_cfg.expose_http_server`): the OpenAI-compatible HTTP
+    server in front of the fleet (``nemo_gen.server``)."""
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds (127.0.0.1: this machine only).")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server; 0: a free one, chosen at start.")
+    api_key: SecretStr | None = Field(
+        None, description="When set, every request but /health and /metrics needs `Authorization: Bearer "
+        "<api_key>` (a missing or wrong key gets 401); unset: no key needed. Shown masked.",
+    )
+    allow_refit: bool = Field(
+        False, description="Serve POST /nemo_gen/refit (a checkpoint directory on this machine, loaded into "
+        "the fleet as fleet.refit does; guarded by api_key). Off: the route does not exist.",
+    )
+
+
 class _YamlSource(PydanticBaseSettingsSource):
     """Feeds the YAML document ``load`` parsed (held in a context variable for one call)."""
 
@@ -549,6 +566,7 @@ class NemoGenSettings(BaseSettings):
     ray: RaySettings = Field(default_factory=RaySettings, description="Ray cluster.")
     prefect: PrefectSettings = Field(default_factory=PrefectSettings, description="Prefect API.")
     run: RunSettings = Field(default_factory=RunSettings, description="`nemo-gen run` inputs/outputs.")
+    server: ServerSettings = Field(default_factory=ServerSettings, description="The OpenAI-compatible HTTP server.")
 
     _not_used: list[Any] = PrivateAttr(default_factory=list)
 

@@ -1,0 +1,328 @@
+"""The FastAPI app: OpenAI's routes over a ``GenerationFleet``.
+
+    GET  /v1/models               the one model the fleet serves
+    POST /v1/completions          prompt(s): a string, strings, token ids, lists of token ids
+    POST /v1/chat/completions     messages, rendered with the tokenizer's chat template by the fleet
+    GET  /health                  200 while a shard serves, else 503
+    GET  /metrics                 Prometheus text: fleet series, per-shard vLLM series, HTTP series
+    POST /nemo_gen/refit          only with server.allow_refit: a checkpoint directory -> fleet.refit
+
+Every request goes through ``fleet.generate_async`` — the fleet's router — so the health ledger,
+re-routing of a lost shard's requests and the weight-version rules hold as they do for library
+callers. Every response carries the header ``x-nemo-gen-weight-version`` (the version that
+produced it; elsewhere the fleet's current one) and, for generations, ``x-nemo-gen-shard``; every
+body a ``nemo_gen`` object. The session (shard affinity) is the ``x-session-id`` header, else the
+body's ``session_id`` (vLLM's field), else ``user``.
+
+Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 naming the
+bad field, 401 for a missing or wrong key (``server.api_key``), 404 for another model or route,
+503 while no shard serves, 504 when the fleet's request deadline passes, 500 otherwise — the
+message says what failed, never a stack trace (that goes to the log).
+
+Streaming (``stream: true``): the fleet has no token streaming, so a streamed request is generated
+in full first and then sent as server-sent events, one chunk per token (see
+``protocol.completion_events``) — the stream's shape, not its latency: the first chunk comes when
+the whole answer is ready. It follows that a shard lost while it generates costs the stream
+nothing: the router re-routes the request before a byte is sent, and a request that cannot be
+served is an ordinary error response with its status. If anything fails once the stream has
+begun, the stream ends with an error event (``data: {"error": ...}``, which the openai client
+raises as ``APIError``) naming the shard, never with a silent truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import logging
+import secrets
+import time
+from typing import Any, Awaitable, Callable, Iterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+from vllm.utils import random_uuid
+
+from nemo_gen.core.fleet_health import SERVING_STATES
+from nemo_gen.core.refit import RefitError
+from nemo_gen.errors import DataError, InfraError, NemoGenError, RequestError, ShardRetired, StaleShard
+from nemo_gen.server import protocol
+from nemo_gen.server.metrics import ServerMetrics
+from nemo_gen.server.protocol import ApiError, Call
+
+log = logging.getLogger(__name__)
+
+VERSION_HEADER = "x-nemo-gen-weight-version"
+SHARD_HEADER = "x-nemo-gen-shard"
+SESSION_HEADER = "x-session-id"
+# Open without a key: a load balancer's health check and a Prometheus scraper.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def _version_text(version: int | None) -> str:
+    return "none" if version is None else str(version)
+
+
+class FleetApi:
+    """The routes' logic over one fleet (duck-typed: ``generate_async``, ``weight_version``,
+    ``health``, ``settings``, ``refit``; ``metrics`` / ``vllm_metrics`` when the fleet has them)."""
+
+    def __init__(self, fleet: Any, settings: Any, tokenizer: Any):
+        self.fleet = fleet
+        self.settings = settings
+        self.model = settings.model_name()
+        self.model_aliases = {self.model, str(settings.model_dir())}
+        self.detok = protocol.Detokenizer(tokenizer)
+        params = inspect.signature(fleet.generate_async).parameters
+        self._sessions = "session_id" in params  # the fleet routes sessions (issue 12, item 3)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def _check_model(self, body: Any) -> None:
+        name = body.get("model") if isinstance(body, dict) else None
+        if name not in (None, "") and name not in self.model_aliases:
+            raise ApiError(404, f"model: the model {name!r} does not exist; this server serves {self.model!r}", "model")
+
+    async def _one(self, call: Call, prompt: Any, prompt_field: str) -> Any:
+        kwargs = dict(call.sampling)
+        if call.session_id is not None and self._sessions:
+            kwargs["session_id"] = call.session_id
+        try:
+            result = await self.fleet.generate_async(prompt, **kwargs)
+        except RequestError as exc:
+            raise protocol.request_error(str(exc), call, prompt_field) from None
+        if result.error:
+            if result.error.startswith("RequestError") or result.error.startswith("ValueError"):
+                raise protocol.request_error(result.error, call, prompt_field)
+            raise ApiError(500, f"generation failed on shard {result.shard}: {result.error}")
+        return result
+
+    async def generate(self, call: Call, prompt_field: str) -> list[Any]:
+        tasks = [asyncio.ensure_future(self._one(call, p, prompt_field)) for p in call.prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    def _answer(self, call: Call, results: list[Any], body: Any, events: Callable[..., Iterator[str]],
+                response_id: str) -> Response:
+        prov = protocol.provenance(results)
+        headers = {VERSION_HEADER: _version_text(prov["weight_version"])}
+        if prov["shard"] is not None:
+            headers[SHARD_HEADER] = str(prov["shard"])
+        if not call.stream:
+            return Response(body.model_dump_json(exclude_none=True), media_type="application/json", headers=headers)
+        return StreamingResponse(_guarded(events(call, self.model, results, self.detok, response_id), prov),
+                                 media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+
+    async def completions(self, body: Any, session: str | None) -> Response:
+        self._check_model(body)
+        call = protocol.parse_completion(body, session)
+        results = await self.generate(call, "prompt")
+        response_id = call.request_id or f"cmpl-{random_uuid()}"
+        response = protocol.completion_response(call, self.model, results, self.detok, response_id)
+        return self._answer(call, results, response, protocol.completion_events, response_id)
+
+    async def chat(self, body: Any, session: str | None) -> Response:
+        self._check_model(body)
+        call = protocol.parse_chat(body, session)
+        results = await self.generate(call, "messages")
+        response_id = call.request_id or f"chatcmpl-{random_uuid()}"
+        response = protocol.chat_response(call, self.model, results, self.detok, response_id)
+        return self._answer(call, results, response, protocol.chat_events, response_id)
+
+    # -- the rest -------------------------------------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        card = ModelCard(id=self.model, root=str(self.settings.model_dir()), owned_by="nemo-gen",
+                         max_model_len=self.settings.generation.vllm_cfg.max_model_len)
+        return {**ModelList(data=[card]).model_dump(exclude_none=True), "nemo_gen": self._current()}
+
+    def _current(self) -> dict[str, Any]:
+        return {"weight_version": self.fleet.weight_version, "shard": None}
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        counts = {str(state.value): n for state, n in self.fleet.health.counts_by_state().items() if n}
+        serving = sum(n for state, n in self.fleet.health.counts_by_state().items() if state in SERVING_STATES)
+        version = self.fleet.weight_version
+        body = {"status": "ok", "serving_shards": serving, "shards": counts, "nemo_gen": self._current()}
+        if getattr(self.fleet, "closed", False):
+            return 503, ApiError(503, "the fleet is shut down").body() | {"nemo_gen": self._current()}
+        if serving == 0 or version is None:
+            why = "no shard is serving" if serving == 0 else "no weights yet (fleet.mode=train, not refit)"
+            return 503, ApiError(503, f"{why}; shards: {counts}").body() | {"nemo_gen": self._current()}
+        return 200, body
+
+    async def refit(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) or not body["checkpoint"]:
+            raise protocol.bad("checkpoint: a checkpoint directory (a string) is required", "checkpoint")
+        unknown = sorted(set(body) - {"checkpoint", "version", "in_flight"})
+        if unknown:
+            raise protocol.bad(f"{unknown[0]}: unknown field", unknown[0])
+        version = body.get("version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise protocol.bad("version: an integer or null", "version")
+        kwargs: dict[str, Any] = {"version": version}
+        if body.get("in_flight") is not None:
+            kwargs["in_flight"] = body["in_flight"]
+        try:
+            report = await asyncio.to_thread(self.fleet.refit, body["checkpoint"], **kwargs)
+        except (RefitError, DataError, ValueError) as exc:
+            param = "in_flight" if "in_flight" in str(exc) else "version" if "version" in str(exc) else "checkpoint"
+            raise protocol.bad(str(exc), param) from None
+        return {**report.to_json(), "nemo_gen": self._current()}
+
+
+async def _guarded(events: Iterator[str], prov: dict[str, Any]):
+    """The stream's events; anything that fails once it has begun ends it with an error event
+    naming the shard (the client sees an error, never a silently short answer)."""
+    try:
+        for event in events:
+            yield event
+    except Exception as exc:  # the response has started: an event is the only way left to say so
+        log.exception("stream failed after it began (shard %s)", prov.get("shard"))
+        error = ApiError(500, f"the stream from shard {prov.get('shard')} failed: {type(exc).__name__}: {exc}")
+        yield protocol.sse(error.body() | {"nemo_gen": prov})
+        yield protocol.sse("[DONE]")
+
+
+def error_for(exc: BaseException) -> ApiError:
+    """Any exception as an OpenAI-shaped error (the message says what, never how)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return protocol.bad(str(exc), None)
+    if isinstance(exc, DataError):
+        return protocol.bad(f"{type(exc).__name__}: {exc}", getattr(exc, "field", None))
+    if isinstance(exc, (InfraError, ShardRetired, StaleShard)):
+        return ApiError(503, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, NemoGenError):
+        return ApiError(503, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, f"TimeoutError: {exc}")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _error_response(error: ApiError, version: int | None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers={VERSION_HEADER: _version_text(version)})
+
+
+class Gate:
+    """Pure-ASGI middleware (no per-request task, no buffering of streams): the API key, the
+    version header on every response that does not set its own, the HTTP metrics."""
+
+    def __init__(self, app: Any, api_key: str | None, version: Callable[[], int | None], metrics: ServerMetrics):
+        self.app = app
+        self.key = hashlib.sha256(api_key.encode()).digest() if api_key else None
+        self.version = version
+        self.metrics = metrics
+
+    def _authorized(self, scope: dict) -> bool:
+        for name, value in scope.get("headers") or ():
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and secrets.compare_digest(
+                    hashlib.sha256(token.strip().encode()).digest(), self.key)
+        return False
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = self.metrics.route(path)
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                headers = list(message.get("headers") or [])
+                if not any(k == VERSION_HEADER.encode() for k, _ in headers):
+                    headers.append((VERSION_HEADER.encode(), _version_text(self.version()).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            if self.key is not None and scope.get("method") != "OPTIONS" and path not in OPEN_PATHS \
+                    and not self._authorized(scope):
+                error = ApiError(401, "a valid API key is required: Authorization: Bearer <server.api_key>")
+                await _error_response(error, self.version())(scope, receive, send_with_header)
+                return
+            await self.app(scope, receive, send_with_header)
+        finally:
+            self.metrics.observe(route, status["code"], time.perf_counter() - started)
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise protocol.bad(f"the request body is not valid JSON: {exc}", None) from None
+
+
+def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
+    """The ASGI app (FastAPI inside ``Gate``) serving ``fleet``."""
+    api = FleetApi(fleet, settings, tokenizer)
+    metrics = ServerMetrics(fleet)
+    app = FastAPI(title="nemo-gen", docs_url=None, redoc_url=None, openapi_url=None)
+    version = lambda: fleet.weight_version  # noqa: E731
+
+    def route(fn: Callable[..., Awaitable[Any]]):
+        async def handler(request: Request) -> Response:
+            try:
+                out = await fn(request)
+            except Exception as exc:
+                error = error_for(exc)
+                if error.status >= 500 and not isinstance(exc, (ApiError, NemoGenError, TimeoutError)):
+                    log.exception("%s %s failed", request.method, request.url.path)
+                return _error_response(error, version())
+            return out if isinstance(out, Response) else JSONResponse(out)
+        handler.__name__ = fn.__name__
+        return handler
+
+    def session(request: Request) -> str | None:
+        return request.headers.get(SESSION_HEADER) or None
+
+    async def completions(request: Request):
+        return await api.completions(await _json(request), session(request))
+
+    async def chat(request: Request):
+        return await api.chat(await _json(request), session(request))
+
+    async def models(request: Request):
+        return api.models()
+
+    async def health(request: Request):
+        code, body = api.health()
+        return JSONResponse(body, status_code=code)
+
+    async def prometheus(request: Request):
+        text = await asyncio.to_thread(metrics.render)
+        return Response(text, media_type=metrics.CONTENT_TYPE)
+
+    async def refit(request: Request):
+        return await api.refit(await _json(request))
+
+    app.add_api_route("/v1/completions", route(completions), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", route(chat), methods=["POST"])
+    app.add_api_route("/v1/models", route(models), methods=["GET"])
+    app.add_api_route("/health", route(health), methods=["GET"])
+    app.add_api_route("/metrics", route(prometheus), methods=["GET"])
+    if settings.server.allow_refit:
+        app.add_api_route("/nemo_gen/refit", route(refit), methods=["POST"])
+
+    async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        error = ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail)))
+        return _error_response(error, version())
+
+    app.add_exception_handler(StarletteHTTPException, not_found)
+    key = settings.server.api_key.get_secret_value() if settings.server.api_key else None
+    return Gate(app, key, version, metrics)

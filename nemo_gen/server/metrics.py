@@ -1,0 +1,150 @@
+"""``/metrics``: the fleet's series, each shard's vLLM series and the server's own, as Prometheus text.
+
+Read at scrape time (nothing is polled in between):
+
+- fleet series from ``fleet.metrics()`` (NeMo-RL's ledger names, ``gen_fleet/...``) as Prometheus
+  series with labels: ``gen_fleet/shards/healthy`` -> ``nemo_gen_shards{state="healthy"}``,
+  ``gen_fleet/restart_attempts/0`` -> ``nemo_gen_restart_attempts_total{shard="0"}``,
+  ``gen_fleet/weight_version`` -> ``nemo_gen_weight_version``; the fleet's running sums (restarts,
+  re-routed requests, refits, refit seconds and bytes) are counters, the rest gauges. A key that
+  already reads as a Prometheus name (``name{label="v"}``) is kept (``nemo_gen_`` prefixed).
+- vLLM's own series from ``fleet.vllm_metrics()`` — ``{shard: text or {key: value}}``, the text
+  being what vLLM's Prometheus stat logger exposes in that shard — with a ``shard`` label added,
+  families merged across shards. Absent when the fleet has no ``vllm_metrics()``.
+- HTTP series of this server: ``nemo_gen_http_requests_total{route,code}`` and
+  ``nemo_gen_http_request_duration_seconds{route}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/nemo_gen/refit")
+_KEY = re.compile(r"^(?P<name>[^{]+)(\{(?P<labels>.*)\})?$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+# The fleet's running sums: counters in Prometheus (the rest of fleet.metrics() are gauges).
+COUNTERS = frozenset({"restart_attempts", "rerouted_requests", "refits", "refit_seconds", "refit_bytes"})
+
+
+def parse_key(key: str, prefix: str = "nemo_gen_") -> tuple[str, dict[str, str]]:
+    """``'gen_fleet/shards/healthy'`` -> (``nemo_gen_shards``, ``{"state": "healthy"}``);
+    ``'gen_fleet/shard_weight_version/1'`` -> (``nemo_gen_shard_weight_version``, ``{"shard": "1"}``);
+    ``'vllm:num_requests_running{engine="0"}'`` (prefix "") -> as it is, labels parsed."""
+    labels: dict[str, str] = {}
+    if "/" in key and "{" not in key:
+        parts = [p for p in key.split("/") if p]
+        if parts and parts[0] == "gen_fleet":
+            parts = parts[1:]
+        if len(parts) >= 2 and parts[-1].isdigit():
+            labels["shard"] = parts.pop()
+        elif len(parts) == 2 and parts[0] == "shards":
+            labels["state"] = parts.pop()
+        name = "_".join(parts)
+        if name in COUNTERS:
+            name += "_total"
+    else:
+        match = _KEY.match(key.strip())
+        name, raw = (match.group("name"), match.group("labels") or "") if match else (key, "")
+        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(raw)}
+    name = re.sub(r"[^a-zA-Z0-9_:]", "_", name.strip())
+    if prefix and not name.startswith(prefix.rstrip("_")):
+        name = prefix + name
+    if name[:1].isdigit():
+        name = "_" + name
+    return name, labels
+
+
+def families_from_dict(values: Mapping[str, float], extra: Mapping[str, str] | None = None,
+                       prefix: str = "nemo_gen_") -> dict[str, Metric]:
+    out: dict[str, Metric] = {}
+    for key, value in values.items():
+        name, labels = parse_key(str(key), prefix)
+        counter = name.endswith("_total")
+        family = name.removesuffix("_total") if counter else name
+        metric = out.get(family) or out.setdefault(
+            family, Metric(family, f"nemo_gen fleet series {family}", "counter" if counter else "gauge"))
+        metric.add_sample(name, {**labels, **(extra or {})}, float(value))
+    return out
+
+
+def families_from_text(text: str, extra: Mapping[str, str]) -> dict[str, Metric]:
+    out: dict[str, Metric] = {}
+    for fam in text_string_to_metric_families(text):
+        metric = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+        for sample in fam.samples:
+            metric.add_sample(sample.name, {**sample.labels, **extra}, sample.value, sample.timestamp)
+        out[fam.name] = metric
+    return out
+
+
+def merge(into: dict[str, Metric], more: dict[str, Metric]) -> None:
+    for name, metric in more.items():
+        if name in into and into[name].type == metric.type:
+            into[name].samples.extend(metric.samples)
+        elif name not in into:
+            into[name] = metric
+        else:
+            log.warning("metric %s is a %s and a %s; keeping the first", name, into[name].type, metric.type)
+
+
+class _FleetCollector:
+    def __init__(self, fleet: Any):
+        self.fleet = fleet
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        try:
+            merge(families, families_from_dict(self.fleet.metrics()))
+        except Exception as exc:  # a scrape must not fail for one source
+            log.warning("fleet.metrics() failed: %s", exc)
+        vllm = getattr(self.fleet, "vllm_metrics", None)
+        if callable(vllm):
+            try:
+                per_shard = vllm() or {}
+            except Exception as exc:
+                log.warning("fleet.vllm_metrics() failed: %s", exc)
+                per_shard = {}
+            for shard, stats in per_shard.items():
+                labels = {"shard": str(shard)}
+                try:
+                    if isinstance(stats, str):
+                        merge(families, families_from_text(stats, labels))
+                    elif isinstance(stats, Mapping):
+                        merge(families, families_from_dict(stats, labels, prefix=""))
+                except Exception as exc:
+                    log.warning("vLLM metrics of shard %s could not be read: %s", shard, exc)
+        return list(families.values())
+
+
+class ServerMetrics:
+    CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, fleet: Any):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("nemo_gen_http_requests", "HTTP requests served, by route and status code",
+                                ["route", "code"], registry=self.registry)
+        self.seconds = Histogram("nemo_gen_http_request_duration_seconds", "HTTP request time, by route",
+                                 ["route"], registry=self.registry,
+                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.registry.register(_FleetCollector(fleet))
+
+    @staticmethod
+    def route(path: str) -> str:
+        return path if path in ROUTES else "other"
+
+    def observe(self, route: str, code: int, seconds: float) -> None:
+        self.requests.labels(route, str(code)).inc()
+        self.seconds.labels(route).observe(seconds)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

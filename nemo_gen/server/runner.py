@@ -1,0 +1,123 @@
+"""``start_server``: the app on uvicorn in a background thread of this process, beside the fleet.
+
+The listening socket is bound in the caller's thread, so a port that is taken fails right there
+(``ConfigError`` naming ``server.port``) and port 0 is resolved before ``start_server`` returns;
+the thread runs uvicorn's own event loop (uvicorn leaves signals to the main thread). ``stop()``
+lets requests in flight finish (up to ``grace_s``), then closes the socket and joins the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gen.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# How long stop() lets requests in flight finish before uvicorn cancels them.
+GRACE_S = 5.0
+_START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class ServerHandle:
+    """A running server: ``url`` (``http://host:port``), ``stop()`` (idempotent)."""
+
+    url: str
+    host: str
+    port: int
+    server: Any = field(repr=False)
+    thread: threading.Thread = field(repr=False)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = GRACE_S + 5.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(2.0)
+        if self.thread.is_alive():  # pragma: no cover - uvicorn ignored both
+            log.warning("the HTTP server thread did not stop within %.0fs", timeout_s + 2.0)
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve {host!r}: {exc.strerror}", field="server.host") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="server.port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_server(fleet: Any, settings: Any = None, host: str | None = None, port: int | None = None,
+                 tokenizer: Any = None) -> ServerHandle:
+    """Serve ``fleet`` over OpenAI's HTTP API (``nemo_gen.server.app``) at ``server.host`` /
+    ``server.port`` of ``settings`` (default: the fleet's settings; ``host`` / ``port`` override
+    them). Returns once the server accepts connections. ``tokenizer``: the fleet's, for token
+    strings and stream pieces (default: loaded from the fleet's tokenizer directory)."""
+    import uvicorn
+
+    from nemo_gen.server.app import build_app
+
+    settings = settings or fleet.settings
+    host = settings.server.host if host is None else host
+    port = settings.server.port if port is None else port
+    if tokenizer is None:
+        tokenizer = getattr(fleet, "tokenizer", None)
+    if tokenizer is None:
+        from nemo_gen.fleet.resolve import load_tokenizer
+
+        tokenizer = load_tokenizer(fleet.resolved.tokenizer_dir)
+    app = build_app(fleet, settings, tokenizer)
+    sock = _bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as exc:  # pragma: no cover - reported to start_server's caller
+            errors.append(exc)
+        finally:
+            sock.close()
+
+    thread = threading.Thread(target=run, name="nemo-gen-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(2.0)
+            raise RuntimeError(f"the HTTP server did not start: {errors[0] if errors else 'timed out'}")
+        time.sleep(0.01)
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    handle = ServerHandle(url=f"http://{shown}:{bound_port}", host=bound_host, port=bound_port,
+                          server=server, thread=thread)
+    log.info("OpenAI-compatible server for fleet %r at %s", getattr(settings.fleet, "name", "?"), handle.url)
+    return handle

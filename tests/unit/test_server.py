@@ -1,0 +1,335 @@
+"""The OpenAI-compatible server (nemo_gen.server) over a fleet of fake shards (tests/fakes.py): the
+real app on real uvicorn on 127.0.0.1, the real router behind it, the official openai client in
+front. Engines are tests/e2e/test_serve.py's; here every case takes milliseconds once the app is
+imported (vLLM's protocol models: ~10 s, once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nemo_gen.errors import ConfigError
+from tests.fakes import VOCAB, FakeDriver, fake_fleet
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def driver():
+    d = FakeDriver()
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def served(make_settings, driver):
+    from nemo_gen.server import start_server
+
+    # skip_tokenizer_init: the router decodes the fake shards' tokens, so results have text.
+    settings = make_settings(fleet__name="fake-serve", fleet__num_shards=2, health__probe_interval_s=60,
+                             health__auto_recover=False, server__port=0, server__allow_refit=True,
+                             generation__max_new_tokens=6, generation__vllm_cfg__skip_tokenizer_init=True)
+    fleet = fake_fleet(settings, driver)
+    handle = start_server(fleet)
+    yield fleet, handle, settings
+    handle.stop()
+    fleet.shutdown()
+
+
+@pytest.fixture
+def client(served):
+    _, handle, _ = served
+    return openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0)
+
+
+def model_of(served) -> str:
+    return served[2].model_name()
+
+
+def expected_ids(prompt_ids, n=6, k=0):
+    return [(sum(prompt_ids) + k + i) % VOCAB for i in range(n)]
+
+
+def test_a_completion_says_what_produced_it(served, client):
+    fleet, _, _ = served
+    raw = client.completions.with_raw_response.create(model=model_of(served), prompt=[5, 6, 7], max_tokens=4,
+                                                      extra_body={"return_token_ids": True})
+    assert raw.headers["x-nemo-gen-weight-version"] == str(fleet.weight_version)
+    out = raw.parse()
+    (choice,) = out.choices
+    assert choice.token_ids == expected_ids([5, 6, 7], 4) and choice.finish_reason == "length"
+    assert choice.text == fleet.router.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+    assert out.nemo_gen["weight_version"] == fleet.weight_version and out.nemo_gen["shard"] in (0, 1)
+    assert out.nemo_gen["weight_versions"] == [[fleet.weight_version, 4]]
+    assert raw.headers["x-nemo-gen-shard"] == str(out.nemo_gen["shard"])
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4 and out.usage.total_tokens == 7
+    assert out.model == model_of(served)
+
+
+def test_n_samples_and_several_prompts_are_numbered_prompt_major(served, client):
+    out = client.completions.create(model=model_of(served), prompt=[[1, 2], [3, 4, 5]], n=2, max_tokens=3,
+                                    extra_body={"return_token_ids": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in out.choices] == [
+        expected_ids([1, 2], 3, 0), expected_ids([1, 2], 3, 1), expected_ids([3, 4, 5], 3, 0), expected_ids([3, 4, 5], 3, 1)]
+    assert all(c.nemo_gen["shard"] in (0, 1) for c in out.choices)
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == 5
+
+
+def test_logprobs_are_the_sampled_tokens_and_offsets_index_the_text(served, client):
+    out = client.completions.create(model=model_of(served), prompt="hello", max_tokens=5, logprobs=0)
+    (choice,) = out.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(list(top) == [tok] for top, tok in zip(lp.top_logprobs, lp.tokens))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_of(served), prompt="hello", logprobs=2)
+    assert info.value.body["param"] == "logprobs"
+
+
+def test_chat_renders_the_messages_and_answers_as_the_assistant(served, client):
+    fleet, _, _ = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = client.chat.completions.create(model=model_of(served), messages=messages, n=2, max_tokens=4, logprobs=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.message.role == "assistant" and c.message.content for c in out.choices)
+    assert out.choices[0].message.content != out.choices[1].message.content  # two samples of one group
+    assert all(len(c.logprobs.content) == 4 for c in out.choices)
+    rendered = fleet.router.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = fleet.router.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert out.usage.prompt_tokens == len(ids)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    again = client.chat.completions.create(model=model_of(served), messages=parts, max_tokens=4)
+    alone = client.chat.completions.create(model=model_of(served), messages=[{"role": "user", "content": "Hi there"}],
+                                           max_tokens=4)
+    assert again.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_a_stream_is_the_same_answer_in_token_chunks(served, client):
+    whole = client.completions.create(model=model_of(served), prompt="stream me", max_tokens=6)
+    chunks = list(client.completions.create(model=model_of(served), prompt="stream me", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) == 6  # one per generated token
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * 5 + ["length"]
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    assert all(c.nemo_gen["weight_version"] == whole.nemo_gen["weight_version"] for c in chunks)
+
+    chat = list(client.chat.completions.create(model=model_of(served), messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=3, n=2, stream=True))
+    by_choice = {i: [c.choices[0] for c in chat if c.choices[0].index == i] for i in (0, 1)}
+    for pieces in by_choice.values():
+        assert pieces[0].delta.role == "assistant"
+        assert pieces[-1].finish_reason == "length" and len(pieces) == 1 + 3
+
+
+def test_a_session_stays_on_its_shard(served, client):
+    first = client.completions.create(model=model_of(served), prompt="turn 1", max_tokens=2,
+                                      extra_headers={"x-session-id": "conversation-7"})
+    for turn in range(2, 6):
+        nxt = client.completions.create(model=model_of(served), prompt=f"turn {turn}", max_tokens=2,
+                                        extra_headers={"x-session-id": "conversation-7"})
+        assert nxt.nemo_gen["shard"] == first.nemo_gen["shard"]
+    by_user = [client.chat.completions.create(model=model_of(served), messages=[{"role": "user", "content": str(i)}],
+                                              max_tokens=2, user="agent-3").nemo_gen["shard"] for i in range(4)]
+    assert len(set(by_user)) == 1
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"extra_body": {"stop_token_ids": ["x"]}}, "stop_token_ids.0"),  # vLLM's model names the item
+    ({"echo": True}, "echo"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x" * 2000}, "prompt"),  # longer than max_model_len
+])
+def test_bad_input_is_a_400_naming_the_field(served, client, kwargs, param):
+    kwargs = {"prompt": "fine", **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_of(served), **kwargs)
+    assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
+    assert "Traceback" not in info.value.body["message"]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+])
+def test_bad_chat_input_is_a_400_naming_the_field(served, client, kwargs, param):
+    kwargs = {"messages": [{"role": "user", "content": "fine"}], **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_of(served), **kwargs)
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_other_errors_are_openai_shaped(served, client):
+    _, handle, _ = served
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="another-model", prompt="x")
+    assert info.value.body["param"] == "model"
+    r = httpx.post(f"{handle.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    r = httpx.get(f"{handle.url}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "x-nemo-gen-weight-version" in r.headers
+    r = httpx.get(f"{handle.url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_models_health_and_metrics(served, client):
+    fleet, handle, _ = served
+    (model,) = client.models.list().data
+    assert model.id == model_of(served)
+    health = httpx.get(f"{handle.url}/health")
+    assert health.status_code == 200 and health.json()["serving_shards"] == 2
+    client.completions.create(model=model_of(served), prompt="count me", max_tokens=2)
+    text = httpx.get(f"{handle.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    shards = {s.labels["state"]: s.value for s in families["nemo_gen_shards"].samples}
+    assert shards["healthy"] == 2 and shards["dead"] == 0
+    assert families["nemo_gen_weight_version"].samples[0].value == fleet.weight_version
+    assert families["nemo_gen_rerouted_requests"].type == "counter"
+    served_ok = [s for s in families["nemo_gen_http_requests"].samples
+                 if s.name.endswith("_total") and s.labels == {"route": "/v1/completions", "code": "200"}]
+    assert served_ok and served_ok[0].value >= 1
+
+
+def test_a_refit_moves_the_version_of_later_responses(served, client):
+    import torch
+
+    fleet, handle, _ = served
+    before = client.completions.with_raw_response.create(model=model_of(served), prompt="x", max_tokens=2)
+    old = int(before.headers["x-nemo-gen-weight-version"])
+    report = fleet.refit({"w": torch.ones(4, 4), "b": torch.zeros(4)})
+    assert report.ok and report.version == old + 1
+    after = client.completions.with_raw_response.create(model=model_of(served), prompt="x", max_tokens=2)
+    assert after.headers["x-nemo-gen-weight-version"] == str(old + 1) and after.parse().nemo_gen["weight_version"] == old + 1
+    # the refit route refuses what is not a checkpoint, naming the field
+    r = httpx.post(f"{handle.url}/nemo_gen/refit", json={"checkpoint": "/nonexistent/ckpt"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint", r.text
+    r = httpx.post(f"{handle.url}/nemo_gen/refit", json={"checkpoint": "/x", "colour": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "colour"
+
+
+def test_the_async_client_serves_many_at_once(served):
+    _, handle, _ = served
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0) as aclient:
+            outs = await asyncio.gather(*(aclient.completions.create(model=model_of(served), prompt=[i + 1], max_tokens=3,
+                                                                     extra_body={"return_token_ids": True})
+                                          for i in range(32)))
+        return outs
+
+    outs = asyncio.run(main())
+    assert [o.choices[0].token_ids for o in outs] == [expected_ids([i + 1], 3) for i in range(32)]
+    assert {o.nemo_gen["shard"] for o in outs} == {0, 1}
+
+
+def test_no_serving_shard_is_a_503(make_settings):
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    settings = make_settings(fleet__name="fake-503", fleet__num_shards=1, health__probe_interval_s=60,
+                             health__auto_recover=False, server__port=0, fleet__request_timeout_s=0.5)
+    fleet = fake_fleet(settings, driver)
+    try:
+        with start_server(fleet) as handle:
+            client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0)
+            driver.set_dead(fleet.handle(0).name)
+            from tests.helpers import wait_until
+
+            wait_until(lambda: fleet.health.serving_shards() == [], 5, "the shard condemned")
+            with pytest.raises(openai.InternalServerError) as info:
+                client.completions.create(model=settings.model_name(), prompt="x")
+            assert info.value.status_code == 503 and "shard" in info.value.body["message"]
+            assert httpx.get(f"{handle.url}/health").status_code == 503
+    finally:
+        fleet.shutdown()
+        driver.close()
+
+
+def test_the_api_key_is_required_when_set(make_settings):
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    settings = make_settings(fleet__name="fake-key", fleet__num_shards=1, health__probe_interval_s=60,
+                             server__port=0, server__api_key="s3cret")
+    fleet = fake_fleet(settings, driver)
+    try:
+        with start_server(fleet) as handle:
+            for key in ("wrong", ""):
+                client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key=key or "x", max_retries=0,
+                                       default_headers={} if key else {"Authorization": ""})
+                with pytest.raises(openai.AuthenticationError) as info:
+                    client.completions.create(model=settings.model_name(), prompt="x")
+                assert info.value.status_code == 401 and info.value.body["code"] == 401
+            ok = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="s3cret", max_retries=0)
+            assert ok.completions.create(model=settings.model_name(), prompt="x", max_tokens=2).choices
+            assert httpx.get(f"{handle.url}/health").status_code == 200  # open: load balancers
+            assert httpx.get(f"{handle.url}/metrics").status_code == 200  # open: scrapers
+            assert httpx.post(f"{handle.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+    finally:
+        fleet.shutdown()
+        driver.close()
+
+
+def test_a_taken_port_is_a_config_error_naming_it(served):
+    from nemo_gen.server import start_server
+
+    fleet, handle, settings = served
+    with pytest.raises(ConfigError) as info:
+        start_server(fleet, settings, port=handle.port)
+    assert info.value.field == "server.port"
+
+
+def test_a_stream_that_fails_after_it_began_ends_with_an_error_event_naming_the_shard():
+    from nemo_gen.server.app import _guarded
+
+    def events():
+        yield "data: {\"choices\": []}\n\n"
+        raise RuntimeError("the connection to shard 1 broke")
+
+    async def collect():
+        return [e async for e in _guarded(events(), {"shard": 1, "weight_version": 3})]
+
+    out = asyncio.run(collect())
+    assert len(out) == 3 and out[-1] == "data: [DONE]\n\n"
+    error = json.loads(out[1].removeprefix("data: "))
+    assert "shard 1" in error["error"]["message"] and error["nemo_gen"]["shard"] == 1
+
+
+def test_text_pieces_join_to_the_engines_text(served):
+    from nemo_gen.server.protocol import Detokenizer
+
+    tok = served[0].router.tokenizer
+    detok = Detokenizer(tok)
+    ids = tok("Hello world, this is a test of pieces", add_special_tokens=False)["input_ids"]
+    text = tok.decode(ids, skip_special_tokens=True)
+    pieces = detok.pieces(ids, text)
+    assert len(pieces) == len(ids) and "".join(pieces) == text
+    cut = text[: len(text) // 2]  # a stop string cut the text: the pieces still join to it
+    assert "".join(detok.pieces(ids, cut)) == cut and len(detok.pieces(ids, cut)) == len(ids)
+    assert detok.pieces([], "") == []
+
+
+def test_port_zero_picks_a_free_port(served):
+    _, handle, _ = served
+    assert handle.port > 0
+    with socket.create_connection((handle.host, handle.port), timeout=2):
+        pass
