@@ -8,6 +8,7 @@ lock, the ``AsyncLLM`` (``vllm_cfg.async_engine``) serves concurrent requests na
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -42,6 +43,9 @@ def sampling_params(s: dict[str, Any]):
         logprobs=0,
     )
 
+
+# Stretches without a step longer than this are kept (step_gaps): a decode step takes ~1 ms here.
+_GAP_S = 0.005
 
 # One greedy token: the warm-up generation of a fresh engine.
 _WARMUP = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": None, "stop_strings": None,
@@ -94,6 +98,9 @@ class Engine:
         # generation, as bench/refit_inflight.py measures it), and when the last step finished.
         self.max_step_gap = 0.0
         self._last_step_end: float | None = None
+        # Stretches without a finished step longer than _GAP_S, as (start, end) on the machine's
+        # monotonic clock, so a benchmark can tell which ones a refit caused.
+        self._gaps: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
         # In-flight refit of the sync engine: the running batch's requests by engine id, whether a
         # swap is under way, and why the weights can no longer be trusted (a failed swap).
         self._tracks: dict[str, Track] = {}
@@ -386,16 +393,21 @@ class Engine:
                     self._tracks.pop(out.request_id, None)
             now = time.monotonic()
             if self._last_step_end is not None:
-                self.max_step_gap = max(self.max_step_gap, now - self._last_step_end)
+                gap = now - self._last_step_end
+                self.max_step_gap = max(self.max_step_gap, gap)
+                if gap > _GAP_S:
+                    self._gaps.append((self._last_step_end, now))
             self.last_step_at = self._last_step_end = now
             self.batch_steps += 1
 
-    def step_gaps(self, reset: bool) -> dict[str, float]:
+    def step_gaps(self, reset: bool) -> dict[str, Any]:
         """The longest time the engine went without finishing a step (sync engine) since the
-        last reset; ``reset`` starts a new window."""
-        out = {"max_step_gap_s": self.max_step_gap}
+        last reset, and each stretch over 5 ms as (start, end) monotonic seconds; ``reset``
+        starts a new window."""
+        out = {"max_step_gap_s": self.max_step_gap, "gaps": list(self._gaps)}
         if reset:
             self.max_step_gap, self._last_step_end = 0.0, None
+            self._gaps.clear()
         return out
 
     async def _generate_async(self, req: GenerationRequest, params) -> dict:

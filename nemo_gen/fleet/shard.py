@@ -179,7 +179,7 @@ class ShardActor:
             "seconds": time.perf_counter() - t0,
         }
 
-    def step_gaps(self, reset: bool = False) -> dict[str, float]:
+    def step_gaps(self, reset: bool = False) -> dict[str, Any]:
         """The engine's longest stretch without a finished step since the last reset."""
         return self.engine.step_gaps(reset)
 
