@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from nemo_gen.core.fleet_health import ShardState
+from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 
 
 class SlotHealth(Protocol):
@@ -105,11 +105,13 @@ def attach_seeds(num_slots: int, infos: Mapping[int, Mapping[str, Any]], recorde
     serves (it outlives every shard); without one, the newest version any shard holds."""
     known = [i.get("weight_version") for i in infos.values() if i.get("weight_version") is not None]
     version = max(known) if known else None
-    source = next((i.get("weight_source") for i in infos.values()
-                   if i.get("weight_version") == version and i.get("weight_source")), None)
     if recorded is not None:
         version = recorded.get("weight_version")
-        source = recorded.get("weight_source") or source
+    # The checkpoint of that version: the record's, or one a shard at that version loaded (never
+    # another version's: a catch-up from it would load the wrong weights).
+    source = (recorded or {}).get("weight_source") or next(
+        (i.get("weight_source") for i in infos.values() if i.get("weight_version") == version and i.get("weight_source")),
+        None)
     seeds = []
     for slot in range(num_slots):
         info = infos.get(slot)
@@ -124,3 +126,15 @@ def attach_seeds(num_slots: int, infos: Mapping[int, Mapping[str, Any]], recorde
         else:
             seeds.append(Seed(slot, ShardState.HEALTHY, f"at weight version {version}", restarts))
     return version, source, seeds
+
+
+def seed_ledger(health: GenerationFleetHealth, seeds: Iterable[Seed], version: int | None) -> None:
+    """Enter ``attach_seeds``' verdicts into a fresh ledger (restart budgets carried over)."""
+    for seed in seeds:
+        health.restore_restart_attempts(seed.slot, seed.restarts)
+        if seed.state is ShardState.DEAD:
+            health.mark_dead(seed.slot, seed.reason)
+        elif seed.state is ShardState.STALE:
+            health.mark_loaded(seed.slot)
+        else:
+            health.report_refit(seed.slot, version)

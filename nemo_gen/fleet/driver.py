@@ -198,6 +198,10 @@ class ShardDriver:
         handle.info = self._get(handle, "assign", handle.actor.assign.remote(slot, restarts), self.timeouts.control_s)
         return handle.info
 
+    def vllm_metrics(self, handle: ShardHandle) -> list[dict[str, Any]]:
+        """vLLM's own stats of the shard's engine (``ShardActor.vllm_metrics``)."""
+        return self._get(handle, "vllm_metrics", handle.actor.vllm_metrics.remote(), self.timeouts.control_s)
+
     def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
         return self._get(handle, "expected_manifest", handle.actor.expected_manifest.remote(target),
                          self.timeouts.refit_s)

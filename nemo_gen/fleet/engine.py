@@ -427,6 +427,29 @@ class Engine:
         samples = [_sample_dict(comp, version) for comp in sorted(final.outputs, key=lambda c: c.index)]
         return {"index": req.index, **samples[0], "samples": samples, "error": None}
 
+    def vllm_metrics(self) -> list[dict[str, Any]]:
+        """vLLM's own stats of this engine (its Prometheus series: prefix-cache queries and hits,
+        time to first token, running requests, ...) as plain dicts; empty unless stats are on
+        (``generation.vllm_cfg.enable_vllm_metrics_logger``)."""
+        engine = self._llm if self.async_engine else self._llm.llm_engine
+        if not getattr(engine, "log_stats", False):
+            return []
+        from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
+
+        out = []
+        for m in get_metrics_snapshot():
+            row: dict[str, Any] = {"name": m.name, "labels": dict(m.labels)}
+            if isinstance(m, Histogram):
+                row.update(kind="histogram", count=m.count, sum=m.sum, buckets=dict(m.buckets))
+            elif isinstance(m, Vector):
+                row.update(kind="vector", values=list(m.values))
+            elif isinstance(m, (Counter, Gauge)):
+                row.update(kind="counter" if isinstance(m, Counter) else "gauge", value=m.value)
+            else:
+                continue
+            out.append(row)
+        return out
+
     def child_pids(self) -> list[int]:
         """PIDs of the processes vLLM forked for this engine (EngineCore, workers)."""
         try:

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from nemo_gen import policies
-from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.members import Member
-from nemo_gen.core.planner import attach_seeds
+from nemo_gen.core.planner import attach_seeds, seed_ledger
 from nemo_gen.core.refit import RefitReport
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.core.sampling import resolve_sampling
@@ -66,7 +66,7 @@ class GenerationFleet:
         version, source = (0 if s.is_eval() else None), None
         if attached:
             version, source, seeds = attach_seeds(s.fleet.num_shards, {h.index: h.info for h in shards}, recorded)
-            self._seed(seeds, version)
+            seed_ledger(self.health, seeds, version)
         elif not s.is_eval():
             for handle in shards:
                 self.health.mark_loaded(handle.index)
@@ -93,16 +93,6 @@ class GenerationFleet:
                              s.health.probe_timeout_s, s.health.warmup_grace_s, self.recovery.shard_lost)
         if watch and s.health.enabled:
             self._start_monitor()
-
-    def _seed(self, seeds, version: int | None) -> None:
-        for seed in seeds:
-            self.health.restore_restart_attempts(seed.slot, seed.restarts)
-            if seed.state is ShardState.DEAD:
-                self.health.mark_dead(seed.slot, seed.reason)
-            elif seed.state is ShardState.STALE:
-                self.health.mark_loaded(seed.slot)
-            else:
-                self.health.report_refit(seed.slot, version)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -279,6 +269,10 @@ class GenerationFleet:
     def metrics(self) -> dict[str, float]:
         """The fleet's own series (NeMo-RL's ledger names, plus version, re-routing and refits)."""
         return fleet_metrics(self.health, self.weights.version, self.router.rerouted, self.refitter.totals)
+
+    def vllm_metrics(self) -> dict[int, list[dict[str, Any]]]:
+        """Per serving slot, vLLM's own stats of its engine (empty unless they are on)."""
+        return {s: self.driver.vllm_metrics(self.members.handle(s)) for s in self.health.serving_shards()}
 
     def shutdown(self, reap_timeout_s: float | None = None) -> list[int]:
         """Stop every shard and spare and wait until their engine processes have exited

@@ -179,6 +179,10 @@ class ShardActor:
             "seconds": time.perf_counter() - t0,
         }
 
+    def vllm_metrics(self) -> list[dict[str, Any]]:
+        """vLLM's own stats of this shard's engine (empty unless its stats are on)."""
+        return self.engine.vllm_metrics() if self.engine else []
+
     def step_gaps(self, reset: bool = False) -> dict[str, Any]:
         """The engine's longest stretch without a finished step since the last reset."""
         return self.engine.step_gaps(reset)
