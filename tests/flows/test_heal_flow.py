@@ -1,6 +1,7 @@
 """The ``heal`` flow under a real Prefect API on real engines: a shard is killed, and its
 first replacement is killed too while heal runs — the ``restart-shard`` task's retry shows up
-in the API (AwaitingRetry, run_count 2), and the shard is back at the fleet's weight version."""
+in the API (AwaitingRetry, run_count 2), and the shard is back at the fleet's weight version.
+Lost once more with its restart budget spent, heal retires it (not retried) and fails the run."""
 
 from __future__ import annotations
 
@@ -55,19 +56,23 @@ async def _restart_task_runs(flow_run_id):
         return out
 
 
-def _kill_first_replacement(stop: threading.Event, killed: list):
-    """Wait for heal's first replacement actor of slot 1 and SIGKILL it while it loads."""
-    name = f"{FLEET}-shard-1-r1"
+def _kill_first_replacement(stop: threading.Event, killed: list, known: frozenset = frozenset()):
+    """Wait for heal's first new replacement actor of slot 1 (one not in ``known``) and SIGKILL
+    it while it loads."""
+    names = [f"{FLEET}-shard-1-r{n}" for n in range(1, 10)]
     while not stop.is_set():
-        try:
-            actor = ray.get_actor(name, namespace="nemo_gen_tests")
-            info = ray.get(actor.info.remote(), timeout=5)
-        except Exception:
-            time.sleep(0.1)
-            continue
-        os.kill(info["actor_pid"], signal.SIGKILL)
-        killed.append(info["actor_pid"])
-        return
+        for name in names:
+            if name in known:
+                continue
+            try:
+                actor = ray.get_actor(name, namespace="nemo_gen_tests")
+                info = ray.get(actor.info.remote(), timeout=5)
+            except Exception:
+                continue
+            os.kill(info["actor_pid"], signal.SIGKILL)
+            killed.append(info["actor_pid"])
+            return
+        time.sleep(0.1)
 
 
 def test_heal_restarts_a_killed_shard_with_a_visible_retry(prefect_harness, ray_cluster, tiny_model_dir, tmp_path):
@@ -114,7 +119,34 @@ def test_heal_restarts_a_killed_shard_with_a_visible_retry(prefect_harness, ray_
         assert {r.weight_version for r in results} == {0}
         status = healed.status()
         pids = [p for s in status for p in [s.actor_pid, *s.engine_pids] if p]
-        healed.shutdown()
+        healed.detach()
+
+        # Lost again, with a budget of 1 restart for this heal run: its replacement is killed
+        # while it loads (attempt 1, infra: retried), attempt 2 is past the budget, so heal
+        # retires the slot (ShardRetired: not retried) and fails the run so a person sees it.
+        again = next(s for s in status if s.index == 1)
+        os.kill(again.actor_pid, signal.SIGKILL)
+        assert wait_gone([again.actor_pid], 10) == []
+        spent = overrides + ["health.max_restart_attempts_per_shard=1"]
+        stop, killed = threading.Event(), []
+        killer = threading.Thread(target=_kill_first_replacement, args=(stop, killed, {again.name}), daemon=True)
+        killer.start()
+        state = heal(overrides=spent, return_state=True)
+        stop.set()
+        killer.join(5)
+        assert killed, "the replacement was never seen"
+        assert state.is_failed() and "shard 1" in state.message and "retired" in state.message, state.message
+        runs = asyncio.run(_restart_task_runs(state.state_details.flow_run_id))
+        (run, history) = next((r, h) for r, h in runs if r.name == "restart-shard-1")
+        assert run.run_count == 2 and "AwaitingRetry" in history and history[-1] == "Failed", history
+        final = GenerationFleet.attach(NemoGenSettings.load(overrides=spent), watch=False)
+        results = final.generate(["The quick brown fox"] * 4, temperature=0)
+        assert all(r.ok for r in results) and {r.shard for r in results} == {0}
+        # RETIRED is terminal, for the process that retired the slot and for every one that
+        # attaches later (the next heal run): it must not come back with a fresh budget.
+        assert final.health.state_of(1) is ShardState.RETIRED, (
+            "the retirement did not outlive the heal run that decided it: " + str(final.health.history(1)))
+        final.shutdown()
         assert wait_gone(pids, 30) == []
     finally:
         fleet.shutdown()
