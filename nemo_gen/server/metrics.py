@@ -8,9 +8,12 @@ Read at scrape time (nothing is polled in between):
   ``gen_fleet/weight_version`` -> ``nemo_gen_weight_version``; the fleet's running sums (restarts,
   re-routed requests, refits, refit seconds and bytes) are counters, the rest gauges. A key that
   already reads as a Prometheus name (``name{label="v"}``) is kept (``nemo_gen_`` prefixed).
-- vLLM's own series from ``fleet.vllm_metrics()`` — ``{shard: text or {key: value}}``, the text
-  being what vLLM's Prometheus stat logger exposes in that shard — with a ``shard`` label added,
-  families merged across shards. Absent when the fleet has no ``vllm_metrics()``.
+- vLLM's own series from ``fleet.vllm_metrics()`` — per serving shard, the rows of vLLM's metrics
+  snapshot in that shard's process (``vllm.v1.metrics.reader``: ``{"name", "labels", "kind":
+  counter | gauge | histogram | vector, ...}``; Prometheus text or a ``{key: value}`` dict are
+  read too) — under their own names (``vllm:num_requests_running``, ``vllm:prefix_cache_hits``,
+  ...) with a ``shard`` label added, families merged across shards. vLLM keeps them only with
+  ``generation.vllm_cfg.enable_vllm_metrics_logger: true`` (`nemo-gen serve` turns it on).
 - HTTP series of this server: ``nemo_gen_http_requests_total{route,code}`` and
   ``nemo_gen_http_request_duration_seconds{route}``.
 """
@@ -87,6 +90,31 @@ def families_from_text(text: str, extra: Mapping[str, str]) -> dict[str, Metric]
     return out
 
 
+def families_from_rows(rows: Iterable[Mapping[str, Any]], extra: Mapping[str, str]) -> dict[str, Metric]:
+    """vLLM's metrics snapshot rows (``Engine.vllm_metrics``) as Prometheus families."""
+    out: dict[str, Metric] = {}
+    for row in rows:
+        name, kind = str(row["name"]), row.get("kind")
+        labels = {**{str(k): str(v) for k, v in (row.get("labels") or {}).items()}, **extra}
+        typ = {"vector": "counter"}.get(kind, kind)
+        if typ not in ("counter", "gauge", "histogram"):
+            continue
+        metric = out.get(name) or out.setdefault(name, Metric(name, f"vLLM {name}", typ))
+        if kind == "counter":
+            metric.add_sample(f"{name}_total", labels, float(row["value"]))
+        elif kind == "gauge":
+            metric.add_sample(name, labels, float(row["value"]))
+        elif kind == "vector":  # one counter per position (vLLM's accepted tokens per position)
+            for i, value in enumerate(row.get("values") or []):
+                metric.add_sample(f"{name}_total", {**labels, "position": str(i)}, float(value))
+        else:
+            for le, count in (row.get("buckets") or {}).items():
+                metric.add_sample(f"{name}_bucket", {**labels, "le": str(le)}, float(count))
+            metric.add_sample(f"{name}_count", labels, float(row.get("count", 0)))
+            metric.add_sample(f"{name}_sum", labels, float(row.get("sum", 0.0)))
+    return out
+
+
 def merge(into: dict[str, Metric], more: dict[str, Metric]) -> None:
     for name, metric in more.items():
         if name in into and into[name].type == metric.type:
@@ -121,6 +149,8 @@ class _FleetCollector:
                         merge(families, families_from_text(stats, labels))
                     elif isinstance(stats, Mapping):
                         merge(families, families_from_dict(stats, labels, prefix=""))
+                    else:
+                        merge(families, families_from_rows(stats, labels))
                 except Exception as exc:
                     log.warning("vLLM metrics of shard %s could not be read: %s", shard, exc)
         return list(families.values())

@@ -333,3 +333,33 @@ def test_port_zero_picks_a_free_port(served):
     assert handle.port > 0
     with socket.create_connection((handle.host, handle.port), timeout=2):
         pass
+
+
+def test_vllm_snapshot_rows_become_prometheus_series_labelled_by_shard():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from nemo_gen.server.metrics import families_from_rows, merge
+
+    rows = [{"name": "vllm:num_requests_running", "labels": {"engine": "0"}, "kind": "gauge", "value": 2},
+            {"name": "vllm:prefix_cache_hits", "labels": {"engine": "0"}, "kind": "counter", "value": 5},
+            {"name": "vllm:time_to_first_token_seconds", "labels": {"engine": "0"}, "kind": "histogram",
+             "count": 3, "sum": 0.5, "buckets": {"0.1": 1, "1.0": 3, "+Inf": 3}},
+            {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "labels": {}, "kind": "vector", "values": [4, 1]}]
+    families: dict = {}
+    for shard in ("0", "1"):
+        merge(families, families_from_rows(rows, {"shard": shard}))
+
+    class Snapshot:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry()
+    registry.register(Snapshot())
+    parsed = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert parsed["vllm:num_requests_running"].type == "gauge"
+    assert {s.labels["shard"] for s in parsed["vllm:num_requests_running"].samples} == {"0", "1"}
+    assert [s.value for s in parsed["vllm:prefix_cache_hits"].samples if s.name.endswith("_total")] == [5, 5]
+    ttft = parsed["vllm:time_to_first_token_seconds"]
+    assert ttft.type == "histogram" and {s.labels.get("le") for s in ttft.samples if s.name.endswith("_bucket")} == {
+        "0.1", "1.0", "+Inf"}
+    assert {s.labels["position"] for s in parsed["vllm:spec_decode_num_accepted_tokens_per_pos"].samples} == {"0", "1"}
