@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_cli import _marked
+from tests.activity import wait_ray_nodes
 from tests.helpers import wait_gone
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +54,7 @@ def ray_head(tmp_path):
         except OSError:
             assert proc.poll() is None, (tmp_path / "ray.log").read_text()[-2000:]
             time.sleep(0.5)
-    time.sleep(2)  # the raylet registers just after the GCS port opens
+    wait_ray_nodes(f"127.0.0.1:{port}", env, 1)  # the raylet registers just after the GCS port opens
     yield {"address": f"127.0.0.1:{port}", "marker": marker, "env": env}
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -66,7 +68,7 @@ def ray_head(tmp_path):
 
 
 def nemo_gen(args, ray_head, tmp_path, timeout=400):
-    env = dict(ray_head["env"])
+    env = {**ray_head["env"], "COLUMNS": "240", "NO_COLOR": "1"}  # a wide terminal: table cells do not wrap
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run([sys.executable, "-m", "nemo_gen.cli", *args], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=tmp_path)
@@ -79,14 +81,15 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
     other = make_tiny_model(tmp_path / "ckpt-b", seed=3)
     common = ["--set", f"ray.address={ray_head['address']}", "--set", f"home={tmp_path / 'home'}",
               "--set", f"model.path={tiny_model_dir}", "--set", "fleet.name=persistent",
-              "--set", "fleet.num_shards=1", "--set", "generation.vllm_cfg.max_model_len=256", "--json"]
+              "--set", "fleet.num_shards=2", "--set", "generation.vllm_cfg.max_model_len=256", "--json"]
+    human = common[:-1]  # the same commands as a person types them: tables and text, not JSON
 
     staging_before = set(Path("/dev/shm").glob("nemo_gen-persistent-*"))
     up = nemo_gen(["fleet", "up", *common], ray_head, tmp_path)
     assert up.returncode == 0, up.stderr[-3000:]
-    (shard,) = json.loads(up.stdout)["shards"]
-    assert shard["state"] == "healthy" and shard["weight_version"] == 0
-    pids = [shard["actor_pid"], *shard["engine_pids"]]
+    shard, second = json.loads(up.stdout)["shards"]
+    assert shard["state"] == second["state"] == "healthy" and shard["weight_version"] == 0
+    pids = [p for s in (shard, second) for p in [s["actor_pid"], *s["engine_pids"]]]
 
     # The command that launched it has exited; the fleet is still there.
     status = nemo_gen(["fleet", "status", *common], ray_head, tmp_path)
@@ -102,6 +105,45 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
     assert set(Path("/dev/shm").glob("nemo_gen-persistent-*")) <= staging_before, "refit left its staging file"
     after = json.loads(nemo_gen(["fleet", "status", *common], ray_head, tmp_path).stdout)["shards"][0]
     assert after["state"] == "healthy" and after["weight_version"] == 7
+
+    # `fleet status` as a table
+    table = nemo_gen(["fleet", "status", *human], ray_head, tmp_path)
+    assert table.returncode == 0, table.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("\u2502")][1:-1] for line in table.stdout.splitlines() if "\u2502" in line]
+    assert "fleet persistent" in table.stdout
+    assert [r[:5] for r in rows] == [
+        ["0", "healthy", "7", str(shard["actor_pid"]), " ".join(map(str, shard["engine_pids"]))],
+        ["1", "healthy", "7", str(second["actor_pid"]), " ".join(map(str, second["engine_pids"]))],
+    ]
+
+    # `refit --no-prefect`, as text: every shard ok, exit 0
+    plain = nemo_gen(["refit", "--checkpoint", str(tiny_model_dir), "--version", "8", "--no-prefect", *human],
+                     ray_head, tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    first, *per_shard = plain.stdout.strip().splitlines()
+    assert re.fullmatch(r"refit to weight version 8: \d+\.\d MB in \d+\.\d\d s \(\d+\.\d\d GB/s\)", first), first
+    assert per_shard == ["  shard 0: ok", "  shard 1: ok"]
+
+    # A shard that cannot load is quarantined: listed, exit 3, the other serves v9. Its EngineCore
+    # is frozen, so its actor still answers when the command attaches but the load never ends.
+    # refit.timeout_s=10 is a bound with its reason: a healthy shard loads this model in ~0.03 s.
+    import psutil
+
+    core = next(p for p in second["engine_pids"] if "EngineCore" in psutil.Process(p).name())
+    os.kill(core, signal.SIGSTOP)
+    try:
+        partial = nemo_gen(["refit", "--checkpoint", str(other), "--version", "9", "--no-prefect",
+                            "--set", "refit.timeout_s=10", *human], ray_head, tmp_path)
+    finally:
+        os.kill(core, signal.SIGKILL)
+    assert partial.returncode == 3, partial.stdout + partial.stderr[-3000:]
+    first, *per_shard = partial.stdout.strip().splitlines()
+    assert first.startswith("refit to weight version 9: "), first
+    per_shard = sorted(per_shard)  # listed in the report's order, not by shard
+    assert per_shard[0] == "  shard 0: ok" and per_shard[1].startswith("  shard 1: QUARANTINED: "), per_shard
+    rows = {r["index"]: r for r in json.loads(nemo_gen(["fleet", "status", *common], ray_head, tmp_path).stdout)["shards"]}
+    assert rows[0]["state"] == "healthy" and rows[0]["weight_version"] == 9
+    assert rows[1]["state"] != "healthy" and rows[1]["weight_version"] != 9, rows[1]  # it never serves
 
     bad = nemo_gen(["refit", "--checkpoint", str(tmp_path / "nowhere"), "--no-prefect", *common], ray_head, tmp_path)
     assert bad.returncode == 2 and "nowhere" in bad.stderr
