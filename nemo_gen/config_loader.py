@@ -54,7 +54,8 @@ class ForeignKey:
     accepted: str = "any value"
 
 
-_HTTP = "part of the per-shard OpenAI-compatible HTTP server (expose_http_server), not supported yet"
+_HTTP = ("not supported yet: part of NeMo-RL's per-shard HTTP servers (nemo_gen serves the whole fleet through one "
+         "OpenAI-compatible server: vllm_cfg.expose_http_server, server.*)")
 _OTHER_BACKEND = "configures another NeMo-RL backend; nemo_gen implements backend=vllm"
 _QUANT = ("NeMo-RL's ModelOpt quantization is not supported; vllm_cfg.precision=fp8 or "
           "vllm_kwargs.quantization select vLLM's own")
@@ -87,8 +88,6 @@ NEMO_RL_KEYS: dict[str, ForeignKey] = {
     "generation.sglang_cfg": ForeignKey(_OTHER_BACKEND),
     "generation.trtllm_cfg": ForeignKey(_OTHER_BACKEND),
     "generation.dynamo_cfg": ForeignKey(_OTHER_BACKEND),
-    "generation.vllm_cfg.expose_http_server": ForeignKey(
-        "an OpenAI-compatible HTTP server per shard is not supported yet", _off, "false or null"),
     "generation.vllm_cfg.http_refit_api_key_env_var": ForeignKey(_HTTP, _null, "null"),
     "generation.vllm_cfg.http_refit_server_port": ForeignKey(_HTTP, _null, "null"),
     "generation.vllm_cfg.zmq_refit_server_port": ForeignKey(_HTTP, _null, "null"),

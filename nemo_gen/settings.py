@@ -151,6 +151,11 @@ class VllmCfg(_Section):
     env_vars: dict[str, str] = Field(
         default_factory=dict, description="Environment variables set in every engine process."
     )
+    expose_http_server: bool = Field(
+        False, description="The fleet serves itself over the OpenAI-compatible HTTP server (nemo_gen.server) "
+        "at server.host:server.port while it runs (fleet.http_url); the engines then load their tokenizer. "
+        "`nemo-gen serve` starts the same server by itself.",
+    )
     worker_extension_cls: str | None = Field(
         None,
         description="Class mixed into vLLM workers (vLLM backend only); must subclass "

@@ -81,7 +81,8 @@ def test_a_recipe_inheriting_the_base_recipe():
     assert "policy.generation.refit_cfg.nixl" in unused
     assert "policy.generation.mcore_generation_config.buffer_size_gb" in unused
     assert unused["policy.generation.port_range_low"] == 3000
-    assert unused["policy.generation.vllm_cfg.expose_http_server"] is False
+    assert v.expose_http_server is False  # nemo_gen's own field (the fleet's HTTP server)
+    assert "policy.generation.vllm_cfg.expose_http_server" not in unused
     assert unused["policy.generation.colocated.enabled"] is False
 
 
@@ -117,10 +118,10 @@ def test_a_misspelt_nemo_gen_section_in_a_recipe_is_refused(tmp_path):
 
 def test_a_recipe_asking_for_a_missing_feature_is_refused(tmp_path):
     path = tmp_path / "http.yaml"
-    path.write_text(f"defaults: {BASE}\npolicy:\n  generation:\n    vllm_cfg:\n      expose_http_server: true\n")
+    path.write_text(f"defaults: {BASE}\npolicy:\n  generation:\n    vllm_cfg:\n      tool_parser_plugin: my.parser\n")
     with pytest.raises(ConfigError) as info:
         NemoGenSettings.load(path)
-    assert info.value.field == "generation.vllm_cfg.expose_http_server"
+    assert info.value.field == "generation.vllm_cfg.tool_parser_plugin"
     assert "not supported yet" in str(info.value) and str(path) in str(info.value)
 
 

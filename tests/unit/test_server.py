@@ -363,3 +363,17 @@ def test_vllm_snapshot_rows_become_prometheus_series_labelled_by_shard():
     assert ttft.type == "histogram" and {s.labels.get("le") for s in ttft.samples if s.name.endswith("_bucket")} == {
         "0.1", "1.0", "+Inf"}
     assert {s.labels["position"] for s in parsed["vllm:spec_decode_num_accepted_tokens_per_pos"].samples} == {"0", "1"}
+
+
+def test_expose_http_server_is_a_setting_that_keeps_the_engines_tokenizer():
+    from nemo_gen.core.generation_config import configure_generation_config
+    from nemo_gen.settings import NemoGenSettings
+
+    s = NemoGenSettings.load(overrides=["generation.vllm_cfg.expose_http_server=true", "fleet.mode=train"])
+    assert s.generation.vllm_cfg.expose_http_server is True and s.not_used == []
+    cfg = configure_generation_config(s.generation.to_generation_config(), _Tok(), is_eval=False)
+    assert cfg["vllm_cfg"]["skip_tokenizer_init"] is False  # rule 8: the HTTP server detokenizes
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1

@@ -440,7 +440,6 @@ def test_every_nemo_rl_key_is_a_field_or_accounted_for():
 @pytest.mark.parametrize(
     "override, reason",
     [
-        ("generation.vllm_cfg.expose_http_server=true", "not supported yet"),
         ("generation.vllm_cfg.tool_parser_plugin=my.parser", "not supported yet"),
         ("generation.vllm_cfg.http_refit_server_port=8000", "not supported yet"),
         ("generation.vllm_cfg.is_mx=true", "not supported"),
@@ -468,15 +467,15 @@ def test_nemo_rl_worker_extension_key_is_nemo_gens_field():
 
 
 def test_a_refused_key_in_a_file_names_the_file(tmp_path):
-    path = _write(tmp_path, "generation:\n  vllm_cfg:\n    expose_http_server: true\n")
+    path = _write(tmp_path, "generation:\n  vllm_cfg:\n    is_mx: true\n")
     err = _raises_config_error(path=path)
-    assert err.field == "generation.vllm_cfg.expose_http_server" and str(path) in str(err)
-    assert "expose_http_server=true" in str(err)
+    assert err.field == "generation.vllm_cfg.is_mx" and str(path) in str(err)
+    assert "is_mx=true" in str(err)
 
 
 @pytest.mark.parametrize(
     "override",
-    ["generation.vllm_cfg.expose_http_server=false", "generation.vllm_cfg.cap_max_tokens_to_context=true",
+    ["generation.vllm_cfg.is_mx=false", "generation.vllm_cfg.cap_max_tokens_to_context=true",
      "generation.vllm_cfg.use_tqdm=true", "generation.colocated.enabled=true", "generation.val_temperature=0.7"],
 )
 def test_a_nemo_rl_key_that_asks_for_nothing_missing_is_listed_not_dropped(override):
@@ -488,9 +487,9 @@ def test_a_nemo_rl_key_that_asks_for_nothing_missing_is_listed_not_dropped(overr
 
 
 def test_a_nemo_rl_key_from_the_environment_is_named_as_such(monkeypatch):
-    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__EXPOSE_HTTP_SERVER", "true")
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__IS_MX", "true")
     err = _raises_config_error()
-    assert err.field == "generation.vllm_cfg.expose_http_server"
+    assert err.field == "generation.vllm_cfg.is_mx"
     assert "NeMo-RL key that nemo_gen does not use" in str(err)
 
 
