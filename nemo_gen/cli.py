@@ -73,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="JSONL to write: one line per input line, in input order; lines are written as "
                           "they finish, so an interrupted run keeps them (--resume continues)")
 
+    serve = sub.add_parser("serve", help="launch the fleet and serve it over an OpenAI-compatible HTTP API "
+                           "until Ctrl-C / SIGTERM (server.host, server.port, server.api_key)")
+    settings_args(serve, json_help="print the server's URL and shards as one JSON line when it is ready")
+    serve.add_argument("--verbose", "-v", action="store_true", help="show engine, Ray and server logs")
+    serve.add_argument("--host", metavar="ADDR", help="address to bind (server.host; default 127.0.0.1)")
+    serve.add_argument("--port", type=int, metavar="N", help="port to bind (server.port; default 8000, 0: a free one)")
+
     fleet = sub.add_parser("fleet", help="a fleet that outlives one command (needs ray.address)")
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, metavar="VERB")
     for verb, text in (("up", "launch the fleet and leave it running"),
@@ -111,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     guard = SignalGuard()
-    if args.command in ("run", "generate", "fleet", "refit"):
+    if args.command in ("run", "generate", "fleet", "refit", "serve"):
         guard.install()  # these start Ray, engines, a Prefect server: an interrupt stops them
     try:
         if args.command == "make-tiny-model":
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             return _refit(args, guard)
         if args.command == "deploy":
             return _deploy(args)
+        if args.command == "serve":
+            return _serve(args, guard)
         return _run(args, name=args.command, guard=guard)
     except (DataError, FileExistsError) as exc:  # FileExistsError: make-tiny-model onto another dir
         if guard.received is not None:
@@ -348,6 +357,72 @@ def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
     else:
         view.summary(summary, title=f"nemo-gen {name}")
     return EXIT_OK if summary["failed"] == 0 else EXIT_PARTIAL
+
+
+# What a server needs that a batch run does not, below the user's settings (a YAML, NEMO_GEN_*
+# or --set that names the key wins): each shard runs vLLM's AsyncLLM, which serves concurrent
+# requests natively (the sync engine takes one call at a time) — unless refit.in_flight asks for
+# keep/abort, which need the sync engine; and vLLM keeps its stats, for /metrics.
+_SERVE_DEFAULTS = {"generation.vllm_cfg.async_engine": True, "generation.vllm_cfg.enable_vllm_metrics_logger": True}
+
+
+def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:
+    """Fleet up (embedded defaults, as `nemo-gen run`) plus the HTTP server; runs until SIGINT /
+    SIGTERM, then stops the server, the fleet, and the Ray cluster it started."""
+    from nemo_gen.settings import NemoGenSettings
+
+    overrides = ([] if args.verbose else ["ray.log_to_driver=false"]) + list(args.overrides)
+    if args.host is not None:
+        overrides.append(f"server.host={json.dumps(args.host)}")
+    if args.port is not None:
+        overrides.append(f"server.port={args.port}")
+    settings = NemoGenSettings.load(args.config, overrides)
+    unset = [f"{k}={json.dumps(v)}" for k, v in _SERVE_DEFAULTS.items() if not _explicit(settings, k)
+             and not (k.endswith("async_engine") and settings.refit.in_flight != "drain")]
+    if unset:
+        settings = NemoGenSettings.load(args.config, unset + overrides)
+    guard.before_ray()
+    if not args.verbose:
+        _quiet()
+    from nemo_gen import progress
+    from nemo_gen.cli_view import LiveView
+    from nemo_gen.fleet.fleet import GenerationFleet
+    from nemo_gen.server import start_server
+
+    with LiveView(enabled=not args.json) as view, progress.listening(view.on_event):
+        fleet = GenerationFleet.launch(settings, progress=progress.shard_event)
+    with fleet:
+        url = getattr(fleet, "http_url", None)  # the fleet started it (vllm_cfg.expose_http_server)
+        handle = None if url else start_server(fleet, settings)
+        try:
+            url = url or handle.url
+            shards = [s.to_json() for s in fleet.status()]
+            if args.json:
+                print(json.dumps({"url": url, "openai_base_url": f"{url}/v1", "fleet": settings.fleet.name,
+                                  "model": settings.model_name(), "weight_version": fleet.weight_version,
+                                  "shards": shards}), flush=True)
+            else:
+                print(f"nemo-gen serve: fleet {settings.fleet.name!r} ({len(shards)} shards, model "
+                      f"{settings.model_name()!r}, weight version {fleet.weight_version}) at {url} "
+                      f"(OpenAI base URL {url}/v1); Ctrl-C stops it", flush=True)
+            while handle is None or handle.running:
+                time.sleep(0.5)
+            print("nemo-gen serve: the HTTP server stopped", file=sys.stderr)
+            return EXIT_FAILED
+        finally:
+            if handle is not None:
+                handle.stop()
+
+
+def _explicit(settings, dotted: str) -> bool:
+    """Whether a source (YAML, environment, --set) set ``dotted``, as opposed to its default."""
+    *sections, key = dotted.split(".")
+    node = settings
+    for name in sections:
+        if name not in node.model_fields_set:
+            return False
+        node = getattr(node, name)
+    return key in node.model_fields_set
 
 
 def _interrupted_note(settings, lines) -> str:
