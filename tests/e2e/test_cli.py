@@ -79,3 +79,40 @@ def test_bad_settings_exit_2_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "fleet.num_shards" in proc.stderr
     assert not (Path(tmp_path) / ".nemo-gen").exists()
+
+
+@pytest.mark.parametrize("prefect", [False, True], ids=["no-prefect", "prefect"])
+def test_run_to_completion_with_default_output_and_summary(tiny_model_dir, tmp_path, prefect):
+    """`nemo-gen run` as a person types it: built-in prompts, no --output, no --json. With
+    --no-prefect the pipeline's steps run as plain calls (run_pipeline); without it, as Prefect
+    flows on a server the command starts and stops."""
+    from nemo_gen.settings import NemoGenSettings
+    from tests.helpers import wait_gone
+
+    home = tmp_path / "home"
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "COLUMNS": "240", "NO_COLOR": "1"}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "nemo_gen.cli", "run", "--set", f"home={home}", "--set", f"model.path={tiny_model_dir}",
+           "--set", "fleet.num_shards=1", "--set", "fleet.name=cli-run", "--set", "generation.max_new_tokens=8",
+           "--set", "generation.vllm_cfg.max_model_len=256", *(["--no-prefect"] if not prefect else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    n = len(NemoGenSettings.load().run.prompts)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.split("\u2502")]
+        if len(cells) == 4:  # "", name, value, ""
+            rows[cells[1]] = cells[2]
+    assert rows["requests"] == f"{n} ({n} ok, 0 failed)" and rows["shards"] == "1"
+    assert rows["per shard"] == f"0: {n} req" and rows["weight version"] == "0"
+    assert ("Prefect UI" in rows) == prefect
+    # the default output path: <home>/outputs/run-<UTC time>.jsonl, one line per prompt
+    (output,) = (home / "outputs").glob("run-*.jsonl")
+    assert rows["output"] == str(output)
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["line"] for r in lines] == list(range(1, n + 1))
+    assert all(len(r["token_ids"]) == 8 and r["error"] is None for r in lines)
+    assert (home / "prefect" / "prefect.db").exists() == prefect
+    assert wait_gone(_marked(marker), 30) == []  # Ray, the engine (and the Prefect server) went down
