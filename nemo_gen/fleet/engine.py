@@ -238,7 +238,7 @@ class Engine:
             # thread waits again with nothing queued, each of them has been counted.
             core = self._llm.llm_engine.engine_core
             while not (self._parked.is_set() and core.outputs_queue.empty()) and self._generating:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.005)  # a 2-core machine: polling must not starve the engine
 
 
     async def end_swap(self, version: int | None, mode: str, resume_aborted: bool,

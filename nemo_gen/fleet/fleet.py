@@ -79,7 +79,8 @@ class GenerationFleet:
                                  s.refit.bucket_bytes, on_spare_failed=lambda name, why: self.spares.drop(name, why))
         template = (resolved.spares or resolved.shards)[0]
         self.spares = SparePool(self.members, self.driver, self.refitter, self.background, template, s.fleet.name,
-                                s.fleet.num_shards, s.fleet.spares, self._watch, self._stop_and_reap)
+                                s.fleet.num_shards, lambda: self.settings.fleet.spares, self._watch,
+                                self._stop_and_reap)
         self.recovery = Recovery(self.health, self.members, self.weights, self.refitter, self.spares, self.driver,
                                  self.background, resolved.shards, s.fleet.name, s.health.reap_timeout_s,
                                  policies.backoff_policy(s), lambda: self.settings.health.auto_recover, self._watch)

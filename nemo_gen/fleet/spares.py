@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class SparePool:
     def __init__(self, members: Membership, driver: ShardDriver, refitter: Refitter, background: Background,
-                 template: ShardSpec, fleet_name: str, num_slots: int, wanted: int,
+                 template: ShardSpec, fleet_name: str, num_slots: int, wanted: Callable[[], int],
                  watch: Callable[[Member, ShardHandle], None], stop_and_reap: Callable[[ShardHandle], None]):
         self.members = members
         self.driver = driver
@@ -35,7 +35,7 @@ class SparePool:
         self._template = template
         self._fleet_name = fleet_name
         self._num_slots = num_slots
-        self.wanted = wanted
+        self._wanted = wanted  # fleet.spares, read each time: an operator may change it on a live fleet
         self._watch = watch
         self._stop_and_reap = stop_and_reap
 
@@ -71,7 +71,7 @@ class SparePool:
 
     def replenish(self) -> None:
         """Start spares in the background until ``fleet.spares`` are up (or coming up)."""
-        for seq in self.members.reserve_spare_starts(self.wanted):
+        for seq in self.members.reserve_spare_starts(self._wanted()):
             if self.background.submit(self._start, seq) is None:
                 self.members.spare_start_done()
 

@@ -339,3 +339,12 @@ def test_attaching_seeds_the_ledger_from_what_the_actors_and_the_record_say():
     # The record outlives every shard: its version wins, and version 4's checkpoint is not version 5's.
     assert attach_seeds(4, infos, recorded={"weight_version": 5, "weight_source": None})[:2] == (5, None)
     assert attach_seeds(4, infos, recorded={"weight_version": 4, "weight_source": None})[:2] == (4, "/ckpt/4")
+
+
+def test_spares_follow_fleet_spares_changed_on_a_live_fleet(settings, driver):
+    with fake_fleet(settings(), driver) as fleet:
+        assert fleet.members.spares() == []
+        fleet.settings.fleet.spares = 1
+        fleet.replenish_spares()
+        wait_until(lambda: len(fleet.members.spares()) == 1, what="the new spare")
+        assert driver.launched[-1].spare
