@@ -23,6 +23,7 @@ import httpx
 import psutil
 
 from tests.e2e.test_cli import _marked
+from tests.activity import wait_ray_nodes
 from tests.helpers import wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +116,7 @@ class Stack:
         proc = self.spawn([str(ROOT / "deployments/ray/start-node.sh"), "--head", f"--port={self.ray_port}",
                            "--num-cpus=4", f"--temp-dir=/tmp/rn{self.marker[:8]}", "--block"], "ray.log")
         self._wait(lambda: port_open(self.ray_port), proc, "ray.log", 90)
-        time.sleep(2)  # the raylet registers just after the GCS port opens
+        wait_ray_nodes(f"127.0.0.1:{self.ray_port}", self.env, 1)  # the raylet registers after the GCS port opens
 
     def wait_healthy(self, proc: subprocess.Popen, log: str, timeout: float = 120) -> None:
         self._wait(lambda: _ok(f"{self.api}/health"), proc, log, timeout)
