@@ -17,8 +17,14 @@ from nemo_gen.fleet.driver import launch_shard, reserve_placement
 pytestmark = pytest.mark.ray
 
 
+# How long a placement that cannot be made is waited for before PlacementError. Only the
+# placement meant to fail uses it; those meant to succeed get the shipped default (a loaded
+# machine can take seconds to create a placement group, and a short bound there would flake).
+FULL_CLUSTER_TIMEOUT_S = 3
+
+
 def gpu_settings(make_settings, **kw):
-    return make_settings(fleet__device="gpu", fleet__placement_timeout_s=3, **kw)
+    return make_settings(fleet__device="gpu", **kw)
 
 
 def test_bundles_are_tp_x_pp_gpus_packed_per_shard(ray_cluster, make_settings):
@@ -41,7 +47,7 @@ def test_bundles_are_tp_x_pp_gpus_packed_per_shard(ray_cluster, make_settings):
             time.sleep(0.2)
         assert ray.available_resources().get("GPU", 0) == 0
         # The cluster is now full: a further shard fails with an error, not a hang.
-        extra = dataclasses.replace(resolved.shards[0], index=7)
+        extra = dataclasses.replace(resolved.shards[0], index=7, placement_timeout_s=FULL_CLUSTER_TIMEOUT_S)
         with pytest.raises(PlacementError, match="shard 7: the Ray cluster could not place"):
             launch_shard(extra)
     finally:
