@@ -414,17 +414,20 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         request_id = f"nemo-gen-{next(self._ids)}"
-        version, final = self.version, None
+        version, latest = self.version, {}
         try:
             async for out in self._llm.generate(
                 TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt), params, request_id
             ):
-                final = out
+                # With n > 1 an output carries the samples that moved (one child each, unless the
+                # reader lagged and they were merged): keep each sample's latest (cumulative) state.
+                for comp in out.outputs:
+                    latest[comp.index] = comp
         except (ValueError, TypeError) as exc:
             return _error_dict(req, exc)
         # The async engine refits only by draining (refit.in_flight keep/abort are refused with
         # it): every token of the request comes from the version it started on.
-        samples = [_sample_dict(comp, version) for comp in sorted(final.outputs, key=lambda c: c.index)]
+        samples = [_sample_dict(latest[i], version) for i in sorted(latest)]
         return {"index": req.index, **samples[0], "samples": samples, "error": None}
 
     def vllm_metrics(self) -> list[dict[str, Any]]:

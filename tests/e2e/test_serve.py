@@ -101,10 +101,6 @@ def test_the_server_is_up_with_its_shards(served):
     assert httpx.get(f"{served.url}/health").json()["serving_shards"] == 2
 
 
-@pytest.mark.xfail(reason="fleet bug, reported: Engine._generate_async (nemo_gen/fleet/engine.py) keeps only the "
-                   "last RequestOutput, but AsyncLLM yields an n>1 request (output_kind CUMULATIVE) one child per "
-                   "output unless the reader lags (RequestOutputCollector merges then): 1 to n samples come back, "
-                   "by timing. Keep the latest CompletionOutput per index (or FINAL_ONLY); then drop this mark")
 def test_completions_with_n_samples_come_from_one_shard(served):
     raw = served.client().completions.with_raw_response.create(
         model=served.model, prompt="The quick brown fox", n=2, max_tokens=8, temperature=1.0, seed=3,
