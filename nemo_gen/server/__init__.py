@@ -6,16 +6,18 @@ fleet itself with ``generation.vllm_cfg.expose_http_server: true``).
     print(handle.url)                     # http://127.0.0.1:8000 — /v1/completions, /v1/chat/completions, ...
     handle.stop()
 
-Routes, headers and errors: ``nemo_gen.server.app``; request and response translation on vLLM's
-protocol models: ``nemo_gen.server.protocol``; ``/metrics``: ``nemo_gen.server.metrics``.
+A fleet with ``generation.vllm_cfg.expose_http_server: true`` starts one itself (``expose_http``;
+``fleet.http_url``). Routes, headers and errors: ``nemo_gen.server.app``; request and response
+translation on vLLM's protocol models: ``nemo_gen.server.protocol``; ``/metrics``:
+``nemo_gen.server.metrics``.
 Importing this package starts nothing and imports neither vLLM nor uvicorn.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["start_server", "ServerHandle"]
+__all__ = ["start_server", "expose_http", "ServerHandle"]
 
 
 def start_server(fleet: Any, settings: Any = None, host: str | None = None, port: int | None = None,
@@ -24,6 +26,21 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
     from nemo_gen.server.runner import start_server as start
 
     return start(fleet, settings, host=host, port=port, tokenizer=tokenizer)
+
+
+def expose_http(fleet: Any, tokenizer: Any = None, on_failure: Callable[[], Any] | None = None):
+    """The fleet's own server (``GenerationFleet`` calls this as it comes up): ``start_server`` on
+    the fleet's settings when ``generation.vllm_cfg.expose_http_server`` is true, else None. When
+    the server cannot start (``server.port`` taken), ``on_failure`` runs (the fleet's shutdown, or
+    detach for an attached fleet) before the error is raised: nothing is left half up."""
+    if not fleet.settings.generation.vllm_cfg.expose_http_server:
+        return None
+    try:
+        return start_server(fleet, tokenizer=tokenizer)
+    except BaseException:
+        if on_failure is not None:
+            on_failure()
+        raise
 
 
 def __getattr__(name: str) -> Any:

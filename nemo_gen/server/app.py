@@ -310,13 +310,13 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
     async def refit(request: Request):
         return await api.refit(await _json(request))
 
-    app.add_api_route("/v1/completions", route(completions), methods=["POST"])
-    app.add_api_route("/v1/chat/completions", route(chat), methods=["POST"])
-    app.add_api_route("/v1/models", route(models), methods=["GET"])
-    app.add_api_route("/health", route(health), methods=["GET"])
-    app.add_api_route("/metrics", route(prometheus), methods=["GET"])
+    app.add_route("/v1/completions", route(completions), methods=["POST"])
+    app.add_route("/v1/chat/completions", route(chat), methods=["POST"])
+    app.add_route("/v1/models", route(models), methods=["GET"])
+    app.add_route("/health", route(health), methods=["GET"])
+    app.add_route("/metrics", route(prometheus), methods=["GET"])
     if settings.server.allow_refit:
-        app.add_api_route("/nemo_gen/refit", route(refit), methods=["POST"])
+        app.add_route("/nemo_gen/refit", route(refit), methods=["POST"])
 
     async def not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}

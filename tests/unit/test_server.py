@@ -377,3 +377,32 @@ def test_expose_http_server_is_a_setting_that_keeps_the_engines_tokenizer():
 
 class _Tok:
     pad_token_id, eos_token_id = 0, 1
+
+
+def test_expose_http_starts_the_fleets_own_server_or_cleans_up(make_settings):
+    """What GenerationFleet does with generation.vllm_cfg.expose_http_server (nemo_gen.server.expose_http)."""
+    from nemo_gen.server import expose_http
+
+    driver = FakeDriver()
+    off = fake_fleet(make_settings(fleet__name="fake-off", fleet__num_shards=1, health__probe_interval_s=60), driver)
+    assert expose_http(off) is None
+    off.shutdown()
+    settings = make_settings(fleet__name="fake-expose", fleet__num_shards=1, health__probe_interval_s=60,
+                             generation__vllm_cfg__expose_http_server=True, server__port=0)
+    fleet = fake_fleet(settings, driver)
+    handle = expose_http(fleet, tokenizer=fleet.router.tokenizer, on_failure=fleet.shutdown)
+    try:
+        assert httpx.get(f"{handle.url}/health").status_code == 200
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = make_settings(fleet__name="fake-taken", fleet__num_shards=1, health__probe_interval_s=60,
+                                 generation__vllm_cfg__expose_http_server=True, server__port=taken.getsockname()[1])
+            other = fake_fleet(busy, driver)
+            with pytest.raises(ConfigError, match="server.port"):
+                expose_http(other, on_failure=other.shutdown)
+            assert other.closed  # the fleet that could not serve was shut down, not left half up
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()
