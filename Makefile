@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup chromium postgresql run test unit bench bench-refit bench-recovery clean
+.PHONY: setup chromium postgresql run test unit bench bench-refit bench-recovery bench-serve clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,9 @@ bench-control-plane: setup
 
 bench-recovery: setup
 	$(PY) bench/recovery.py $(ARGS)
+
+bench-serve: setup
+	$(PY) bench/serve.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .nemo-gen test-artifacts
