@@ -93,7 +93,7 @@ class Seed:
     """How a slot enters the ledger of a process that attaches to a running fleet."""
 
     slot: int
-    state: ShardState  # HEALTHY (at the fleet's version), STALE (behind) or DEAD (missing, silent)
+    state: ShardState  # HEALTHY (at its version), STALE (behind), DEAD (missing, silent) or RETIRED
     reason: str
     restarts: int  # the slot's restart count so far (the budget spans every attaching process)
 
@@ -112,14 +112,17 @@ def attach_seeds(num_slots: int, infos: Mapping[int, Mapping[str, Any]], recorde
     source = (recorded or {}).get("weight_source") or next(
         (i.get("weight_source") for i in infos.values() if i.get("weight_version") == version and i.get("weight_source")),
         None)
+    slots = (recorded or {}).get("slots") or {}
     seeds = []
     for slot in range(num_slots):
-        info = infos.get(slot)
-        if info is None:
-            seeds.append(Seed(slot, ShardState.DEAD, "shard actor not found when attaching", 0))
-            continue
-        restarts = int(info.get("restarts") or 0)
-        if info.get("unresponsive"):
+        info, kept = infos.get(slot), slots.get(str(slot)) or {}
+        # The budget spans every process: the record's count, or the actor's if it saw more.
+        restarts = max(int((info or {}).get("restarts") or 0), int(kept.get("restarts") or 0))
+        if kept.get("retired"):
+            seeds.append(Seed(slot, ShardState.RETIRED, kept["retired"], restarts))
+        elif info is None:
+            seeds.append(Seed(slot, ShardState.DEAD, "shard actor not found when attaching", restarts))
+        elif info.get("unresponsive"):
             seeds.append(Seed(slot, ShardState.DEAD, f"not answering when attaching: {info['unresponsive']}", restarts))
         elif info.get("weight_version") is None or info.get("weight_version") != version:
             seeds.append(Seed(slot, ShardState.STALE, "behind the fleet's weight version", restarts))
@@ -132,7 +135,9 @@ def seed_ledger(health: GenerationFleetHealth, seeds: Iterable[Seed], version: i
     """Enter ``attach_seeds``' verdicts into a fresh ledger (restart budgets carried over)."""
     for seed in seeds:
         health.restore_restart_attempts(seed.slot, seed.restarts)
-        if seed.state is ShardState.DEAD:
+        if seed.state is ShardState.RETIRED:
+            health.retire(seed.slot, seed.reason)
+        elif seed.state is ShardState.DEAD:
             health.mark_dead(seed.slot, seed.reason)
         elif seed.state is ShardState.STALE:
             health.mark_loaded(seed.slot)

@@ -1,6 +1,7 @@
 """The fleet's own record: a tiny detached actor (``<fleet>-record``, no CPU) that outlives
 every shard, holding what must survive them all — the fleet's weight version and the
-checkpoint it came from.
+checkpoint it came from, and per slot its restart count and whether it is retired (so a restart
+budget spans every process that attaches, and RETIRED stays terminal for the next heal run).
 
 Shards remember their own versions, but a fleet whose every shard died would otherwise be
 indistinguishable from no fleet at all, and its replacements would not know which weights to
@@ -17,7 +18,8 @@ import ray
 @ray.remote(num_cpus=0)
 class FleetRecord:
     def __init__(self, fleet: str, weight_version: int | None):
-        self._data: dict[str, Any] = {"fleet": fleet, "weight_version": weight_version, "weight_source": None}
+        self._data: dict[str, Any] = {"fleet": fleet, "weight_version": weight_version, "weight_source": None,
+                                      "slots": {}}
 
     def get(self) -> dict[str, Any]:
         return dict(self._data)
@@ -25,6 +27,9 @@ class FleetRecord:
     def update(self, **values: Any) -> dict[str, Any]:
         self._data.update(values)
         return dict(self._data)
+
+    def update_slot(self, slot: int, **values: Any) -> None:
+        self._data.setdefault("slots", {}).setdefault(str(slot), {}).update(values)
 
 
 def record_name(fleet: str) -> str:
@@ -36,7 +41,7 @@ def create_record(fleet: str, namespace: str, weight_version: int | None, timeou
     actor = FleetRecord.options(
         name=record_name(fleet), namespace=namespace, lifetime="detached", get_if_exists=True
     ).remote(fleet, weight_version)
-    ray.get(actor.update.remote(weight_version=weight_version, weight_source=None), timeout=timeout_s)
+    ray.get(actor.update.remote(weight_version=weight_version, weight_source=None, slots={}), timeout=timeout_s)
     return actor
 
 
@@ -49,10 +54,12 @@ def find_record(fleet: str, namespace: str, timeout_s: float) -> tuple[Any, dict
         return None, None
 
 
-def update_record(actor: Any, timeout_s: float, **values: Any) -> None:
-    """Write ``values`` into the record (no-op without one)."""
-    if actor is not None:
-        ray.get(actor.update.remote(**values), timeout=timeout_s)
+def update_record(actor: Any, timeout_s: float, slot: int | None = None, **values: Any) -> None:
+    """Write ``values`` into the record, or into slot ``slot``'s entry (no-op without a record)."""
+    if actor is None:
+        return
+    ref = actor.update.remote(**values) if slot is None else actor.update_slot.remote(slot, **values)
+    ray.get(ref, timeout=timeout_s)
 
 
 def remove_record(actor: Any) -> None:

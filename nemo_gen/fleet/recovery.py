@@ -214,9 +214,11 @@ class Recovery:
             return {"shard": index, "action": "caught-up" if caught_up else "none", "state": health.state_of(index).value}
         if isinstance(action, Retire):
             health.retire(index, action.reason)
+            self._note(index)
             raise ShardRetired(f"shard {index} {action.reason}")
         with self.members.slot_lock(index):
             health.mark_restarting(index)
+            self._note(index)
             t0 = time.monotonic()
             old = self.members.handle(index)
             reaped = reap_shard(self.driver, old, self._reap_timeout_s) if old is not None else None
@@ -230,6 +232,12 @@ class Recovery:
             "weight_version": self.weights.version, "seconds": time.monotonic() - t0,
             "reaped": reaped.to_json() if reaped else None,
         }
+
+    def _note(self, index: int) -> None:
+        """The slot's restart count and retirement, into the fleet record (they outlive us)."""
+        shard = self._slot(index)
+        retired = (shard.last_error or "retired") if shard.state is ShardState.RETIRED else None
+        self.weights.note_slot(index, shard.restart_attempts, retired)
 
     def _attempts(self, index: int) -> int:
         return self._slot(index).restart_attempts
@@ -284,6 +292,7 @@ class Recovery:
                 if not is_retriable(exc):
                     log.error("shard %d: not restarting after a data failure: %s", index, describe(exc))
                     self.health.retire(index, f"restart failed: {describe(exc).splitlines()[0]}")
+                    self._note(index)
                     return None
                 if attempt > self.health.policy.max_restart_attempts_per_shard:
                     continue  # the next restart_shard call retires it through the planner

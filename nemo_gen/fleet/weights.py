@@ -107,6 +107,15 @@ class FleetWeights:
             except Exception as exc:  # the shards still know; a lost record costs only all-dead recovery
                 log.warning("could not update the fleet record: %s", exc)
 
+    def note_slot(self, slot: int, restarts: int, retired: str | None) -> None:
+        """Keep slot ``slot``'s restart count and retirement in the fleet record, which outlives
+        every shard and every process that attaches."""
+        if self._update_record is not None:
+            try:
+                self._update_record(self._record, slot=slot, restarts=restarts, retired=retired)
+            except Exception as exc:  # the ledger of this process still knows
+                log.warning("could not update the fleet record for slot %d: %s", slot, exc)
+
     def keep_staged(self, staged: StagedRefit) -> None:
         """A catch-up re-staged the current version (another process did the last refit)."""
         self._staged = staged

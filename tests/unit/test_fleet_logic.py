@@ -348,3 +348,28 @@ def test_spares_follow_fleet_spares_changed_on_a_live_fleet(settings, driver):
         fleet.replenish_spares()
         wait_until(lambda: len(fleet.members.spares()) == 1, what="the new spare")
         assert driver.launched[-1].spare
+
+
+def test_retirement_and_the_restart_budget_outlive_the_process_that_decided_them():
+    from nemo_gen.core.fleet_health import GenerationFleetHealth
+    from nemo_gen.core.planner import attach_seeds, seed_ledger
+
+    recorded = {"weight_version": 2, "slots": {"1": {"restarts": 3, "retired": "restart attempts exhausted"},
+                                               "0": {"restarts": 2, "retired": None}}}
+    infos = {0: {"weight_version": 2, "restarts": 1}}
+    _, _, seeds = attach_seeds(2, infos, recorded)
+    health = GenerationFleetHealth(2)
+    seed_ledger(health, seeds, 2)
+    assert health.state_of(1) is ShardState.RETIRED and health.snapshot()[1].restart_attempts == 3
+    assert health.state_of(0) is ShardState.HEALTHY and health.snapshot()[0].restart_attempts == 2
+
+
+def test_recovery_writes_restarts_and_retirement_to_the_fleet_record(settings, driver):
+    written = []
+    with fake_fleet(settings(health__max_restart_attempts_per_shard=1), driver) as fleet:
+        fleet.weights._update_record = lambda actor, **v: written.append(v)  # the record actor's stand-in
+        driver.launch_failures = [EngineStartError(1, "CUDA error")]
+        driver.set_dead(fleet.handle(1).name)
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.RETIRED, what="slot 1 retired")
+    slot1 = [w for w in written if w.get("slot") == 1]
+    assert slot1[0]["restarts"] == 1 and slot1[-1]["retired"]
