@@ -75,7 +75,7 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
         parent, _, leaf = place.name.rsplit(".", 1)[0].rpartition(".")
         groups.setdefault(f"{parent}.{STACKED[leaf]}" if leaf in STACKED else place.name, []).append(place)
 
-    dtype = getattr(torch, fleet.engine_dtype)
+    dtype = getattr(torch, fleet.refitter.engine_dtype)
     t0 = time.perf_counter()
     for group in groups.values():
         for name, tensor in src.read([p.name for p in group]):

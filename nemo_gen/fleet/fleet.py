@@ -41,6 +41,7 @@ from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
 from nemo_gen.fleet.weight_sync import FleetWeightSyncClient
 from nemo_gen.fleet.weights import FleetWeights
+from nemo_gen.server import expose_http
 from nemo_gen.settings import NemoGenSettings
 
 __all__ = ["GenerationFleet", "ShardStatus"]
@@ -94,18 +95,15 @@ class GenerationFleet:
                              s.health.probe_timeout_s, s.health.warmup_grace_s, self.recovery.shard_lost)
         if watch and s.health.enabled:
             self._start_monitor()
+        self.http = expose_http(self, self._tokenizer, on_failure=self.detach if attached else self.shutdown)
 
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
     def launch(cls, settings: NemoGenSettings | None = None, progress: ProgressFn | None = None) -> "GenerationFleet":
         """Configure the environment, start/attach Ray, resolve, and start every shard."""
-        from nemo_gen.environment import configure_environment
-
         settings = settings or NemoGenSettings.load()
-        configure_environment(settings)  # before Ray: the raylet inherits it
-        conn = init_ray(settings.ray)
-        driver = policies.shard_driver(settings)
+        conn, driver = _connect(settings)
         try:
             resolved = resolve_generation(settings, cluster_resources())
             started = driver.launch_all(resolved.shards + resolved.spares, progress)
@@ -125,11 +123,7 @@ class GenerationFleet:
         """Connect to a fleet that is already running (its detached, named shard actors on the
         Ray cluster at ``ray.address``). Shards at the newest weight version serve; any that lag
         behind stay STALE until the next refit. ``detach()`` leaves the fleet running."""
-        from nemo_gen.environment import configure_environment
-
-        configure_environment(settings)
-        conn = init_ray(settings.ray)
-        driver = policies.shard_driver(settings)
+        conn, driver = _connect(settings)
         resolved = resolve_generation(settings, cluster=None)
         actors = driver.find(settings.fleet.name, settings.ray.namespace)
         slots = claimed_slots(actors, settings.fleet.num_shards)
@@ -179,6 +173,11 @@ class GenerationFleet:
     # -- weights -----------------------------------------------------------------------------
 
     @property
+    def http_url(self) -> str | None:
+        """The fleet's OpenAI-compatible server (``generation.vllm_cfg.expose_http_server``)."""
+        return self.http.url if getattr(self, "http", None) else None
+
+    @property
     def weight_version(self) -> int | None:
         return self.weights.version
 
@@ -204,11 +203,6 @@ class GenerationFleet:
         return FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
                                      self.background.check_open, version, draft,
                                      policies.in_flight(self.settings, in_flight))
-
-    @property
-    def engine_dtype(self) -> str:
-        """The dtype the engines compute in (refit stages floating tensors in it)."""
-        return self.refitter.engine_dtype
 
     # -- membership and recovery -------------------------------------------------------------
 
@@ -254,6 +248,8 @@ class GenerationFleet:
         return self.background.closed
 
     def _close_background(self, detached: bool = False) -> None:
+        if getattr(self, "http", None):  # (a fleet whose server could not start has none)
+            self.http.stop()
         self.background.close(detached)
         if self._monitor is not None:
             self._monitor.stop()
@@ -293,3 +289,11 @@ class GenerationFleet:
         self.weights.close()
         shutdown_ray(self._ray)
         return killed
+
+
+def _connect(settings: NemoGenSettings) -> tuple[RayConnection, ShardDriver]:
+    """The environment (before Ray: the raylet inherits it), Ray, and the driver."""
+    from nemo_gen.environment import configure_environment
+
+    configure_environment(settings)
+    return init_ray(settings.ray), policies.shard_driver(settings)

@@ -380,29 +380,30 @@ class _Tok:
 
 
 def test_expose_http_starts_the_fleets_own_server_or_cleans_up(make_settings):
-    """What GenerationFleet does with generation.vllm_cfg.expose_http_server (nemo_gen.server.expose_http)."""
-    from nemo_gen.server import expose_http
-
+    """GenerationFleet with generation.vllm_cfg.expose_http_server: it serves itself at
+    fleet.http_url (nemo_gen.server.expose_http), stops the server with the fleet, and a fleet
+    whose server cannot start is shut down rather than left half up."""
     driver = FakeDriver()
     off = fake_fleet(make_settings(fleet__name="fake-off", fleet__num_shards=1, health__probe_interval_s=60), driver)
-    assert expose_http(off) is None
+    assert off.http_url is None
     off.shutdown()
     settings = make_settings(fleet__name="fake-expose", fleet__num_shards=1, health__probe_interval_s=60,
                              generation__vllm_cfg__expose_http_server=True, server__port=0)
     fleet = fake_fleet(settings, driver)
-    handle = expose_http(fleet, tokenizer=fleet.router.tokenizer, on_failure=fleet.shutdown)
     try:
-        assert httpx.get(f"{handle.url}/health").status_code == 200
+        url = fleet.http_url
+        assert url and httpx.get(f"{url}/health").status_code == 200
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             busy = make_settings(fleet__name="fake-taken", fleet__num_shards=1, health__probe_interval_s=60,
                                  generation__vllm_cfg__expose_http_server=True, server__port=taken.getsockname()[1])
-            other = fake_fleet(busy, driver)
             with pytest.raises(ConfigError, match="server.port"):
-                expose_http(other, on_failure=other.shutdown)
-            assert other.closed  # the fleet that could not serve was shut down, not left half up
+                fake_fleet(busy, driver)
+            # the fleet that could not serve was shut down: its shard was stopped
+            assert driver.shards["fake-taken-shard-0"].stopped
     finally:
-        handle.stop()
         fleet.shutdown()
         driver.close()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)  # the server went with the fleet
