@@ -32,3 +32,18 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
             return value
         time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+def marked(marker: str) -> list[int]:
+    """PIDs of processes whose environment carries ``NEMO_GEN_TEST_MARKER=marker`` (everything a
+    command under test started)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("NEMO_GEN_TEST_MARKER") == marker:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found

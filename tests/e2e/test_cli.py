@@ -11,22 +11,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytestmark = pytest.mark.e2e
 
 
-def _marked(marker: str) -> list[int]:
-    """PIDs of processes whose environment carries ``marker`` (everything the CLI started)."""
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("NEMO_GEN_TEST_MARKER") == marker:
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+from tests.helpers import marked as _marked  # every process the command started  # noqa: E402
 
 
 def test_generate_cli_end_to_end(tiny_model_dir, tmp_path):

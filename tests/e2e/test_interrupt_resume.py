@@ -15,10 +15,10 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.helpers import wait_gone
+from tests.helpers import marked as _marked  # every process the command started
 
 pytestmark = pytest.mark.e2e
 
@@ -26,15 +26,6 @@ N = 400
 EVAL = Path(__file__).resolve().parents[2] / "examples" / "eval.yaml"
 
 
-def _marked(marker: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("NEMO_GEN_TEST_MARKER") == marker:
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def _rows(path: Path) -> list[dict]:

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.activity import cpu_s, wait_busy
 from tests.helpers import alive, wait_gone
+from tests.helpers import marked as _marked  # every process the command started
 
 pytestmark = pytest.mark.e2e
 
@@ -31,15 +32,6 @@ KEY = "test-key-" + uuid.uuid4().hex[:8]
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 
 
-def _marked(marker: str) -> list[int]:
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("NEMO_GEN_TEST_MARKER") == marker:
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 class Served:

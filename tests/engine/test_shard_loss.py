@@ -22,7 +22,7 @@ from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.errors import FleetExhausted
 from nemo_gen.tiny_model import make_tiny_model
 from tests.activity import cpu_s, wait_busy
-from tests.helpers import alive, wait_gone
+from tests.helpers import alive, wait_gone, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -55,16 +55,6 @@ def fleet(ray_cluster, make_settings):
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("loss-models") / "tiny-b", seed=1)
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
 
 
 def full_strength(fleet, with_spare: bool = True, timeout_s: float = 240):
