@@ -17,15 +17,19 @@ would be passed:
    own) and its breakdown: Ray placement + actor start (launch minus the engine's own start),
    vLLM's weight load, compile, CUDA-graph capture, the rest of engine init;
 4. refit through ``fleet.weight_sync_client()`` with ``nemo_gen_ipc`` from the policy on the same
-   GPU: end to end (version flip included) and inside the engine, on the direct load path and on
-   vLLM's layerwise reload (switched on the running engine), as fractions of the copy bandwidth;
+   GPU: end to end (version flip included), inside the engine (start..finish, and the loaders or
+   the copy-plan replay alone) and per client step (start / update / finish), on the direct load
+   path (first round records the copy plan, later rounds replay it) and on vLLM's layerwise
+   reload (switched on the running engine), as fractions of the copy bandwidth;
    then a checkpoint refit (disk -> /dev/shm staging -> GPU); greedy tokens before, after a
    refit with other weights (must differ: CUDA graphs see the new weights) and back (must match);
 5. generation throughput through the fleet;
 6. a bare ``vllm.LLM`` of the same model in a subprocess (its own cold caches): launch breakdown
    and the same generation -> launch and throughput ratios;
 7. SIGKILL of the shard actor -> its GPU memory back (NVML) -> a replacement (no spare; warm
-   compile cache shared with the first launch) serving at the fleet's version: restart / launch.
+   compile cache shared with the first launch) serving at the fleet's version: restart / launch;
+8. vLLM's own ``ipc`` backend through the same client on a fleet started with it (unpacked and
+   packed), against step 4's ``nemo_gen_ipc``.
 
 Results: ``DIR/gpu_bench.json`` (everything) and ``DIR/gpu_bench.md`` (the table).
 """
@@ -150,6 +154,45 @@ def cache_env(tag: str) -> dict[str, str]:
             "TORCHINDUCTOR_CACHE_DIR": f"{base}/inductor", "FLASHINFER_WORKSPACE_BASE": f"{base}/flashinfer"}
 
 
+class timed_steps:
+    """Wall seconds of each protocol step the trainer engine drives on the fleet's client
+    (start / update / finish): where an end-to-end refit goes besides the copy."""
+
+    def __init__(self, client):
+        self.client, self.seconds, self._orig = client, {}, {}
+        for name in ("start_weight_update", "update_weights", "finish_weight_update"):
+            fn = getattr(client, name)
+            self._orig[name] = fn
+
+            def timed(*a, _fn=fn, _name=name, **kw):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - t
+
+            setattr(client, name, timed)
+
+    def undo(self):
+        for name, fn in self._orig.items():
+            setattr(self.client, name, fn)
+
+
+def summarize_rounds(rounds: list[dict], nbytes: int, copy_gbps: float) -> dict:
+    """The steady state (median wall of every round after the first, which opens the handles
+    and records the copy plan) as fractions of the device's copy bandwidth."""
+    later = sorted(rounds[1:], key=lambda r: r["wall_s"])
+    steady = later[len(later) // 2]
+    gbps = nbytes / steady["wall_s"] / 1e9
+    out = {"rounds": rounds, "first_wall_s": rounds[0]["wall_s"], "wall_s": steady["wall_s"], "steady": steady,
+           "gbps": gbps, "fraction_of_copy": gbps / copy_gbps}
+    if steady.get("engine_load_s"):
+        out["engine_fraction_of_copy"] = nbytes / steady["engine_load_s"] / 1e9 / copy_gbps
+    if steady.get("loaders_s"):
+        out["loaders_fraction_of_copy"] = nbytes / steady["loaders_s"] / 1e9 / copy_gbps
+    return out
+
+
 def call_worker(handle, method: str, *args):
     """A worker-extension method on a running shard's engine (sync engine: through the actor's
     ``__ray_call__``; benchmark use only)."""
@@ -171,6 +214,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--work", default="/tmp/nemo-gen-bench")
+    ap.add_argument("--refit-rounds", type=int, default=6)
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +257,7 @@ def main() -> None:
     import ray
 
     RESULT["stack"]["ray"] = ray.__version__
-    settings = NemoGenSettings.load(overrides={
+    overrides = {
         "home": str(work / "home"), "model.path": str(model_dir), "fleet.name": "gpu-bench", "fleet.device": "gpu",
         "fleet.num_shards": 1, "fleet.engine_start_timeout_s": 500, "generation.vllm_cfg.precision": "bfloat16",
         "generation.vllm_cfg.enforce_eager": False, "generation.vllm_cfg.max_model_len": 512,
@@ -221,7 +265,8 @@ def main() -> None:
         "refit.backend": "nemo_gen_ipc", "health.probe_interval_s": 2.0, "health.probe_timeout_s": 30.0,
         "health.restart_backoff_s": 0.1, "health.restart_jitter": 0.0, "health.reap_timeout_s": 20.0,
         "ray.namespace": "nemo_gen_gpu_bench",
-    })
+    }
+    settings = NemoGenSettings.load(overrides=overrides)
     log_path = Path(args.log)
 
     @step("fleet_launch", out, args.deadline_s, 240)
@@ -263,19 +308,17 @@ def main() -> None:
             for path in ("auto", "reload_weights"):
                 res[f"path_{path}"] = call_worker(handle, "nemo_gen_set_load_path", path)[0]
                 rounds = []
-                for i in range(4):
+                for i in range(args.refit_rounds):
+                    steps = timed_steps(client)
                     t = time.perf_counter()
                     engine.send_weights()
                     wall = time.perf_counter() - t
+                    steps.undo()
                     stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
                     rounds.append({"wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
+                                   "loaders_s": stats.get("load_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
                                    "path": stats["path"], "ok": client.report.ok})
-                steady = sorted(rounds[1:], key=lambda r: r["wall_s"])[len(rounds[1:]) // 2]  # median of 2..4
-                gbps = state["nbytes"] / steady["wall_s"] / 1e9
-                engine_gbps = state["nbytes"] / steady["engine_load_s"] / 1e9
-                res[path] = {"rounds": rounds, "first_wall_s": rounds[0]["wall_s"], "wall_s": steady["wall_s"],
-                             "gbps": gbps, "fraction_of_copy": gbps / state["copy_gbps"],
-                             "engine_load_gbps": engine_gbps, "engine_fraction_of_copy": engine_gbps / state["copy_gbps"]}
+                res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])
             call_worker(handle, "nemo_gen_set_load_path", None)
             # the engine serves what it was sent: other weights change the tokens, and back
             with torch.no_grad():
@@ -364,6 +407,42 @@ def main() -> None:
         return res
 
     fleet.shutdown()
+
+    @step("vllm_ipc_refit", out, args.deadline_s, 150)
+    def _():
+        """vLLM's own ``ipc`` backend through the same client, on a fleet started with it (the
+        compile cache of the first launch is warm): unpacked (a handle per tensor per refit) and
+        packed (a reused buffer, chunked)."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        ipc_settings = NemoGenSettings.load(overrides={**overrides, "refit.backend": "ipc", "fleet.name": "gpu-bench-ipc"})
+        t = time.monotonic()
+        ipc_fleet = GenerationFleet.launch(ipc_settings)
+        res = {"launch_s": time.monotonic() - t}
+        try:
+            for packed in (False, True):
+                client = ipc_fleet.weight_sync_client()
+                engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(packed=packed), client=client,
+                                                                   source=ModuleSource(state["policy"]))
+                try:
+                    rounds = []
+                    for _ in range(4):
+                        t = time.perf_counter()
+                        engine.send_weights()
+                        rounds.append({"wall_s": time.perf_counter() - t, "ok": client.report.ok})
+                finally:
+                    engine.shutdown()
+                res["packed" if packed else "unpacked"] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])
+        finally:
+            ipc_fleet.shutdown()
+        ours = RESULT["steps"].get("refit", {}).get("auto", {}).get("wall_s")
+        if ours:
+            res["ours_speedup_over_unpacked"] = res["unpacked"]["wall_s"] / ours
+            res["ours_speedup_over_packed"] = res["packed"]["wall_s"] / ours
+        return res
+
     RESULT["total_s"] = elapsed()
     save(out)
     write_markdown(out)
@@ -388,8 +467,17 @@ def write_markdown(out: Path) -> None:
         rows.append((f"refit nemo_gen_ipc, {path} ({get('refit', f'path_{path}')}): end to end",
                      f"{fmt(get('refit', path, 'wall_s'))} s = {fmt(get('refit', path, 'fraction_of_copy'))} of copy "
                      f"(first, opening handles: {fmt(get('refit', path, 'first_wall_s'))} s)"))
-        rows.append((f"refit nemo_gen_ipc, {path}: load inside the engine",
-                     f"{fmt(get('refit', path, 'engine_fraction_of_copy'))} of copy"))
+        rows.append((f"refit nemo_gen_ipc, {path}: start..finish inside the engine / loaders only",
+                     f"{fmt(get('refit', path, 'engine_fraction_of_copy'))} / "
+                     f"{fmt(get('refit', path, 'loaders_fraction_of_copy'))} of copy "
+                     f"(loaders {fmt(get('refit', path, 'steady', 'loaders_s'))} s, plan {get('refit', path, 'steady', 'plan')})"))
+        steps = get('refit', path, 'steady', 'steps_s') or {}
+        rows.append((f"refit nemo_gen_ipc, {path}: client steps start / update / finish",
+                     " / ".join(fmt(steps.get(k)) for k in ("start_weight_update", "update_weights", "finish_weight_update")) + " s"))
+    for packed in ("unpacked", "packed"):
+        rows.append((f"refit vLLM ipc ({packed}) through the fleet: end to end",
+                     f"{fmt(get('vllm_ipc_refit', packed, 'wall_s'))} s = {fmt(get('vllm_ipc_refit', packed, 'fraction_of_copy'))} of copy; "
+                     f"nemo_gen_ipc is {fmt(get('vllm_ipc_refit', f'ours_speedup_over_{packed}'))}x faster"))
     rows.append(("refit from checkpoint (disk -> shm -> GPU)",
                  f"{fmt(get('refit', 'checkpoint', 'wall_s'))} s, {fmt(get('refit', 'checkpoint', 'gbps'))} GB/s"))
     rows.append(("tokens follow the refit weights (CUDA graphs)", fmt(get('refit', 'tokens_follow_the_weights'))))

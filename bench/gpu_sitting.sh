@@ -6,8 +6,13 @@
 #   bash .gpu-src/bench/gpu_sitting.sh bench    run bench/gpu_bench.py          -> $OUT/gpu_bench.{json,md}, bench.log
 #   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
 set -uo pipefail
+#   bash .gpu-src/bench/gpu_sitting.sh inflight install, run bench/refit_inflight.py --device gpu -> $OUT/refit_inflight.json
 root=$PWD
 export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+# The carried stack has no flashinfer-cubin (pack.py skips it): with FlashInfer's sampler every
+# cold engine start JIT-builds it with nvcc (~80 s, 2026-12-01-h200-bench.md). PyTorch's sampler
+# instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 case "${1:-}" in
   tests)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
@@ -32,7 +37,7 @@ for p in gpu_memory.gpu_processes():
 "
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
-      --deadline-s "${BENCH_DEADLINE:-530}" > "$OUT/bench.log" 2>&1
+      --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"
     cat "$OUT/gpu_bench.md" 2>/dev/null
     tail -c 2500 "$OUT/bench.log"
@@ -44,5 +49,13 @@ for p in gpu_memory.gpu_processes():
     echo "recovery rc=$?"
     grep "^RECOVERY" "$OUT/recovery.log"
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench|recovery"; exit 2 ;;
+  inflight)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    timeout "${INFLIGHT_TIMEOUT:-300}" python3 bench/refit_inflight.py --device gpu --window "${INFLIGHT_WINDOW:-20}" \
+      --every "${INFLIGHT_EVERY:-5}" --json "$OUT/refit_inflight.json" > "$OUT/inflight.log" 2>&1
+    echo "inflight rc=$?"
+    grep -A8 "^mode" "$OUT/inflight.log"; grep -E "^keep:|idle fleet" "$OUT/inflight.log"
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight"; exit 2 ;;
 esac

@@ -13,7 +13,7 @@ weights every ``--every`` seconds (alternating two checkpoints of the same shape
   arm's is the floor: a new batch's prefill);
 - how many results spanned two weight versions, and refits done.
 
-Run: ``.venv/bin/python bench/refit_inflight.py [--window 30] [--every 10] [--json out.json]``.
+Run: ``.venv/bin/python bench/refit_inflight.py [--window 30] [--every 10] [--device cpu|gpu] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 PROMPTS = [f"{w} the quick brown fox jumps over the lazy dog" for w in ("One", "Two", "Three", "Four")] * 2
 
 
-def settings(home: Path, model: Path, shards: int):
+def settings(home: Path, model: Path, shards: int, device: str):
     from nemo_gen.settings import NemoGenSettings
 
+    extra = {}
+    if device == "gpu":  # every shard on the one GPU, CUDA graphs on (as RL rollouts run)
+        extra = {"fleet.shards_per_gpu": max(1, shards), "generation.vllm_cfg.precision": "bfloat16",
+                 "generation.vllm_cfg.enforce_eager": False,
+                 "generation.vllm_cfg.gpu_memory_utilization": round(0.3 / max(1, shards), 3)}
     return NemoGenSettings.load(overrides={
-        "home": str(home), "model.path": str(model), "fleet.name": "bench-inflight", "fleet.device": "cpu",
+        "home": str(home), "model.path": str(model), "fleet.name": "bench-inflight", "fleet.device": device,
         "fleet.num_shards": shards, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60,
-        "ray.num_cpus": max(2, shards),
+        "ray.num_cpus": max(2, shards), **extra,
     })
 
 
@@ -103,6 +108,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=2, help="concurrent generate loops")
     p.add_argument("--tokens", type=int, default=256, help="tokens per request (ignore_eos)")
     p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -112,8 +118,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-inflight-"))
     a = make_tiny_model(work / "a")
     b = make_tiny_model(work / "b", seed=1)
-    fleet = GenerationFleet.launch(settings(work / "home", a, args.shards))
-    out = {"window_s": args.window, "every_s": args.every, "clients": args.clients, "tokens": args.tokens}
+    fleet = GenerationFleet.launch(settings(work / "home", a, args.shards, args.device))
+    out = {"device": args.device, "window_s": args.window, "every_s": args.every, "clients": args.clients, "tokens": args.tokens}
     try:
         fleet.generate(PROMPTS, max_new_tokens=8)  # warm
         idle = []

@@ -50,7 +50,7 @@ from vllm.distributed.weight_transfer.factory import (
 
 from nemo_gen.core.refit import IPC_BACKEND
 from nemo_gen.core.refit import SHM_BACKEND as BACKEND
-from nemo_gen.refit.worker_ext import ScratchPool, WeightLoad, open_staged, shared_with_policy
+from nemo_gen.refit.worker_ext import CopyPlan, ScratchPool, WeightLoad, open_staged, shared_with_policy
 
 
 
@@ -86,6 +86,7 @@ class _LoadingEngine(WeightTransferEngine):
         self.vllm_config = vllm_config
         self._pool = ScratchPool()  # reused across refits: its pages are touched once
         self._load: WeightLoad | None = None
+        self._plan: CopyPlan | None = None  # the last policy load, replayable while its sources stay
         self.last_stats: dict[str, Any] = {}
 
     @abstractmethod
@@ -112,8 +113,11 @@ class _LoadingEngine(WeightTransferEngine):
         weights = self._weights(update_info)
         if self.model is not self._default_model:  # a draft update: never write the policy's tensors
             shared = set(shared_with_policy(self.model, self._default_model))
-            weights = ((n, t) for n, t in weights if n not in shared)
-        self._load.load(weights)
+            self._load.load((n, t) for n, t in weights if n not in shared)
+        elif self._plan is not None and self._plan.replays(weights, self.model):
+            self._load.replay(self._plan)
+        else:  # recorded when ``weights`` is a list the backend keeps (nemo_gen_ipc's views)
+            self._plan = self._load.load(weights, record=isinstance(weights, list))
 
     def finish_weight_update(self) -> None:
         if self._load is not None:
@@ -123,6 +127,7 @@ class _LoadingEngine(WeightTransferEngine):
 
     def shutdown(self) -> None:
         self._load = None
+        self._plan = None
 
 
 class SharedMemoryWeightTransferEngine(_LoadingEngine):

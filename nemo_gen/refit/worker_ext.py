@@ -8,6 +8,7 @@ methods (``init_weight_transfer_engine``, ``update_weights``, ...).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Iterator
 
@@ -191,6 +192,7 @@ class WeightLoad:
         self.path = "direct" if self.direct is not None else "reload_weights"
         self._begun = False
         self._t0 = 0.0
+        self._load_s = 0.0  # in the loaders (or the replay) only: begin..finish also spans RPCs
         self.stats: dict[str, Any] = {}
 
     @staticmethod
@@ -209,18 +211,35 @@ class WeightLoad:
         self._begun = True
         self._t0 = time.perf_counter()
 
-    def load(self, weights) -> None:
+    def load(self, weights, record: bool = False) -> "CopyPlan | None":
         """Load a batch of (name, tensor). On the direct path a repacked layer must arrive whole
-        within one batch (its parts are one kernel tensor)."""
+        within one batch (its parts are one kernel tensor). ``record``: also return the load as a
+        ``CopyPlan`` when it was nothing but copies out of ``weights`` (a list, kept by the caller
+        with the plan) into the model's parameters; None otherwise."""
         if not self._begun:
             raise RuntimeError("WeightLoad.load before begin")
         import torch
 
-        if self.direct is not None:
-            self.direct.load(weights, self.pool)
-        else:
+        t0 = time.perf_counter()
+        try:
+            if self.direct is not None:
+                return self.direct.load(weights, self.pool, record=record)
             with torch.no_grad():
                 self.model.load_weights(weights)
+            return None
+        finally:
+            self._load_s += time.perf_counter() - t0
+
+    def replay(self, plan: "CopyPlan") -> None:
+        """Load what ``plan`` recorded, from the same source tensors (now holding new values)."""
+        if not self._begun:
+            raise RuntimeError("WeightLoad.replay before begin")
+        if self.direct is None:
+            raise RuntimeError("a copy plan replays only on the direct load path")
+        t0 = time.perf_counter()
+        self.direct.replay(plan)
+        self.direct.plan_note = "replayed"
+        self._load_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         if self.direct is None and self._begun:
@@ -230,8 +249,9 @@ class WeightLoad:
         self._begun = False
         # repack_s: what the CPU kernel's repacking took (direct path only): no refit of this
         # engine can be faster, whatever the transport (bench/refit.py reports it)
-        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0,
+        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0, "load_s": self._load_s,
                       "repack_s": self.direct.repack_s if self.direct is not None else None,
+                      "plan": self.direct.plan_note if self.direct is not None else None,
                       "finished_at": time.time()}
 
 
@@ -329,6 +349,7 @@ class DirectLoad:
     def __init__(self, model: Any, model_config: Any, kinds: dict):
         self.model, self.model_config, self.kinds = model, model_config, kinds
         self.repack_s = 0.0  # time in the CPU kernel's weight repacking (one DirectLoad per load)
+        self.plan_note: str | None = None  # what became of a recorded load (stats)
 
     def _repack(self, module) -> None:
         t0 = time.perf_counter()
@@ -399,10 +420,12 @@ class DirectLoad:
                 kinds[module] = "plain"
         return kinds
 
-    def load(self, weights, pool: ScratchPool) -> None:
+    def load(self, weights, pool: ScratchPool, record: bool = False) -> "CopyPlan | None":
         """Load ``weights`` ((name, tensor) in checkpoint format) through the model's own
         ``load_weights``. Raises when a repacked layer is only partly covered: its other rows
-        live only in the kernel's packed copy and cannot be kept."""
+        live only in the kernel's packed copy and cannot be kept. ``record`` (a model with no
+        repacked layer, ``weights`` a list): returns the load as a ``CopyPlan`` if it was only
+        copies out of those tensors into parameters."""
         import torch
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.meta import CopyCounter
@@ -474,8 +497,12 @@ class DirectLoad:
                     for pname, param in module._parameters.items():
                         if param is not None:
                             wrap(module, pname, param)
+            recorder = None
+            if record and not packed and isinstance(weights, list):
+                recorder = CopyRecorder(weights, self.model)
             with torch.no_grad():
-                self.model.load_weights(weights)
+                with recorder if recorder is not None else contextlib.nullcontext():
+                    self.model.load_weights(weights)
                 partial = [m for m in packed if m in touched]
                 if partial:
                     names = {m: n for n, m in self.model.named_modules()}
@@ -484,15 +511,12 @@ class DirectLoad:
                         f"{[names.get(m, type(m).__name__) for m in partial]}; the rest of their weights "
                         "exist only in the CPU kernel's packed copy and cannot be kept: send whole layers"
                     )
-                for module in touched:
-                    if self.kinds[module] == "processed":
-                        self._repack(module)
-                        if hasattr(module, "update_param_tp_status"):
-                            module.update_param_tp_status()
-                if touched:
-                    for module, kind in self.kinds.items():
-                        if kind == "attention":  # as vLLM's reload does for every attention layer
-                            module.process_weights_after_loading(self.model_config.dtype)
+                self._after_load(touched)
+            if recorder is None:
+                return None
+            plan = recorder.plan(touched)
+            self.plan_note = "recorded" if plan is not None else f"not replayable: {recorder.why_not or 'no copy seen'}"
+            return plan
         finally:
             for param, had, original in reversed(wrapped):  # a tied parameter is wrapped twice
                 if had:
@@ -507,3 +531,129 @@ class DirectLoad:
                 if state["buf"] is not None:
                     pool.give(state["buf"])
             packed.clear()
+
+    def _after_load(self, touched: list) -> None:
+        """What follows the loaders: re-run the post-processing of the layers a load wrote."""
+        for module in touched:
+            if self.kinds[module] == "processed":
+                self._repack(module)
+                if hasattr(module, "update_param_tp_status"):
+                    module.update_param_tp_status()
+        if touched:
+            for module, kind in self.kinds.items():
+                if kind == "attention":  # as vLLM's reload does for every attention layer
+                    module.process_weights_after_loading(self.model_config.dtype)
+
+    def replay(self, plan: "CopyPlan") -> None:
+        """The recorded copies as one batched device copy, then the same post-processing."""
+        import torch
+
+        with torch.no_grad():
+            torch._foreach_copy_(plan.dsts, plan.srcs)
+            for view, value in plan.fills:  # disjoint from the copies' destinations in the loaders we know
+                view.fill_(value)
+            self._after_load(plan.touched)
+
+
+def _storage_ptr(t: Any) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (meta, sparse, a functional wrapper)
+        return None
+
+
+def _param_ptrs(model: Any) -> tuple[int | None, ...]:
+    return tuple(_storage_ptr(p) for p in model.parameters())
+
+
+class CopyPlan:
+    """The copies one load made: (destination view in a parameter, source view in an incoming
+    tensor) pairs, the constants it filled parameters with, and the layers it wrote. A trainer refits the same tensors over and over (an
+    optimizer writes in place; ``nemo_gen_ipc``'s views of them are the same list while the
+    layout is); replaying the plan loads the new values with one batched copy instead of the
+    model's per-tensor loaders (name mapping, stacking, narrowing: ~100 us of Python a tensor).
+
+    Valid only for the very list it was recorded from and while every parameter keeps its
+    storage (vLLM's reload writes back in place, CUDA graphs rely on it; anything else fails
+    ``replays`` and the next load records afresh)."""
+
+    def __init__(self, weights: list, model: Any, copies: list[tuple[Any, Any]], fills: list[tuple[Any, Any]],
+                 touched: list):
+        self.weights, self.model = weights, model
+        self.dsts = [d for d, _ in copies]
+        self.srcs = [s for _, s in copies]
+        self.fills = fills  # (view of a parameter, constant), in the order the loaders wrote them
+        self.touched = touched
+        self._params = _param_ptrs(model)
+
+    def replays(self, weights: Any, model: Any) -> bool:
+        return weights is self.weights and model is self.model and _param_ptrs(model) == self._params
+
+
+class CopyRecorder:
+    """Watches one load at the dispatcher (a ``TorchDispatchMode``, like vLLM's ``CopyCounter``):
+    every ``copy_`` out of the incoming tensors into a parameter is recorded; any other write
+    to a parameter, or a copy of incoming bytes anywhere else (a temporary the loader
+    transforms), makes the load not replayable."""
+
+    def __init__(self, weights: list, model: Any):
+        self.weights, self.model = weights, model
+        self.sources = {_storage_ptr(t) for _, t in weights} - {None}
+        self.params = set(_param_ptrs(model)) - {None}
+        self.copies: list[tuple[Any, Any]] = []
+        self.fills: list[tuple[Any, Any]] = []
+        self.why_not: str | None = None
+        self._mode = _recording_mode(self)
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def see(self, func: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        if self.why_not is not None:
+            return
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            into, out_of = _storage_ptr(dst) in self.params, _storage_ptr(src) in self.sources
+            if into and out_of and tuple(dst.shape) == tuple(src.shape):
+                self.copies.append((dst, src))
+            elif into or out_of:
+                self.why_not = f"a copy {tuple(src.shape)} -> {tuple(dst.shape)} not from an incoming tensor into a parameter"
+            return
+        if func in (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default) and _storage_ptr(args[0]) in self.params:
+            # a constant into part of a parameter (vLLM's embedding loader zeroes the vocabulary's padding)
+            if args[0].numel():
+                self.fills.append((args[0], args[1] if len(args) > 1 else 0))
+            return
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and _storage_ptr(t) in self.params:
+                    self.why_not = f"{func} writes a parameter"
+                    return
+
+    def plan(self, touched: list) -> CopyPlan | None:
+        if self.why_not is not None or not self.copies:
+            return None
+        return CopyPlan(self.weights, self.model, self.copies, self.fills, list(touched))
+
+
+def _recording_mode(recorder: CopyRecorder):
+    """A dispatch mode that shows every op to ``recorder`` (torch is imported only when used)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordingMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            recorder.see(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    return RecordingMode()
+

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import wait_until
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fleet of engines"]
@@ -120,16 +122,6 @@ def greedy_each(fleet, prompt_ids) -> dict[int, list[list[int]]]:
     return out
 
 
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-
-
 def test_two_shards_share_one_gpu_each_within_its_share(fleet):
     from nemo_gen.fleet import gpu_memory
 
@@ -216,6 +208,12 @@ def test_a_bad_manifest_is_rejected_with_nothing_changed(fleet, models, prompt_i
     assert greedy_each(fleet, prompt_ids)[0] == fleet.initial_tokens
 
 
+def load_stats(fleet) -> list[dict]:
+    import ray
+
+    return [st for h in fleet.shards for st in ray.get(h.actor.load_stats.remote(), timeout=60)]
+
+
 def test_refit_through_nemo_gen_ipc_matches_a_fresh_engine(fleet, models, prompt_ids, reference):
     fresh_b = reference()["fresh_b"]
     before = fleet.weight_version
@@ -226,20 +224,23 @@ def test_refit_through_nemo_gen_ipc_matches_a_fresh_engine(fleet, models, prompt
         assert report.ok and report.version == before + 1 == fleet.weight_version, report
         got = greedy_each(fleet, prompt_ids)
         assert got[0] == fresh_b and got[1] == fresh_b
-        stats = [st for h in fleet.shards for st in __import__("ray").get(h.actor.load_stats.remote(), timeout=60)]
-        assert {st["path"] for st in stats} == {"direct"}, stats
+        assert {st["path"] for st in load_stats(fleet)} == {"direct"}
+        # the first load of these tensors is recorded as a copy plan; the next ones replay it
+        assert {st["plan"] for st in load_stats(fleet)} == {"recorded"}, load_stats(fleet)
         # an optimizer step writes the trainer's weights in place: the next refit sends the same
         # handles and the engines see the new values
         with torch.no_grad():
             for p in policy.parameters():
                 p.mul_(-1.0)
         engine.send_weights()
+        assert {st["plan"] for st in load_stats(fleet)} == {"replayed"}, load_stats(fleet)
         flipped = greedy_each(fleet, prompt_ids)
         assert flipped[0] == flipped[1] and flipped[0] != fresh_b
         with torch.no_grad():
             for p in policy.parameters():
                 p.mul_(-1.0)
         engine.send_weights()
+        assert {st["plan"] for st in load_stats(fleet)} == {"replayed"}
         assert greedy_each(fleet, prompt_ids)[0] == fresh_b
         print(f"\nnemo_gen_ipc refit of {report.bytes / 2**20:.1f} MiB: {report.load_seconds * 1e3:.1f} ms end to end")
     finally:

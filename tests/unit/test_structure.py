@@ -23,6 +23,10 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/fleet/engine.py", "core._send_input"),
     # our scratch buffers, kept on vLLM's worker object between refits.
     ("nemo_gen/refit/worker_ext.py", "worker._nemo_gen_scratch"),
+    # torch's batched copy: every copy of a replayed refit launched at once (no public form).
+    ("nemo_gen/refit/worker_ext.py", "torch._foreach_copy_"),
+    # an op's schema, the only place that says which arguments an op writes (dispatch modes read it).
+    ("nemo_gen/refit/worker_ext.py", "func._schema"),
 }
 
 
