@@ -320,17 +320,29 @@ def main() -> None:
                                    "path": stats["path"], "ok": client.report.ok})
                 res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])
             call_worker(handle, "nemo_gen_set_load_path", None)
-            # the engine serves what it was sent: other weights change the tokens, and back
+
+            def digests():  # (the engine's, the trainer's): float64 sums of every parameter
+                with torch.no_grad():
+                    mine = float(sum(p.detach().double().sum().item() for p in policy.parameters()))
+                return call_worker(handle, "nemo_gen_digest")[0], mine
+
+            # the engine holds what it was sent (digests) and serves it (tokens): other weights,
+            # loaded by a fresh recording, then the first ones again, by a replay
             with torch.no_grad():
                 for p in policy.parameters():
                     p.mul_(-1.0)
             engine.send_weights()
-            flipped = greedy()
+            flipped, flipped_digests = greedy(), digests()
             with torch.no_grad():
                 for p in policy.parameters():
                     p.mul_(-1.0)
             engine.send_weights()
-            res["tokens_follow_the_weights"] = bool(flipped != before and greedy() == before)
+            back, back_digests = greedy(), digests()
+            res["digests_negated"], res["digests_restored"] = flipped_digests, back_digests
+            res["engine_holds_what_was_sent"] = all(abs(a - b) <= 1e-6 * max(1.0, abs(b))
+                                                    for a, b in (flipped_digests, back_digests))
+            res["tokens_change_with_other_weights"] = flipped != before
+            res["tokens_follow_the_weights"] = bool(flipped != before and back == before)
         finally:
             engine.shutdown()
         t = time.perf_counter()
@@ -481,6 +493,8 @@ def write_markdown(out: Path) -> None:
     rows.append(("refit from checkpoint (disk -> shm -> GPU)",
                  f"{fmt(get('refit', 'checkpoint', 'wall_s'))} s, {fmt(get('refit', 'checkpoint', 'gbps'))} GB/s"))
     rows.append(("tokens follow the refit weights (CUDA graphs)", fmt(get('refit', 'tokens_follow_the_weights'))))
+    rows.append(("engine digest = trainer digest after a recorded and a replayed refit",
+                 fmt(get('refit', 'engine_holds_what_was_sent'))))
     rows.append(("fleet launch / bare vllm.LLM", f"{fmt(get('fleet_launch', 'launch_s'))} s / "
                  f"{fmt(get('bare_vllm', 'bare', 'total_s'))} s = {fmt(get('bare_vllm', 'launch_over_bare'))}"))
     for key in ("engine_start_s", "ray_and_actor_s", *PATTERNS):

@@ -188,7 +188,9 @@ class WeightLoad:
 
     def __init__(self, model: Any, vllm_config: Any, model_config: Any, pool: "ScratchPool"):
         self.model, self.model_config, self.pool = model, model_config, pool
+        t0 = time.perf_counter()
         self.direct = None if _forced_reload() else DirectLoad.for_model(model, vllm_config, model_config)
+        self._prepare_s = time.perf_counter() - t0  # classifying the model's modules (stats)
         self.path = "direct" if self.direct is not None else "reload_weights"
         self._begun = False
         self._t0 = 0.0
@@ -249,7 +251,7 @@ class WeightLoad:
         self._begun = False
         # repack_s: what the CPU kernel's repacking took (direct path only): no refit of this
         # engine can be faster, whatever the transport (bench/refit.py reports it)
-        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0, "load_s": self._load_s,
+        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0, "load_s": self._load_s, "prepare_s": self._prepare_s,
                       "repack_s": self.direct.repack_s if self.direct is not None else None,
                       "plan": self.direct.plan_note if self.direct is not None else None,
                       "finished_at": time.time()}
