@@ -2,8 +2,10 @@
 counterpart of ``nemo-gen generate``. ``run_generation`` is shared with ``eval``.
 
 Parameters: ``input`` (JSONL), ``output`` (unset: ``<home>/outputs/generate-<time>.jsonl``),
-``batch_size``, ``max_new_tokens``, ``config``, ``overrides``. Malformed lines are reported in
-the output and the summary; the other lines are still generated.
+``batch_size``, ``max_new_tokens``, ``config``, ``overrides``, ``resume``. Malformed lines are
+reported in the output and the summary; the other lines are still generated. Each line is written
+to ``output`` as it finishes (``pipeline.generate_lines``); ``resume`` (``run.resume``) keeps the
+lines a killed run left there and generates the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def settings_for(params: GenerateParams) -> NemoGenSettings:
         extra.append(f"run.batch_size={params.batch_size}")
     if params.max_new_tokens is not None:
         extra.append(f"generation.max_new_tokens={params.max_new_tokens}")
+    if params.resume:
+        extra.append("run.resume=true")
     return NemoGenSettings.load(params.config, [*params.overrides, *extra])
 
 
@@ -40,6 +44,8 @@ def run_generation(settings: NemoGenSettings, name: str, pinned_version: int | N
     """read prompts -> attach -> (pinned: check the version) -> generate with a progress
     artifact -> write JSONL -> publish throughput and fleet health -> detach."""
     lines = fleet_tasks.load_prompts(settings)  # a bad file fails before anything is attached
+    pipeline.resumable(settings, lines)  # so does a bad output to resume (run.resume)
+    settings = pipeline.with_output(settings, name)  # each line is written there as it finishes
     setup_tasks.configure_environment(settings)
     fleet = lifecycle.attach(settings)
     try:
@@ -50,7 +56,7 @@ def run_generation(settings: NemoGenSettings, name: str, pinned_version: int | N
             t0 = time.perf_counter()
             results = fleet_tasks.generate(fleet, lines, settings.run.batch_size)
             seconds = time.perf_counter() - t0
-        path = fleet_tasks.write_outputs(lines, results, pipeline.default_output(settings, name))
+        path = fleet_tasks.write_outputs(lines, results, settings.run.output)
         summary = pipeline.summarize(fleet, lines, results, path, seconds)
         publish_throughput(summary)
         publish_fleet_health(settings.fleet.name, fleet.status())
@@ -71,9 +77,11 @@ def generate(
     max_new_tokens: int | None = None,
     config: str | None = None,
     overrides: list[str] | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Generate over ``input`` on the running fleet; returns the run summary."""
+    """Generate over ``input`` on the running fleet; returns the run summary. ``resume``: continue
+    the killed or interrupted run whose ``output`` this is (its finished lines are kept)."""
     _, settings = checked(GenerateParams, dict(input=input, output=output, batch_size=batch_size,
                                                max_new_tokens=max_new_tokens, config=config,
-                                               overrides=overrides), "generate", settings_for)
+                                               overrides=overrides, resume=resume), "generate", settings_for)
     return run_generation(settings, "generate")

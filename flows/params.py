@@ -42,8 +42,10 @@ class FleetParams(_Params):
 class GenerateParams(_Params):
     input: str = Field(..., min_length=1, description="JSONL of prompts")
     output: str | None = Field(None, description="JSONL to write; unset: <home>/outputs/<flow>-<time>.jsonl")
-    batch_size: int | None = Field(None, ge=1, description="prompts per fleet.generate call")
+    batch_size: int | None = Field(None, ge=1, description="prompts in flight at once (run.batch_size)")
     max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate per prompt")
+    resume: bool = Field(False, description="keep the lines `output` already holds (a killed run's) and "
+                                            "generate only the rest (run.resume)")
 
     path_fields: ClassVar[tuple[str, ...]] = ("config", "input", "output")
 

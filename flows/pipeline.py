@@ -68,6 +68,8 @@ def generation_pipeline(
     mode) -> generate -> write outputs -> shut down. Returns the run summary."""
     settings = NemoGenSettings.load(config, overrides)
     lines = fleet_tasks.load_prompts(settings)
+    pipeline.resumable(settings, lines)  # run.resume: a bad output to continue fails before anything starts
+    settings = pipeline.with_output(settings, name)  # each line is written there as it finishes
     progress.emit("step", name="configure-environment", status="running")
     setup_tasks.configure_environment(settings)
     progress.emit("step", name="start-ray", status="running")
@@ -84,7 +86,7 @@ def generation_pipeline(
         t0 = time.perf_counter()
         results = fleet_tasks.generate(fleet, lines, settings.run.batch_size)
         seconds = time.perf_counter() - t0
-        path = fleet_tasks.write_outputs(lines, results, pipeline.default_output(settings, name))
+        path = fleet_tasks.write_outputs(lines, results, settings.run.output)
         summary = {**pipeline.summarize(fleet, lines, results, path, seconds), "refit": refit}
         _publish(fleet, summary)
         return summary

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from nemo_gen.errors import DataError, NemoGenError
 from nemo_gen.interrupt import SignalGuard
@@ -305,14 +306,17 @@ def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
         overrides.append("run.resume=true")
     # Validate settings and read the input before anything is started.
     settings = NemoGenSettings.load(args.config, overrides)
+    if unset := _unset_defaults(settings, _RUN_DEFAULTS):
+        overrides = unset + overrides
+        settings = NemoGenSettings.load(args.config, overrides)
     from nemo_gen import pipeline
 
+    lines = pipeline.load_prompts(settings)
+    kept = pipeline.resumable(settings, lines)  # a bad output to resume, or none named, is refused here
     if settings.run.output is None:
         # Named now, so every line is written there as it finishes (and an interrupt says where).
         overrides.append(f"run.output={json.dumps(str(pipeline.default_output(settings, name)))}")
         settings = NemoGenSettings.load(args.config, overrides)
-    lines = pipeline.load_prompts(settings)
-    kept = pipeline.resumable(settings, lines)  # a bad output to resume is refused here
     guard.on_report(lambda: _interrupted_note(settings, lines))
     guard.before_ray()
     if not args.verbose:
@@ -359,11 +363,20 @@ def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
     return EXIT_OK if summary["failed"] == 0 else EXIT_PARTIAL
 
 
-# What a server needs that a batch run does not, below the user's settings (a YAML, NEMO_GEN_*
-# or --set that names the key wins): each shard runs vLLM's AsyncLLM, which serves concurrent
-# requests natively (the sync engine takes one call at a time) — unless refit.in_flight asks for
-# keep/abort, which need the sync engine; and vLLM keeps its stats, for /metrics.
-_SERVE_DEFAULTS = {"generation.vllm_cfg.async_engine": True, "generation.vllm_cfg.enable_vllm_metrics_logger": True}
+# Defaults of a command, below the user's settings (a YAML, NEMO_GEN_* or --set that names the
+# key wins). Each shard runs vLLM's AsyncLLM, which serves concurrent requests natively (the sync
+# engine takes one call at a time and answers it when all of it is done) — unless refit.in_flight
+# asks for keep/abort, which need the sync engine. `run`/`generate`: so that every line is its own
+# request, written to the output the moment it finishes (pipeline.generate_lines). A server also
+# keeps vLLM's stats, for /metrics.
+_RUN_DEFAULTS = {"generation.vllm_cfg.async_engine": True}
+_SERVE_DEFAULTS = {**_RUN_DEFAULTS, "generation.vllm_cfg.enable_vllm_metrics_logger": True}
+
+
+def _unset_defaults(settings, defaults: dict[str, Any]) -> list[str]:
+    """``defaults`` the settings do not name, as ``--set`` overrides to put before the user's."""
+    return [f"{k}={json.dumps(v)}" for k, v in defaults.items() if not _explicit(settings, k)
+            and not (k.endswith("async_engine") and settings.refit.in_flight != "drain")]
 
 
 def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:
@@ -377,9 +390,7 @@ def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:
     if args.port is not None:
         overrides.append(f"server.port={args.port}")
     settings = NemoGenSettings.load(args.config, overrides)
-    unset = [f"{k}={json.dumps(v)}" for k, v in _SERVE_DEFAULTS.items() if not _explicit(settings, k)
-             and not (k.endswith("async_engine") and settings.refit.in_flight != "drain")]
-    if unset:
+    if unset := _unset_defaults(settings, _SERVE_DEFAULTS):
         settings = NemoGenSettings.load(args.config, unset + overrides)
     guard.before_ray()
     if not args.verbose:

@@ -8,6 +8,15 @@ output file (flushed, in the order lines finish); when the job ends, ``write_jso
 the file in input order (a temporary file renamed over it). A job killed in between leaves
 every line it finished; ``read_finished`` reads them back so a resumed job generates only the
 rest (a last line cut short by the kill is ignored).
+
+Why a log in completion order, put in order at the end, rather than writing in input order as
+the finished prefix grows: lines finish out of order (a long answer holds up nothing else), and
+a prefix writer would have to hold every line that finished after a slow one in memory, where a
+kill loses it. Appending keeps each line the moment it exists; the one rename at the end gives
+the readable file, and a kill at any point leaves either the log or the ordered file, never a
+mix. A resumed job appends to the log, so a line is in it once per run that finished it: a line
+that failed and was generated again has its error row and its result row, and ``read_finished``
+takes the result; the final rewrite keeps exactly one row per input line.
 """
 
 from __future__ import annotations
@@ -127,8 +136,10 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path
 
 
 class OutputWriter:
-    """Appends finished lines to ``path`` as they come, each batch flushed to the file at once
-    (``append``: after the lines already there, for a resumed job; else the file starts empty)."""
+    """Appends finished lines to ``path`` as they come, each ``write`` flushed to the file at once
+    (one line, or the lines of a batch that finished together; ``append``: after the lines already
+    there, for a resumed job; else the file starts empty). Flushed is enough for a killed process:
+    the kernel has the bytes. (No fsync per line: a power loss may cost the last lines.)"""
 
     def __init__(self, path: str | os.PathLike, append: bool = False):
         self.path = Path(path)

@@ -7,6 +7,7 @@ orchestrator at all.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 from nemo_gen import progress
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.jsonl import OutputWriter, PromptLine, read_finished, read_prompts, result_from_row, result_row, write_jsonl
-from nemo_gen.errors import InfraError
+from nemo_gen.errors import ConfigError, InfraError
 from nemo_gen.settings import NemoGenSettings
 
 
@@ -38,10 +39,31 @@ class LineResults(list):
 def resumable(settings: NemoGenSettings, lines: Sequence[PromptLine]) -> dict[int, dict[str, Any]]:
     """With ``run.resume``: the lines ``run.output`` already holds (by input line number),
     checked against ``lines``; empty otherwise. A bad output file fails here, before anything
-    starts (InputFileError naming it)."""
-    if not settings.run.resume or settings.run.output is None:
+    starts (InputFileError naming it); so does ``run.resume`` with no ``run.output`` to continue
+    (ConfigError naming it: a fresh timestamped file would hold nothing to resume from)."""
+    if not settings.run.resume:
         return {}
+    if settings.run.output is None:
+        raise ConfigError("run.resume continues the output of an earlier run: name that file "
+                          "(--output, run.output)", field="run.output")
     return read_finished(settings.run.output, lines)
+
+
+def with_output(settings: NemoGenSettings, name: str) -> NemoGenSettings:
+    """``settings`` with ``run.output`` named (``default_output``), so that each line is written
+    there as it finishes rather than only at the end."""
+    if settings.run.output is not None:
+        return settings
+    run = settings.run.model_copy(update={"output": default_output(settings, name)})
+    return settings.model_copy(update={"run": run})
+
+
+def serves_concurrently(fleet) -> bool:
+    """Whether every shard runs vLLM's AsyncLLM (``generation.vllm_cfg.async_engine``), which
+    batches concurrent requests itself. The sync engine takes one call at a time: requests sent
+    to it one by one would run one by one."""
+    infos = [getattr(h, "info", None) or {} for h in getattr(fleet, "shards", ())]
+    return bool(infos) and all(info.get("async_engine") for info in infos)
 
 
 def generate_lines(
@@ -52,13 +74,18 @@ def generate_lines(
     resume: bool | None = None,
     **sampling: Any,
 ) -> LineResults:
-    """Generate every valid line, ``batch_size`` at a time, reporting progress between batches.
-    Malformed lines get ``None`` (their error travels with the line).
+    """Generate every valid line; malformed lines get ``None`` (their error travels with the line).
 
-    ``output`` (default: the fleet's ``run.output``): each batch's rows are appended to it as soon
-    as the batch finishes, so a killed run keeps what it finished (``write_outputs`` then puts the
-    file in input order). ``resume`` (default: ``run.resume``): lines that file already holds are
-    not generated again; their results are read back from it."""
+    ``output`` (default: the fleet's ``run.output``): each finished line is appended to it, flushed,
+    so a killed run keeps what it finished (``write_outputs`` then puts the file in input order).
+    ``resume`` (default: ``run.resume``): lines that file already holds are not generated again;
+    their results are read back from it.
+
+    On AsyncLLM shards (``serves_concurrently``) each line is its own request
+    (``fleet.generate_async``), ``batch_size`` of them in flight at once and a new one sent as
+    each finishes, so every line is written the moment it completes. The sync engine answers a
+    call only when all of it is done: there, ``batch_size`` lines go in one ``fleet.generate``
+    call and are written when it returns."""
     settings = getattr(fleet, "settings", None)
     if output is None and settings is not None:
         output = settings.run.output
@@ -74,24 +101,93 @@ def generate_lines(
     valid = [i for i, line in enumerate(lines) if line.error is None]
     todo = [i for i in valid if i not in resumed]
     writer = OutputWriter(output, append=resume) if output is not None else None
+    report = _Progress(len(resumed), len(valid))
+
+    def finished(indexes: Sequence[int]) -> None:
+        if writer is not None:
+            writer.write(result_row(lines[i], out[i]) for i in indexes)
+        report.add(len(indexes))
+
     try:
         if writer is not None:
             writer.write(result_row(line, None, line.error) for line in lines if line.error is not None)
-        progress.emit("generate", done=len(resumed), total=len(valid))
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
-            sessions = [lines[i].session_id for i in chunk]
-            results = fleet.generate([lines[i].prompt for i in chunk],
-                                     session_id=sessions if any(sessions) else None, **sampling)
-            for i, result in zip(chunk, results):
-                out[i] = result
-            if writer is not None:
-                writer.write(result_row(lines[i], out[i]) for i in chunk)
-            progress.emit("generate", done=len(resumed) + min(start + batch_size, len(todo)), total=len(valid))
+        report.emit()
+        if serves_concurrently(fleet):
+            _run(_per_line(fleet, lines, todo, batch_size, out, finished, sampling))
+        else:
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start : start + batch_size]
+                sessions = [lines[i].session_id for i in chunk]
+                results = fleet.generate([lines[i].prompt for i in chunk],
+                                         session_id=sessions if any(sessions) else None, **sampling)
+                for i, result in zip(chunk, results):
+                    out[i] = result
+                finished(chunk)
+        report.emit()
     finally:
         if writer is not None:
             writer.close()
     return LineResults(out, frozenset(resumed))
+
+
+async def _per_line(fleet, lines: Sequence[PromptLine], todo: Sequence[int], in_flight: int,
+                    out: list, finished, sampling: dict[str, Any]) -> None:
+    """``in_flight`` workers take the next line as each of theirs finishes; the first error
+    (a request the fleet refuses outright, a timeout) ends the run, as on the batch path."""
+    pending = iter(todo)
+
+    async def worker() -> None:
+        for i in pending:
+            line = lines[i]
+            out[i] = await fleet.generate_async(line.prompt, session_id=line.session_id, **sampling)
+            finished((i,))
+
+    await asyncio.gather(*(worker() for _ in range(min(in_flight, len(todo)))))
+
+
+def _run(coro) -> Any:
+    """``asyncio.run`` for a coroutine that a signal may stop: Ctrl-C / SIGTERM raise
+    ``Interrupted`` (a KeyboardInterrupt) in this thread, and a flow run's SIGTERM Prefect's
+    ``TerminationSignal`` (a BaseException). asyncio passes such an exception on when it lands in
+    a task or in the loop's wait, but reports and swallows it when it lands in a plain callback:
+    that one is kept, the run cancelled and it raised here. The "exception was never retrieved"
+    reports of the tasks it stopped are dropped: the exception going up is the one report."""
+    landed: list[BaseException] = []
+
+    def handler(loop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if exc is None or isinstance(exc, Exception):
+            loop.default_exception_handler(context)
+        elif "handle" in context and not landed:  # swallowed by a callback: stop the run with it
+            landed.append(exc)
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(handler)
+        try:
+            return runner.run(coro)
+        except asyncio.CancelledError:
+            if landed:
+                raise landed[0] from None
+            raise
+
+
+class _Progress:
+    """``generate`` progress events: at most one per ``every_s`` while lines finish one by one."""
+
+    def __init__(self, done: int, total: int, every_s: float = 0.5):
+        self.done, self.total, self.every_s = done, total, every_s
+        self._last = 0.0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self._last >= self.every_s:
+            self.emit()
+
+    def emit(self) -> None:
+        self._last = time.monotonic()
+        progress.emit("generate", done=self.done, total=self.total)
 
 
 def initial_refit(fleet, settings: NemoGenSettings) -> dict[str, Any] | None:
@@ -163,7 +259,9 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
     from nemo_gen.fleet.resolve import resolve_generation
     from nemo_gen.policies import shard_driver
 
-    lines = load_prompts(settings)  # a bad input file fails before anything starts
+    lines = load_prompts(settings)  # a bad input file (or output to resume) fails before anything starts
+    resumable(settings, lines)
+    settings = with_output(settings, name)
     configure_environment(settings)
     conn = init_ray(settings.ray)
     fleet = None
@@ -176,7 +274,7 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
         t0 = time.perf_counter()
         results = generate_lines(fleet, lines, settings.run.batch_size)
         seconds = time.perf_counter() - t0
-        path = write_outputs(lines, results, default_output(settings, name))
+        path = write_outputs(lines, results, settings.run.output)
         return {**summarize(fleet, lines, results, path, seconds), "refit": refit}
     finally:
         if fleet is not None:

@@ -86,7 +86,8 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
     with open(log_file, "ab") as out:
         # Own process group: the server's children go with it, and Ctrl-C in the terminal
         # reaches us first so we stop it in order.
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_dies_with(os.getpid()))
     try:
         _wait_healthy(url, proc, settings.prefect.server_start_timeout_s, log_file)
         with _exported(server_env(home, url)):
@@ -96,6 +97,21 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
                 _flush_logs()
     finally:
         _stop(proc)
+
+
+def _dies_with(parent: int):
+    """For the server's process, before it runs: SIGTERM it when ``parent`` (this command) dies,
+    of SIGKILL too, so a killed command does not leave its server running (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere only a command that exits stops it)."""
+    def arm() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # died before the line above: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_file: Path) -> None:

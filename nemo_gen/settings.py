@@ -494,11 +494,13 @@ class RunSettings(_Section):
         None, description="JSONL of prompts: {'prompt': str} or {'prompt_token_ids': [int]} per line."
     )
     batch_size: int = Field(
-        64, ge=1, description="Prompts per fleet.generate call; progress is reported between batches."
+        64, ge=1, description="Prompts in flight at once. AsyncLLM shards (vllm_cfg.async_engine): one "
+        "request per line, a new one sent as each finishes; the sync engine: prompts per fleet.generate call."
     )
     output: Path | None = Field(
-        None, description="JSONL results, one line per input line in input order; each batch's lines "
-        "are written as soon as it finishes. Unset: `home`/outputs/<flow>-<timestamp>.jsonl.",
+        None, description="JSONL results, one line per input line in input order once complete; while "
+        "the run goes, each line is appended as it finishes (the sync engine: each batch's), so a killed run "
+        "keeps them (run.resume). Unset: `home`/outputs/<flow>-<timestamp>.jsonl.",
     )
     resume: bool = Field(
         False, description="Keep the lines already in `output` that generated without error and "

@@ -1,11 +1,15 @@
 """Nothing done is lost on interruption: `nemo-gen generate` killed mid-generation (SIGTERM on the
 Prefect path, Ctrl-C to its process group on the plain path) prints one line, exits 143 / 130,
-leaves nothing running and keeps every line it finished; `--resume` generates only the rest,
-and the final output holds every input line exactly once, in input order. The runs use
-examples/eval.yaml, as the README does."""
+leaves nothing running and keeps every line it finished; SIGKILL of the nemo-gen process (no
+handler runs) keeps every line that was written before it and leaves nothing running either
+(Ray and the engines die with it, the managed Prefect server by its parent-death signal);
+`--resume` generates only the rest, and the final output holds every input line exactly once,
+in input order. The runs use examples/eval.yaml, as the README does, on the default engine
+(AsyncLLM: each line is its own request and is written when it finishes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -113,17 +117,34 @@ def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_p
     assert len(second) < N
     assert all(second[line] == row for line, row in first.items())  # what was kept stays as it was
 
-    # 3. Resumed to the end.
+    # 3. Prefect path, resumed, then SIGKILL of the nemo-gen process: nothing of ours runs after it.
     run = _Run(tmp_path, tiny_model_dir, ["--resume"])
+    try:
+        run.wait_for_lines(out, len(second) + 10)
+        before = _ok_lines(out)  # on disk just before the kill (more may land before it hits)
+        run.proc.kill()
+        code, _, err = run.finish()
+        assert code == -signal.SIGKILL
+        assert wait_gone(_marked(run.marker), 60) == []  # Ray, engines, the Prefect server: all gone
+    finally:
+        for pid in _marked(run.marker):  # only on failure: leave nothing of this test running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    third = _ok_lines(out)
+    assert len(second) + 10 <= len(before) <= len(third) < N
+    assert all(third[line] == row for line, row in before.items())  # kept as they were written
+
+    # 4. Plain path, resumed to the end.
+    run = _Run(tmp_path, tiny_model_dir, ["--resume", "--no-prefect"])
     code, stdout, err = run.finish(timeout=600)
     assert code == 0, err[-3000:]
     summary = json.loads(stdout)
-    assert summary["resumed"] == len(second) and summary["completed"] == N and summary["failed"] == 0
-    assert summary["per_shard"]["0"]["requests"] == N - len(second)  # only the rest was generated
+    assert summary["resumed"] == len(third) and summary["completed"] == N and summary["failed"] == 0
+    assert summary["per_shard"]["0"]["requests"] == N - len(third)  # only the rest was generated
     rows = [json.loads(line) for line in out.read_text().split("\n") if line]
     assert [r["line"] for r in rows] == list(range(1, N + 1))  # every line exactly once, in order
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(1, N + 1)]
     assert all(r["error"] is None and len(r["token_ids"]) >= 1 for r in rows)
     final = {r["line"]: r for r in rows}
-    assert all(final[line] == row for line, row in second.items())
+    assert all(final[line] == row for line, row in third.items())
     assert wait_gone(_marked(run.marker), 60) == []

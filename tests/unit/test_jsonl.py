@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -556,3 +557,107 @@ def test_chat_lines_and_session_ids(tmp_path):
     assert [s["text"] for s in row["samples"]] == ["a", "b"]
     back = result_from_row(row, 0)
     assert back.samples == r.samples and back.weight_versions == [(1, 1)]
+
+
+class _AsyncFleet:
+    """A stand-in for a fleet of AsyncLLM shards (``generate_async`` per request): line ``k``
+    takes ``delay(k)`` seconds, so lines finish out of input order; records how many requests
+    were in flight at once, and can be told to stop (as a kill would) once ``stop_after`` lines
+    are answered."""
+
+    def __init__(self, output: Path, resume: bool = False, delay=lambda k: 0.0, stop_after: int | None = None,
+                 watch=None):
+        self.settings = NemoGenSettings.load(overrides={"run.output": str(output), "run.resume": resume})
+        self.shards = [SimpleNamespace(info={"async_engine": True}), SimpleNamespace(info={"async_engine": True})]
+        self.delay, self.stop_after, self.watch = delay, stop_after, watch
+        self.asked: list[str] = []
+        self.answered = 0
+        self.in_flight = self.most_in_flight = 0
+
+    async def generate_async(self, prompt, session_id=None, **sampling):
+        import asyncio
+
+        self.asked.append(prompt)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay(int(prompt[1:])))
+        finally:
+            self.in_flight -= 1
+        if self.watch:
+            self.watch(prompt)
+        if self.stop_after is not None and self.answered == self.stop_after:
+            raise KeyboardInterrupt
+        self.answered += 1
+        return GenerationResult(index=0, prompt=prompt, prompt_token_ids=[1], text=prompt.upper(), token_ids=[7],
+                                shard=0, weight_version=0)
+
+
+def test_async_shards_get_one_request_per_line_and_each_line_is_written_when_it_finishes(tmp_path):
+    out = tmp_path / "o.jsonl"
+    lines = _prompts(tmp_path, 9)
+    seen: dict[str, list[int]] = {}
+    # p1 is slow: every other line finishes (and is on disk) before it does.
+    fleet = _AsyncFleet(out, delay=lambda k: 0.3 if k == 1 else 0.01 * k,
+                        watch=lambda p: seen.__setitem__(p, sorted(r["line"] for r in _rows(out))))
+    results = generate_lines(fleet, lines, batch_size=4)
+    assert fleet.most_in_flight == 4  # batch_size requests at once, never more
+    assert sorted(fleet.asked) == sorted(f"p{i}" for i in range(1, 10))
+    assert seen["p1"] == list(range(2, 10))  # written one by one as each finished, before p1
+    assert [r["line"] for r in _rows(out)] == [2, 3, 4, 5, 6, 7, 8, 9, 1]  # completion order while running
+    assert [r.text for r in results] == [f"P{i}" for i in range(1, 10)]
+    write_outputs(lines, results, out)
+    assert [r["line"] for r in _rows(out)] == list(range(1, 10))  # input order once complete
+
+
+def test_async_shards_killed_mid_run_keep_every_finished_line_and_resume_exactly_once(tmp_path):
+    out = tmp_path / "o.jsonl"
+    lines = _prompts(tmp_path, 10, bad_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        generate_lines(_AsyncFleet(out, delay=lambda k: 0.05 * (k % 3), stop_after=5), lines, batch_size=3)
+    kept = {r["line"]: r for r in _rows(out) if r["error"] is None}
+    assert len(kept) == 5 and 4 not in kept  # the 5 answered lines, whatever order they finished in
+    fleet = _AsyncFleet(out, resume=True)
+    results = generate_lines(fleet, lines, batch_size=3)
+    assert sorted(fleet.asked, key=lambda p: int(p[1:])) == [lines[i].prompt for i in range(10)
+                                                              if lines[i].line not in kept and lines[i].error is None]
+    assert results.resumed == frozenset(i for i in range(10) if lines[i].line in kept)
+    write_outputs(lines, results, out)
+    rows = _rows(out)
+    assert [r["line"] for r in rows] == list(range(1, 11))  # every line exactly once, in order
+    assert rows[3]["error"] is not None and all(r["error"] is None for i, r in enumerate(rows) if i != 3)
+    assert all(rows[line - 1] == row for line, row in kept.items())  # kept lines unchanged
+
+
+def test_a_signal_exception_that_lands_in_a_loop_callback_still_stops_the_per_line_run():
+    """A flow run's SIGTERM raises Prefect's TerminationSignal (a BaseException) wherever the main
+    thread is; asyncio would log and swallow it inside a plain callback, and the run go on."""
+    import asyncio
+
+    from prefect.exceptions import TerminationSignal
+
+    from nemo_gen.pipeline import _run
+
+    async def generating():
+        def signal_lands():
+            raise TerminationSignal(15)
+
+        asyncio.get_running_loop().call_soon(signal_lands)
+        await asyncio.sleep(5)
+        return "went on"
+
+    t0 = time.monotonic()
+    with pytest.raises(TerminationSignal):
+        _run(generating())
+    assert time.monotonic() - t0 < 2
+
+
+def test_resume_with_no_output_named_is_refused_naming_run_output(tmp_path):
+    from nemo_gen.errors import ConfigError
+    from nemo_gen.pipeline import resumable
+
+    lines = _prompts(tmp_path, 2)
+    with pytest.raises(ConfigError, match="run.output") as err:
+        resumable(NemoGenSettings.load(overrides={"run.resume": True}), lines)
+    assert err.value.field == "run.output"
+    assert resumable(NemoGenSettings.load(overrides={"run.resume": False}), lines) == {}
