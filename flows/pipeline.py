@@ -1,10 +1,17 @@
 """The generation pipeline as Prefect flows.
 
 ``generation_pipeline`` (parent, default task runner) configures the environment and starts
-Ray in its own process — the raylet must inherit the environment, and RayTaskRunner would
-call ``ray.init`` before any task of its own flow could run — then resolves the generation
-config and calls ``launch_fleet``, a subflow on prefect-ray's ``RayTaskRunner`` that reuses the
-initialised Ray and runs one ``launch-shard`` controller task per shard on the cluster.
+Ray in its own process — the raylet must inherit the environment — then resolves the
+generation config and calls ``launch_fleet``, a subflow whose ``launch-shard`` controller tasks
+(one per shard, in parallel) place and start the shard actors from this process, the Ray
+driver.
+
+The controllers run on Prefect's default thread pool, not on prefect-ray's ``RayTaskRunner``:
+they only talk to actors, and as Ray tasks each paid for a Ray worker that imports Prefect and
+nemo_gen and opens its own Prefect client — 2-3 s per run with the workers warm, about 10 s
+with them cold (measured on the 2-core CPU machine; bench/results/2026-12-01-cpu-fleet-overhead.md),
+the largest part of the Prefect pipeline's overhead over the plain one. In this process they
+cost milliseconds.
 
 Parameters are plain values (a config path and ``--set`` overrides), never a settings object:
 a BaseSettings parameter would freeze the environment of whoever registered a deployment.
@@ -17,8 +24,6 @@ from typing import Any
 
 from prefect import flow
 from prefect.futures import as_completed
-from prefect_ray import RayTaskRunner
-from prefect_ray.context import remote_options
 
 from flows.artifacts import publish_fleet_health, publish_throughput
 from flows.refit import publish_refit
@@ -32,13 +37,11 @@ from tasks import fleet as fleet_tasks
 from tasks import setup as setup_tasks
 
 
-@flow(name="launch-fleet", task_runner=RayTaskRunner())
+@flow(name="launch-fleet")
 def launch_fleet(resolved: ResolvedGeneration) -> list[ShardHandle]:
-    """Start every shard in parallel on the Ray cluster; all of them or none."""
+    """Start every shard in parallel on the Ray cluster (a controller thread each); all of them or none."""
     started = time.monotonic()
-    # Controller tasks only talk to actors: they must not take the CPUs the engines reserve.
-    with remote_options(num_cpus=0, max_retries=0):
-        futures = [fleet_tasks.launch_shard.submit(spec) for spec in resolved.shards]
+    futures = [fleet_tasks.launch_shard.submit(spec) for spec in resolved.shards]
     for spec in resolved.shards:
         progress.shard_event(spec.index, "loading", {})
     handles: list[ShardHandle] = []

@@ -16,7 +16,7 @@ from nemo_gen.jsonl import PromptLine
 
 @task(name="launch-shard", cache_policy=NO_CACHE, task_run_name="launch-shard-{spec.index}")
 def launch_shard(spec: ShardSpec) -> ShardHandle:
-    """Runs on a Ray worker under RayTaskRunner: a controller that places and starts one actor."""
+    """A controller that places and starts one actor (in the flow's process: flows/pipeline.py)."""
     return driver.launch_shard(spec)
 
 
