@@ -9,6 +9,7 @@ tested on real vLLM engines in tests/engine/.
     fleet = fake_fleet(settings, driver)
     driver.set_dead(fleet.handle(1).name)      # the watch fires, requests re-route
     driver.set_hung(name) / driver.set_slow(name, 0.5)
+    driver.set_token_s(name, 0.05)             # streams (generate_stream) send a token every 50 ms
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from nemo_gen.errors import ShardDiedError
+from nemo_gen.fleet.batch import add_span
 from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify
 from nemo_gen.fleet.shard import ShardHandle, ShardSpec
 
@@ -38,11 +40,13 @@ class FakeShard:
     dead: str | None = None  # why, once dead
     actor_dead: bool = True  # the actor died (not only its engine)
     hung: threading.Event = field(default_factory=threading.Event)  # set: never answers
-    slow_s: float = 0.0
+    slow_s: float = 0.0  # before answering; for a stream, before its first token
+    token_s: float = 0.0  # a stream's time between tokens
     stopped: bool = False
     refuse_refit: str | None = None  # a data failure while reading the staged weights
     fail_load: str | None = None  # a failure while loading them
     generated: int = 0  # requests served
+    streams: list["FakeStream"] = field(default_factory=list)  # every stream it was asked for
     watchers: list[Future] = field(default_factory=list)
 
     def info(self) -> dict[str, Any]:
@@ -86,6 +90,9 @@ class FakeDriver:
 
     def set_slow(self, name: str, seconds: float) -> None:
         self.shards[name].slow_s = seconds
+
+    def set_token_s(self, name: str, seconds: float) -> None:
+        self.shards[name].token_s = seconds
 
     def shard(self, handle: ShardHandle) -> FakeShard:
         return self.shards[handle.name]
@@ -204,9 +211,7 @@ class FakeDriver:
         version = shard.weight_version
         results = []
         for req in batch:
-            seed = sum(req.prompt_token_ids)
-            # Sample k of a request differs from the others by k (a GRPO group of distinct answers).
-            samples = [{"token_ids": [(seed + k + i) % VOCAB for i in range(n)], "text": "", "logprobs": [0.0] * n,
+            samples = [{"token_ids": [fake_token(req, k, i) for i in range(n)], "text": "", "logprobs": [0.0] * n,
                         "finish_reason": "length", "weight_versions": [(version, n)]}
                        for k in range(params.get("n") or 1)]
             results.append({"index": req.index, **samples[0], "samples": samples, "error": None})
@@ -248,8 +253,64 @@ class FakeDriver:
     def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "asyncio.Future":
         return asyncio.wrap_future(self.start_generate(handle, batch, params).ref)
 
+    def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> "FakeStream":
+        shard = self.shards[handle.name]
+        stream = FakeStream(shard, request, params)
+        shard.streams.append(stream)
+        return stream
+
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)
+
+
+def fake_token(req: Any, k: int, i: int) -> int:
+    """Token i of sample k: sample k of a request differs from the others by k (a GRPO group of
+    distinct answers)."""
+    return (sum(req.prompt_token_ids) + k + i) % VOCAB
+
+
+class FakeStream:
+    """A streamed generate on a fake shard, with the real ``Stream``'s shape: one token per item
+    for every sample (the first after the shard's ``slow_s``, the next ``token_s`` apart), each
+    stamped with the shard's version as it is made (a refit landing mid-stream shows), then the
+    result. A dead shard's stream fails at its next item; a hung one's never answers."""
+
+    def __init__(self, shard: FakeShard, request: Any, params: dict[str, Any]):
+        self.shard, self.request = shard, request
+        self.tokens = params.get("max_new_tokens") or 4
+        self.samples = [{"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "weight_versions": []}
+                        for _ in range(params.get("n") or 1)]
+        self.version, self.sent, self.cancelled = shard.weight_version, 0, False
+
+    async def next(self) -> dict[str, Any] | None:
+        shard = self.shard
+        await asyncio.sleep(shard.slow_s if self.sent == 0 else shard.token_s)
+        while shard.hung.is_set() and not shard.dead and not self.cancelled:
+            await asyncio.sleep(0.01)
+        if shard.dead or shard.stopped or self.cancelled:
+            raise ShardDiedError(-1 if shard.slot is None else shard.slot,
+                                 f"ActorDiedError: {shard.dead or ('cancelled' if self.cancelled else 'stopped')}")
+        if self.sent > self.tokens:
+            return None
+        if self.sent == self.tokens:
+            self.sent += 1
+            shard.generated += 1
+            result = {"index": self.request.index, **self.samples[0], "samples": self.samples, "error": None}
+            return {"result": result, "shard": shard.slot, "weight_version": self.version}
+        i, version, deltas = self.sent, shard.weight_version, []
+        self.sent += 1
+        for k, sample in enumerate(self.samples):
+            finish = "length" if i == self.tokens - 1 else None
+            sample["token_ids"].append(fake_token(self.request, k, i))
+            sample["logprobs"].append(0.0)
+            sample["finish_reason"] = finish
+            add_span(sample["weight_versions"], version, 1)
+            deltas.append({"sample": k, "token_ids": [sample["token_ids"][-1]], "text": "", "logprobs": [0.0],
+                           "weight_versions": [[version, 1]], "finish_reason": finish})
+        return {"deltas": deltas}
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 def fake_fleet(settings, driver: FakeDriver, watch: bool = True):

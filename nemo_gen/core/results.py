@@ -32,6 +32,23 @@ class Sample:
 
 
 @dataclass
+class Delta:
+    """A streamed request's progress (``generate_stream``): sample ``sample`` of the prompt got
+    these tokens since its last delta, on ``shard``. ``weight_versions``: the (version, count)
+    spans of these tokens only, in generation order (a refit landing mid-stream under
+    ``refit.in_flight`` keep/abort shows as a new span). ``finish_reason`` is set on the sample's
+    last delta."""
+
+    sample: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    weight_versions: list[tuple[int | None, int]]
+    finish_reason: str | None
+    shard: int | None
+
+
+@dataclass
 class GenerationResult:
     """What the fleet returns for one prompt. With ``n`` samples, ``samples`` holds them all and
     the result's own text/token_ids/logprobs/finish_reason/weight_versions are ``samples[0]``'s,

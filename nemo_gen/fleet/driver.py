@@ -7,7 +7,8 @@ actor, its engine or its node is gone, or a call timed out) becomes ``ShardDiedE
 data failure (the actor said no: a bad manifest, a bad request) is raised as it is.
 
 Non-blocking calls (generate, watch, probe) return a ``Call`` that the fleet's loops wait on
-together; ``result`` classifies its outcome. The fleet logic above this module never sees a
+together; ``result`` classifies its outcome. A streamed generate (``generate_stream``) returns a
+``Stream``: its items as the shard's Ray streaming generator yields them. The fleet logic above this module never sees a
 Ray object, so ``tests/fakes.py`` can stand in for Ray with a ``FakeDriver`` of the same
 shape (shards that die, hang or slow down on command).
 """
@@ -64,6 +65,29 @@ class Call:
     handle: ShardHandle
     what: str
     ref: Any
+
+
+class Stream:
+    """A streamed generate call in flight on one shard (``ShardActor.generate_stream``, a Ray
+    streaming generator): ``await next()`` is its next item, None after the last; what the call
+    raised, or Ray's error for a lost actor, is raised there unclassified (the caller classifies
+    it, as for ``generate_async``). ``cancel()`` ends the call on the shard."""
+
+    def __init__(self, generator: Any):
+        self._generator = generator
+
+    async def next(self) -> dict[str, Any] | None:
+        try:
+            ref = await self._generator.__anext__()
+        except StopAsyncIteration:
+            return None
+        return await ref
+
+    def cancel(self) -> None:
+        try:
+            ray.cancel(self._generator)
+        except Exception:  # already finished or its actor is gone: nothing left to cancel
+            pass
 
 
 def root_cause(exc: BaseException) -> str:
@@ -257,6 +281,10 @@ class ShardDriver:
     def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "asyncio.Future":
         """An asyncio future of one generate call (the per-request path of ``generate_async``)."""
         return asyncio.wrap_future(handle.actor.generate.remote(batch, params).future())
+
+    def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> Stream:
+        """One request, streamed as the shard generates it (``ShardActor.generate_stream``)."""
+        return Stream(handle.actor.generate_stream.remote(request, params))
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)

@@ -14,13 +14,14 @@ import itertools
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 import psutil
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.batch import Track
+from nemo_gen.fleet.streaming import Cursor, merge
 
 
 def sampling_params(s: dict[str, Any]):
@@ -46,6 +47,12 @@ def sampling_params(s: dict[str, Any]):
 
 # Stretches without a step longer than this are kept (step_gaps): a decode step takes ~1 ms here.
 _GAP_S = 0.005
+
+# A stream hands out what its request made at most this often (the first token at once): steps in
+# between are merged into one item. Each item costs the shard actor and the driver CPU (a Ray
+# object, a chunk): one per decode step (~2 ms here) made a lone 300-token stream take 730-950 ms
+# against 490-540 ms unstreamed on 2 cores; one per 10 ms, 640-690 ms.
+STREAM_INTERVAL_S = 0.01
 
 # One greedy token: the warm-up generation of a fresh engine.
 _WARMUP = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": None, "stop_strings": None,
@@ -107,6 +114,11 @@ class Engine:
         self._swapping = False
         self._poisoned: str | None = None
         self._parked = threading.Event()  # the step thread waits in get_output
+        # A streamed request's batch: called after each step (and a swap's cut) with its tracks;
+        # set: the batch's reader is gone, the step thread aborts it after the current step.
+        self._on_step: Callable[[], None] | None = None
+        self._stop = threading.Event()
+        self._orphans: set[asyncio.Future] = set()  # batches whose stream was closed, still stopping
         if not async_engine:
             self._instrument_core()
         self.max_model_len = self._model_config().max_model_len
@@ -174,16 +186,101 @@ class Engine:
         async with self._serving():
             if self.async_engine:
                 return list(await asyncio.gather(*(self._generate_async(r, params) for r in requests)))
-            async with self._lock:
-                # Busy from here on: a probe judges liveness by the age of the last step, and
-                # the batch's own enqueueing must not count against it.
-                self._generating = True
-                self.last_step_at = time.monotonic()
-                try:
-                    return await asyncio.to_thread(self._generate_sync, requests, params)
-                finally:
-                    self._generating = False
-                    self._tracks = {}
+            return await self._batch(requests, params)
+
+    async def _batch(self, requests: list[GenerationRequest], params: Any,
+                     on_step: Callable[[list[Track]], None] | None = None,
+                     stop: threading.Event | None = None) -> list[dict]:
+        """One batch on the sync engine (one at a time). ``on_step(tracks)`` runs after each step;
+        ``stop`` set: the batch is aborted after the current step (its unfinished samples end
+        with "abort")."""
+        async with self._lock:
+            # Busy from here on: a probe judges liveness by the age of the last step, and
+            # the batch's own enqueueing must not count against it.
+            self._generating = True
+            self.last_step_at = time.monotonic()
+            self._stop = stop or threading.Event()
+            try:
+                return await asyncio.to_thread(self._generate_sync, requests, params, on_step)
+            finally:
+                self._generating = False
+                self._tracks = {}
+                self._on_step = None
+
+    async def stream(self, req: GenerationRequest, sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """One request as it is generated (``nemo_gen.fleet.streaming``): ``{"deltas": [...]}``
+        items, per sample the tokens since the last item with the versions that sampled them,
+        then ``{"result": ...}``, what ``generate`` returns for it. Steps made while the reader
+        was busy come merged in one item. On the sync engine a refit under ``keep``/``abort``
+        may cut and resume the request mid-stream: the stream goes on, under the new version.
+        Closing the iterator early aborts the request in the engine."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = sampling_params(sampling)
+        params.output_kind = RequestOutputKind.DELTA
+        async with self._serving():
+            inner = self._stream_async(req, params) if self.async_engine else self._stream_sync(req, params)
+            async with contextlib.aclosing(inner):
+                async for item in inner:
+                    yield item
+                    if "deltas" in item:  # what the engine makes meanwhile waits, merged
+                        await asyncio.sleep(STREAM_INTERVAL_S)
+
+    async def _stream_async(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+        from vllm.inputs import TokensPrompt
+
+        rid = f"nemo-gen-{next(self._ids)}"
+        # The async engine refits only by draining: every token comes from the version it started on.
+        track, version = Track.start(req, params, rid, rid), self.version
+        cursor = Cursor(track)
+        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt),
+                                     params, rid)
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    track.observe(rid, out, version)
+                    if deltas := cursor.deltas():
+                        yield {"deltas": deltas}
+        except (ValueError, TypeError) as exc:  # vLLM refused the request
+            yield {"result": _error_dict(req, exc)}
+            return
+        if track.result is None:
+            raise RuntimeError(f"vLLM's output for request {req.index} ended before it finished")
+        yield {"result": track.result}
+
+    async def _stream_sync(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+        loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        cursors: list[Cursor] = []
+
+        def on_step(tracks: list[Track]) -> None:  # the step thread, or a swap's cut while it is parked
+            if tracks and not cursors:
+                cursors.append(Cursor(tracks[0]))
+            if cursors and (deltas := cursors[0].deltas()):
+                loop.call_soon_threadsafe(queue.put_nowait, deltas)
+
+        batch = asyncio.ensure_future(self._batch([req], params, on_step, stop))
+        try:
+            # Everything a step posted is queued before the batch is done (both come through
+            # call_soon_threadsafe, in order): once it is done, what is queued is all there is.
+            while not (batch.done() and queue.empty()):
+                items = []
+                if queue.empty():
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, batch}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        continue
+                    items.append(getter.result())
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                yield {"deltas": merge(d for item in items for d in item)}
+            (result,) = batch.result()
+            yield {"result": result}
+        finally:
+            if not batch.done():  # the reader went away: stop generating for nobody
+                stop.set()
+                self._orphans.add(batch)
+                batch.add_done_callback(self._orphans.discard)
 
     @contextlib.asynccontextmanager
     async def _serving(self):
@@ -267,7 +364,7 @@ class Engine:
     def _cut(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None) -> None:
         """Runs while the step thread is parked: no engine state moves under us."""
         engine = self._llm.llm_engine
-        tracks = {id(t): t for t in self._tracks.values()}.values()  # a request may be several parts
+        tracks = self._running()
         if self._poisoned is not None:
             engine.abort_request([i for t in tracks for i in t.internal_ids()], internal=True)
             return
@@ -290,6 +387,12 @@ class Engine:
                 t.parts[rid] = (internal, sample)
                 self._tracks[rid] = t
             t.finished_if_done()
+        if self._on_step is not None:
+            self._on_step()  # a streamed request's reader learns of the cut (an abandoned sample ends)
+
+    def _running(self) -> list[Track]:
+        """The running batch's requests (a request may be several engine requests after a cut)."""
+        return list({id(t): t for t in self._tracks.values()}.values())
 
     async def _utility(self, method: str, *args: Any) -> Any:
         core = self._llm.llm_engine.engine_core
@@ -345,7 +448,8 @@ class Engine:
                                                     params)
         return rid, internal
 
-    def _generate_sync(self, requests: list[GenerationRequest], params) -> list[dict]:
+    def _generate_sync(self, requests: list[GenerationRequest], params,
+                       on_step: Callable[[list[Track]], None] | None = None) -> list[dict]:
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.DELTA
@@ -364,6 +468,7 @@ class Engine:
             tracks.append(track := Track.start(req, params, rid, internal))
             self._tracks[rid] = track
         if tracks:
+            self._on_step = (lambda: on_step(tracks)) if on_step is not None else None
             self._run_to_completion()
             if self._poisoned is not None:
                 raise ShardDiedError(-1, f"weights half-loaded: {self._poisoned}")
@@ -382,6 +487,13 @@ class Engine:
         self.last_step_at = time.monotonic()
         self.batch_steps = 0
         while engine.has_unfinished_requests() and self._poisoned is None:
+            if self._stop.is_set():  # a streamed request's reader is gone
+                running = self._running()
+                engine.abort_request([i for t in running for i in t.internal_ids()], internal=True)
+                for t in running:
+                    t.abandon()
+                self._tracks = {}
+                break
             outputs = engine.step()
             version = self.version
             for out in outputs:
@@ -391,6 +503,8 @@ class Engine:
                 track.observe(out.request_id, out, version)
                 if out.finished:
                     self._tracks.pop(out.request_id, None)
+            if self._on_step is not None:
+                self._on_step()
             now = time.monotonic()
             if self._last_step_end is not None:
                 gap = now - self._last_step_end

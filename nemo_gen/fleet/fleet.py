@@ -15,14 +15,14 @@ No module of the fleet package imports this one.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from nemo_gen import policies
 from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.members import Member
 from nemo_gen.core.planner import attach_seeds, seed_ledger
 from nemo_gen.core.refit import RefitReport
-from nemo_gen.core.results import GenerationResult
+from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet.background import Background
@@ -74,7 +74,7 @@ class GenerationFleet:
         self.weights = FleetWeights(version, source, s.refit.staging_dir, s.fleet.name, record,
                                     lambda actor, **v: update_record(actor, s.fleet.control_timeout_s, **v))
         self.background = Background(s.fleet.name)
-        self._monitor: FleetMonitor | None = None
+        self.monitor: FleetMonitor | None = None
         gen_cfg = resolved.generation_config
         self.refitter = Refitter(self.health, self.members, self.weights, self.driver, gen_cfg,
                                  s.refit.bucket_bytes, on_spare_failed=lambda name, why: self.spares.drop(name, why))
@@ -140,9 +140,8 @@ class GenerationFleet:
                    driver=driver)
 
     def detach(self) -> None:
-        """Disconnect from an attached fleet without stopping it (the staging file this
-        process wrote is removed: the shards only read it during a refit). Spares being started
-        are waited for and left running: they belong to the fleet, not to this process."""
+        """Disconnect from an attached fleet without stopping it (this process's staging file is
+        removed). Spares being started are waited for and left running: they are the fleet's."""
         self._close_background(detached=True)
         self.weights.close()
         shutdown_ray(self._ray)
@@ -169,6 +168,12 @@ class GenerationFleet:
         self.background.check_open()
         params = resolve_sampling(self.resolved.generation_config, sampling)
         return await self.router.generate_async(prompt, params, session_id)
+
+    def generate_stream(self, prompt: Prompt, session_id: str | None = None, **sampling: Any
+                        ) -> AsyncIterator[Delta | GenerationResult]:
+        """``generate_async`` as it is generated: ``Delta``s, then the result (``Router.generate_stream``)."""
+        self.background.check_open()
+        return self.router.generate_stream(prompt, resolve_sampling(self.resolved.generation_config, sampling), session_id)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -219,13 +224,12 @@ class GenerationFleet:
         self.spares.replenish()
 
     def probe_once(self) -> list[dict[str, Any]]:
-        """One probe round over the serving shards, in this thread (the heal flow's, where no
-        monitor runs); see ``Prober.probe_round``."""
+        """One probe round over the serving shards, here (the heal flow's; no monitor runs there)."""
         return self.prober.probe_round(self.settings.health.unhealthy_threshold)
 
     def _watch(self, member: Member, handle: ShardHandle) -> None:
-        if self._monitor is not None:
-            self._monitor.watch(member, handle)
+        if self.monitor is not None:
+            self.monitor.watch(member, handle)
 
     def _stop_and_reap(self, handle: ShardHandle) -> None:
         pids = self.driver.stop(handle) + ([handle.actor_pid] if handle.actor_pid else [])
@@ -233,15 +237,11 @@ class GenerationFleet:
 
     def _start_monitor(self) -> None:
         h = self.settings.health
-        self._monitor = FleetMonitor(self.prober, h.watch_interval_s, h.probe_interval_s, self.settings.fleet.name)
+        self.monitor = FleetMonitor(self.prober, h.watch_interval_s, h.probe_interval_s, self.settings.fleet.name)
         self.recovery.watching = True
         for member, handle in self.members.members().items():
-            self._monitor.watch(member, handle)
-        self._monitor.start()
-
-    @property
-    def monitor(self) -> FleetMonitor | None:
-        return self._monitor
+            self.monitor.watch(member, handle)
+        self.monitor.start()
 
     @property
     def closed(self) -> bool:
@@ -251,15 +251,14 @@ class GenerationFleet:
         if getattr(self, "http", None):  # (a fleet whose server could not start has none)
             self.http.stop()
         self.background.close(detached)
-        if self._monitor is not None:
-            self._monitor.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
         self.background.join()
 
     # -- status and shutdown -----------------------------------------------------------------
 
     def status(self) -> list[ShardStatus]:
-        """Per shard: index, ledger state, weight version, actor and engine PIDs; then the spares
-        (state ``spare``)."""
+        """Per shard: index, ledger state, weight version, actor and engine PIDs; then the spares."""
         return fleet_status(self.health, self.members, self.driver, self.recovery.orphans,
                             live=not self.closed, on_lost=self.recovery.shard_lost)
 

@@ -5,8 +5,10 @@ Prompts are tokenized once, on the driver, so a too-long prompt is answered with
 before it costs a round trip. A shard that dies (or is condemned by its probes, or misses
 ``fleet.request_timeout_s``) while it holds requests: they are sent again to the serving
 shards and whatever it might still answer is dropped, so every prompt gets exactly one
-result. The batch path (``generate``) and the per-request awaitable (``generate_async``)
-share one rule for "this call is lost" (``_lost``) and one way to condemn (``_condemn``).
+result. The batch path (``generate``), the per-request awaitable (``generate_async``) and the
+stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one way to
+condemn (``_condemn``). A stream is re-routed the same way until its first token has been
+handed to the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, HealthyShardSelector
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe
-from nemo_gen.core.results import GenerationRequest, GenerationResult, Sample, too_long_error
+from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample, too_long_error
 from nemo_gen.errors import RequestError, ShardDiedError, ShardUnavailableError
-from nemo_gen.fleet.driver import Call, ShardDriver
+from nemo_gen.fleet.driver import Call, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 _POLL_S = 0.1
 # Sessions remembered (least recently used forgotten first): enough for every live agent.
 _SESSIONS = 100_000
+_LOST = object()  # a stream's shard was condemned or replaced while it streamed
 
 
 def _is_chat(prompt: Any) -> bool:
@@ -300,6 +303,78 @@ class Router:
             self.health.report_success(shard)
             return self.result(req, out["results"][0], out["shard"], out["weight_version"])
 
+    # -- the stream ----------------------------------------------------------------------------
+
+    async def generate_stream(self, prompt: Prompt, params: dict[str, Any], session_id: str | None = None
+                              ) -> AsyncIterator[Delta | GenerationResult]:
+        """``generate_async`` as it is generated: ``Delta``s as the shard's engine makes tokens,
+        then the ``GenerationResult`` (what ``generate_async`` returns). A shard lost before the
+        first delta was handed out: the request goes to another, unseen. Lost after: the stream
+        ends with ``ShardDiedError`` naming the shard and the tokens it had sent — never a
+        silently short answer. Closing the iterator early cancels the request on its shard."""
+        requests, rejected = self.requests([prompt])
+        if rejected:
+            yield rejected[0]
+            return
+        req = requests[0]
+        while True:
+            shard = await self._pick_async(session_id)
+            handle = self.members.handle(shard)
+            member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
+            texts: dict[int, _Decoded] = {}
+            try:
+                stream = self.driver.generate_stream(handle, req, params)
+                deadline = time.monotonic() + self.request_timeout_s
+                while (item := await self._next_item(stream, member, deadline)) is not _LOST:
+                    if item is None or "result" in item:
+                        finished = True
+                        if item is None:
+                            raise ShardDiedError(shard, "the stream ended without a result")
+                        self.health.report_success(shard)
+                        yield self.result(req, item["result"], item["shard"], item["weight_version"])
+                        return
+                    for raw in item["deltas"]:
+                        delta = self._delta(raw, shard, texts)
+                        sent += len(delta.token_ids)
+                        started = True
+                        yield delta
+                why = ShardDiedError(shard, "condemned while it streamed")
+            except Exception as exc:
+                why = self.driver.classify(handle, exc, "generate_stream")
+                if not isinstance(why, ShardDiedError):  # the request's own fault: the caller's to see
+                    raise why from None
+                self._condemn(member, why)
+            finally:
+                self.selector.release(shard)
+                if stream is not None and not finished:
+                    stream.cancel()
+            if started:  # the caller has part of the answer: it cannot be taken back
+                raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {why.detail}")
+            self.rerouted += 1
+
+    def _delta(self, raw: dict[str, Any], shard: int, texts: dict[int, "_Decoded"]) -> Delta:
+        text = texts.setdefault(raw["sample"], _Decoded(self.tokenizer if self._decode_text else None))
+        return Delta(sample=raw["sample"], token_ids=list(raw["token_ids"]), text=text.add(raw),
+                     logprobs=list(raw["logprobs"]), weight_versions=[(v, n) for v, n in raw["weight_versions"]],
+                     finish_reason=raw["finish_reason"], shard=shard)
+
+    async def _next_item(self, stream: Stream, member: Member, deadline: float) -> Any:
+        """The stream's next item (None after its last); ``_LOST`` when its shard was lost
+        meanwhile; TimeoutError past the deadline."""
+        task = asyncio.ensure_future(stream.next())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_POLL_S)
+                if done:
+                    return task.result()
+                if self._lost(member):
+                    return _LOST
+                if time.monotonic() > deadline:
+                    raise self._timeout()
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def _await(self, future: "asyncio.Future", member: Member) -> dict[str, Any] | None:
         """The call's answer; None when its shard was lost meanwhile; TimeoutError at the deadline."""
         deadline = time.monotonic() + self.request_timeout_s
@@ -313,6 +388,30 @@ class Router:
             if time.monotonic() > deadline:
                 future.cancel()
                 raise self._timeout()
+
+
+class _Decoded:
+    """A streamed sample's text piece by piece: the engine's own, or — engines without a
+    tokenizer — decoded here from all its tokens so far, the new part handed out (a partial
+    character at the end waits for the token that completes it; the last delta gets the rest)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def add(self, raw: dict[str, Any]) -> str:
+        if self.tokenizer is None:
+            self.sent += raw["text"]
+            return raw["text"]
+        self.ids += raw["token_ids"]
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if raw["finish_reason"] is None:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.sent):  # decoded differently with more context: wait for the end
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
 
 
 def _sessions_of(session_id: str | Sequence[str | None] | None, n: int) -> dict[int, str | None]:

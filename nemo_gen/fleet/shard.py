@@ -6,6 +6,7 @@ takes to start one (``ShardSpec``) and how the driver refers to a running one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -178,6 +179,19 @@ class ShardActor:
             "results": results,
             "seconds": time.perf_counter() - t0,
         }
+
+    async def generate_stream(self, request: GenerationRequest, sampling: dict[str, Any]):
+        """One request as it is generated — a Ray streaming generator (an async generator method
+        of an async actor): ``{"deltas": [...]}`` items, then ``{"result", "shard",
+        "weight_version", "seconds"}`` as ``generate`` answers (``nemo_gen.fleet.streaming``).
+        Cancelling the call (``ray.cancel``) aborts the request in the engine."""
+        version = self.weight_version
+        t0 = time.perf_counter()
+        async with contextlib.aclosing(self.engine.stream(request, sampling)) as items:
+            async for item in items:
+                if "result" in item:
+                    item = {**item, "shard": self.slot, "weight_version": version, "seconds": time.perf_counter() - t0}
+                yield item
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's own stats of this shard's engine (empty unless its stats are on)."""
