@@ -19,26 +19,28 @@ bad field, 401 for a missing or wrong key (``server.api_key``), 404 for another 
 503 while no shard serves, 504 when the fleet's request deadline passes, 500 otherwise — the
 message says what failed, never a stack trace (that goes to the log).
 
-Streaming (``stream: true``): the fleet has no token streaming, so a streamed request is generated
-in full first and then sent as server-sent events, one chunk per token (see
-``protocol.completion_events``) — the stream's shape, not its latency: the first chunk comes when
-the whole answer is ready. It follows that a shard lost while it generates costs the stream
-nothing: the router re-routes the request before a byte is sent, and a request that cannot be
-served is an ordinary error response with its status. If anything fails once the stream has
-begun, the stream ends with an error event (``data: {"error": ...}``, which the openai client
-raises as ``APIError``) naming the shard, never with a silent truncation.
+Streaming (``stream: true``) is real token streaming through ``fleet.generate_stream`` (engine ->
+shard actor's Ray streaming generator -> router): chunks leave as the engine makes tokens
+(``protocol.StreamFormat``). The response begins once every prompt of the request has its first
+token, so until then a failure is an ordinary error response with its status (400, 503...) and
+the headers carry the version and shard of those first tokens; a shard lost before its first
+token is re-routed by the router, unseen. Once the stream has begun, a failure — a shard lost
+mid-stream — ends it with an error event (``data: {"error": ...}``, which the openai client raises
+as ``APIError``) naming the shard, then ``[DONE]``: never a silent truncation. A client that
+disconnects cancels its requests on their shards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import json
 import logging
 import secrets
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -48,7 +50,8 @@ from vllm.utils import random_uuid
 
 from nemo_gen.core.fleet_health import SERVING_STATES
 from nemo_gen.core.refit import RefitError
-from nemo_gen.errors import DataError, InfraError, NemoGenError, RequestError, ShardRetired, StaleShard
+from nemo_gen.core.results import Delta
+from nemo_gen.errors import DataError, InfraError, NemoGenError, RequestError, ShardDiedError, ShardRetired, StaleShard
 from nemo_gen.server import protocol
 from nemo_gen.server.metrics import ServerMetrics
 from nemo_gen.server.protocol import ApiError, Call
@@ -86,19 +89,18 @@ class FleetApi:
         if name not in (None, "") and name not in self.model_aliases:
             raise ApiError(404, f"model: the model {name!r} does not exist; this server serves {self.model!r}", "model")
 
-    async def _one(self, call: Call, prompt: Any, prompt_field: str) -> Any:
+    def _kwargs(self, call: Call) -> dict[str, Any]:
         kwargs = dict(call.sampling)
         if call.session_id is not None and self._sessions:
             kwargs["session_id"] = call.session_id
+        return kwargs
+
+    async def _one(self, call: Call, prompt: Any, prompt_field: str) -> Any:
         try:
-            result = await self.fleet.generate_async(prompt, **kwargs)
+            result = await self.fleet.generate_async(prompt, **self._kwargs(call))
         except RequestError as exc:
             raise protocol.request_error(str(exc), call, prompt_field) from None
-        if result.error:
-            if result.error.startswith("RequestError") or result.error.startswith("ValueError"):
-                raise protocol.request_error(result.error, call, prompt_field)
-            raise ApiError(500, f"generation failed on shard {result.shard}: {result.error}")
-        return result
+        return _checked(result, call, prompt_field)
 
     async def generate(self, call: Call, prompt_field: str) -> list[Any]:
         tasks = [asyncio.ensure_future(self._one(call, p, prompt_field)) for p in call.prompts]
@@ -109,32 +111,41 @@ class FleetApi:
                 task.cancel()
             raise
 
-    def _answer(self, call: Call, results: list[Any], body: Any, events: Callable[..., Iterator[str]],
-                response_id: str) -> Response:
-        prov = protocol.provenance(results)
-        headers = {VERSION_HEADER: _version_text(prov["weight_version"])}
-        if prov["shard"] is not None:
-            headers[SHARD_HEADER] = str(prov["shard"])
-        if not call.stream:
-            return Response(body.model_dump_json(exclude_none=True), media_type="application/json", headers=headers)
-        return StreamingResponse(_guarded(events(call, self.model, results, self.detok, response_id), prov),
-                                 media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
-
     async def completions(self, body: Any, session: str | None) -> Response:
         self._check_model(body)
         call = protocol.parse_completion(body, session)
-        results = await self.generate(call, "prompt")
         response_id = call.request_id or f"cmpl-{random_uuid()}"
-        response = protocol.completion_response(call, self.model, results, self.detok, response_id)
-        return self._answer(call, results, response, protocol.completion_events, response_id)
+        if call.stream:
+            return await self._stream(call, "prompt", protocol.StreamFormat(call, self.model, self.detok, response_id,
+                                                                            chat=False))
+        results = await self.generate(call, "prompt")
+        return _answer(results, protocol.completion_response(call, self.model, results, self.detok, response_id))
 
     async def chat(self, body: Any, session: str | None) -> Response:
         self._check_model(body)
         call = protocol.parse_chat(body, session)
-        results = await self.generate(call, "messages")
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
-        response = protocol.chat_response(call, self.model, results, self.detok, response_id)
-        return self._answer(call, results, response, protocol.chat_events, response_id)
+        if call.stream:
+            return await self._stream(call, "messages", protocol.StreamFormat(call, self.model, self.detok, response_id,
+                                                                              chat=True))
+        results = await self.generate(call, "messages")
+        return _answer(results, protocol.chat_response(call, self.model, results, self.detok, response_id))
+
+    async def _stream(self, call: Call, prompt_field: str, fmt: protocol.StreamFormat) -> Response:
+        """Every prompt's ``fleet.generate_stream`` at once; the response starts when each has its
+        first token (until then a failure is an error response), then relays what comes."""
+        relay = _Relay(self.fleet, call, self._kwargs(call), prompt_field)
+        try:
+            firsts = await relay.first_events()
+        except BaseException:
+            await relay.close()
+            raise
+        versions = [v for v in (_first_version(e) for _, e in firsts) if v is not None]
+        shards = {e.shard for _, e in firsts}
+        headers = {VERSION_HEADER: _version_text(min(versions) if versions else None), "cache-control": "no-cache"}
+        if len(shards) == 1 and None not in shards:
+            headers[SHARD_HEADER] = str(next(iter(shards)))
+        return StreamingResponse(relay.events(fmt, firsts), media_type="text/event-stream", headers=headers)
 
     # -- the rest -------------------------------------------------------------------------------
 
@@ -178,17 +189,102 @@ class FleetApi:
         return {**report.to_json(), "nemo_gen": self._current()}
 
 
-async def _guarded(events: Iterator[str], prov: dict[str, Any]):
-    """The stream's events; anything that fails once it has begun ends it with an error event
-    naming the shard (the client sees an error, never a silently short answer)."""
-    try:
-        for event in events:
-            yield event
-    except Exception as exc:  # the response has started: an event is the only way left to say so
-        log.exception("stream failed after it began (shard %s)", prov.get("shard"))
-        error = ApiError(500, f"the stream from shard {prov.get('shard')} failed: {type(exc).__name__}: {exc}")
-        yield protocol.sse(error.body() | {"nemo_gen": prov})
-        yield protocol.sse("[DONE]")
+def _checked(result: Any, call: Call, prompt_field: str) -> Any:
+    """A finished result, or the ApiError its error is (400 for the request's own fault)."""
+    if result.error:
+        if result.error.startswith("RequestError") or result.error.startswith("ValueError"):
+            raise protocol.request_error(result.error, call, prompt_field)
+        raise ApiError(500, f"generation failed on shard {result.shard}: {result.error}")
+    return result
+
+
+def _answer(results: list[Any], body: Any) -> Response:
+    prov = protocol.provenance(results)
+    headers = {VERSION_HEADER: _version_text(prov["weight_version"])}
+    if prov["shard"] is not None:
+        headers[SHARD_HEADER] = str(prov["shard"])
+    return Response(body.model_dump_json(exclude_none=True), media_type="application/json", headers=headers)
+
+
+def _first_version(event: Any) -> int | None:
+    spans = event.weight_versions
+    return spans[0][0] if spans else getattr(event, "weight_version", None)
+
+
+class _Relay:
+    """One streamed request's prompts, each ``fleet.generate_stream`` pumped by a task into one
+    queue as (prompt, event): a ``Delta``, the finished result, or what the stream raised."""
+
+    def __init__(self, fleet: Any, call: Call, kwargs: dict[str, Any], prompt_field: str):
+        self.call, self.prompt_field = call, prompt_field
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.ensure_future(self._pump(i, fleet, p, kwargs)) for i, p in enumerate(call.prompts)]
+
+    async def _pump(self, i: int, fleet: Any, prompt: Any, kwargs: dict[str, Any]) -> None:
+        try:
+            async with contextlib.aclosing(fleet.generate_stream(prompt, **kwargs)) as stream:
+                async for event in stream:
+                    self.queue.put_nowait((i, event))
+        except Exception as exc:
+            self.queue.put_nowait((i, exc))
+
+    def _check(self, event: Any) -> Any:
+        if isinstance(event, RequestError):
+            raise protocol.request_error(str(event), self.call, self.prompt_field)
+        if isinstance(event, BaseException):
+            raise event
+        return event if isinstance(event, Delta) else _checked(event, self.call, self.prompt_field)
+
+    async def first_events(self) -> list[tuple[int, Any]]:
+        """Everything up to each prompt's first delta (or its result); raises what failed first."""
+        seen: set[int] = set()
+        events = []
+        while len(seen) < len(self.tasks):
+            i, event = await self.queue.get()
+            events.append((i, self._check(event)))
+            seen.add(i)
+        return events
+
+    async def events(self, fmt: protocol.StreamFormat, firsts: list[tuple[int, Any]]) -> AsyncIterator[str]:
+        results: dict[int, Any] = {}
+        shards: dict[int, int | None] = {}
+        pending = list(firsts)
+        try:
+            for chunk in fmt.start():
+                yield chunk
+            while len(results) < len(self.tasks):
+                i, event = pending.pop(0) if pending else await self.queue.get()
+                event = self._check(event)
+                if isinstance(event, Delta):
+                    shards[i] = event.shard
+                    yield fmt.delta(i, event)
+                else:
+                    results[i] = event
+            for chunk in fmt.end([results[i] for i in range(len(self.tasks))]):
+                yield chunk
+        except Exception as exc:  # the response has started: an event is the only way left to say so
+            yield _stream_error(exc, shards)
+            yield protocol.sse("[DONE]")
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _stream_error(exc: BaseException, shards: dict[int, int | None]) -> str:
+    """The error event that ends a stream which had begun, naming the shard."""
+    shard = exc.shard if isinstance(exc, ShardDiedError) else next(iter(set(shards.values())), None)
+    if isinstance(exc, ShardDiedError):
+        log.warning("a stream broke off: %s", exc)
+        error = ApiError(503, f"the stream broke off: {exc}")
+    else:
+        log.error("a stream from shard %s failed after it began: %s: %s", shard, type(exc).__name__, exc)
+        error = error_for(exc)
+        error = ApiError(error.status, f"the stream from shard {shard} failed: {error.message}", error.param)
+    return protocol.sse(error.body() | {"nemo_gen": {"shard": shard}})
 
 
 def error_for(exc: BaseException) -> ApiError:

@@ -52,6 +52,8 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 
+from nemo_gen.fleet.batch import add_span
+
 # OpenAI (and vLLM-extension) request fields -> the fleet's sampling keywords.
 SAMPLING = {
     "max_tokens": "max_new_tokens",
@@ -420,7 +422,7 @@ def chat_response(call: Call, model: str, results: Sequence[Any], detok: Detoken
 
 
 # --------------------------------------------------------------------------------------------
-# streams: server-sent events of a finished result
+# streams: server-sent events as the fleet generates
 
 
 def sse(payload: Any) -> str:
@@ -432,64 +434,63 @@ def _dump(model: Any) -> dict[str, Any]:
     return model.model_dump(exclude_none=True)
 
 
-def completion_events(call: Call, model: str, results: Sequence[Any], detok: Detokenizer,
-                      response_id: str) -> Iterator[str]:
-    """The finished results as a completion stream: one chunk per generated token (its text
-    piece, and its logprob when asked), the finish reason on each choice's last chunk, then
-    the usage chunk (``stream_options.include_usage``) and ``[DONE]``."""
-    created, prov = int(time.time()), provenance(results)
-    for index, result, sample in _choices(call, results):
-        ids, text = list(sample.token_ids), sample.text or ""
-        pieces = detok.pieces(ids, text) or [""]
-        lps = _completion_logprobs(detok, sample, pieces) if call.logprobs else None
-        choice_prov = _choice_provenance(result, sample)
-        for j, piece in enumerate(pieces):
-            last = j == len(pieces) - 1
+class StreamFormat:
+    """The chunks of one streamed response, made as the fleet's deltas (``Delta``) arrive.
+
+    Completions: one chunk per delta (the tokens one engine step — or, behind a slow reader,
+    several — made for one choice: their text, and logprobs / token ids when asked). Chat: a role
+    chunk per choice first, then the same. A choice's last chunk carries its ``finish_reason``
+    and its own ``nemo_gen`` (shard, version of its last token, ``weight_versions`` spans of all
+    its tokens); the stream's final chunk (no choices; ``usage`` with
+    ``stream_options.include_usage``) carries the response's ``nemo_gen``; then ``[DONE]``."""
+
+    def __init__(self, call: Call, model: str, detok: Detokenizer, response_id: str, chat: bool):
+        self.call, self.model, self.detok, self.id, self.chat = call, model, detok, response_id, chat
+        self.created = int(time.time())
+        self.spans: dict[int, list[list[Any]]] = {}  # choice index -> its tokens' version spans so far
+        self.chars: dict[int, int] = {}  # choice index -> text characters sent (completion logprob offsets)
+
+    def _chunk(self, choices: list[Any], **extra: Any) -> str:
+        cls = ChatCompletionStreamResponse if self.chat else CompletionStreamResponse
+        return sse(_dump(cls(id=self.id, created=self.created, model=self.model, choices=choices, **extra)))
+
+    def start(self) -> list[str]:
+        if not self.chat:
+            return []
+        return [self._chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(len(self.call.prompts) * self.call.n)]
+
+    def delta(self, prompt: int, d: Any) -> str:
+        index = prompt * self.call.n + d.sample
+        spans = self.spans.setdefault(index, [])
+        for version, count in d.weight_versions:
+            add_span(spans, version, count)
+        prov = None
+        if d.finish_reason is not None:
+            prov = {"shard": d.shard, "weight_version": spans[-1][0] if spans else None,
+                    "weight_versions": [list(s) for s in spans]}
+        ids = list(d.token_ids) if self.call.token_ids else None
+        if self.chat:
+            logprobs = _chat_logprobs(self.detok, d.token_ids, d.logprobs) if self.call.logprobs else None
+            choice = ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=d.text), logprobs=logprobs,
+                                                        finish_reason=d.finish_reason, token_ids=ids, nemo_gen=prov)
+        else:
+            at = self.chars.get(index, 0)
+            self.chars[index] = at + len(d.text)
             logprobs = None
-            if lps is not None and j < len(ids):
-                logprobs = CompletionLogProbs(text_offset=lps.text_offset[j:j + 1],
-                                              token_logprobs=lps.token_logprobs[j:j + 1],
-                                              tokens=lps.tokens[j:j + 1], top_logprobs=lps.top_logprobs[j:j + 1])
-            chunk = CompletionStreamResponse(
-                id=response_id, created=created, model=model,
-                choices=[CompletionResponseStreamChoice(
-                    index=index, text=piece, logprobs=logprobs, finish_reason=sample.finish_reason if last else None,
-                    token_ids=ids[j:j + 1] if call.token_ids else None,
-                    nemo_gen=choice_prov if last else None)],
-                nemo_gen=prov,
-            )
-            yield sse(_dump(chunk))
-    if call.include_usage:
-        yield sse(_dump(CompletionStreamResponse(id=response_id, created=created, model=model, choices=[],
-                                                 usage=_usage(results), nemo_gen=prov)))
-    yield sse("[DONE]")
+            if self.call.logprobs:
+                tokens = [self.detok.token(t) for t in d.token_ids]
+                offsets = []
+                for tok in tokens:
+                    offsets.append(at)
+                    at += len(tok)
+                lps = [float(x) for x in d.logprobs]
+                logprobs = CompletionLogProbs(text_offset=offsets, token_logprobs=lps, tokens=tokens,
+                                              top_logprobs=[{tok: lp} for tok, lp in zip(tokens, lps)])
+            choice = CompletionResponseStreamChoice(index=index, text=d.text, logprobs=logprobs,
+                                                    finish_reason=d.finish_reason, token_ids=ids, nemo_gen=prov)
+        return self._chunk([choice])
 
-
-def chat_events(call: Call, model: str, results: Sequence[Any], detok: Detokenizer,
-                response_id: str) -> Iterator[str]:
-    """The finished results as a chat stream: per choice a role chunk, one content chunk per
-    generated token, the finish reason on the last; then usage (when asked) and ``[DONE]``."""
-    created, prov = int(time.time()), provenance(results)
-
-    def chunk(choice: ChatCompletionResponseStreamChoice, usage: UsageInfo | None = None) -> str:
-        body = ChatCompletionStreamResponse(id=response_id, created=created, model=model,
-                                            choices=[choice] if choice else [], usage=usage, nemo_gen=prov)
-        return sse(_dump(body))
-
-    for index, result, sample in _choices(call, results):
-        ids, text = list(sample.token_ids), sample.text or ""
-        yield chunk(ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-        pieces = detok.pieces(ids, text) or [""]
-        choice_prov = _choice_provenance(result, sample)
-        for j, piece in enumerate(pieces):
-            last = j == len(pieces) - 1
-            logprobs = None
-            if call.logprobs and j < len(ids):
-                logprobs = _chat_logprobs(detok, ids[j:j + 1], sample.logprobs[j:j + 1])
-            yield chunk(ChatCompletionResponseStreamChoice(
-                index=index, delta=DeltaMessage(content=piece), logprobs=logprobs,
-                finish_reason=sample.finish_reason if last else None,
-                token_ids=ids[j:j + 1] if call.token_ids else None, nemo_gen=choice_prov if last else None))
-    if call.include_usage:
-        yield chunk(None, usage=_usage(results))
-    yield sse("[DONE]")
+    def end(self, results: Sequence[Any]) -> list[str]:
+        usage = _usage(results) if self.call.include_usage else None
+        return [self._chunk([], usage=usage, nemo_gen=provenance(results)), sse("[DONE]")]

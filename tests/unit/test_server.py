@@ -114,18 +114,25 @@ def test_chat_renders_the_messages_and_answers_as_the_assistant(served, client):
 
 def test_a_stream_is_the_same_answer_in_token_chunks(served, client):
     whole = client.completions.create(model=model_of(served), prompt="stream me", max_tokens=6)
-    chunks = list(client.completions.create(model=model_of(served), prompt="stream me", max_tokens=6, stream=True,
-                                            stream_options={"include_usage": True}))
+    raw = client.completions.with_raw_response.create(model=model_of(served), prompt="stream me", max_tokens=6,
+                                                      stream=True, stream_options={"include_usage": True})
+    assert raw.headers["x-nemo-gen-weight-version"] == str(whole.nemo_gen["weight_version"])
+    chunks = list(raw.parse())
     text_chunks = [c for c in chunks if c.choices]
-    assert len(text_chunks) == 6  # one per generated token
+    assert len(text_chunks) == 6  # a fake shard makes one token per step: one chunk each
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in text_chunks] == [None] * 5 + ["length"]
-    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
-    assert all(c.nemo_gen["weight_version"] == whole.nemo_gen["weight_version"] for c in chunks)
+    shard = raw.headers["x-nemo-gen-shard"]
+    last = text_chunks[-1].choices[0].nemo_gen  # the choice's own provenance, on its last chunk
+    assert last == {**whole.choices[0].nemo_gen, "shard": int(shard)}
+    final = chunks[-1]  # the response's, on the final chunk
+    assert not final.choices and final.usage.completion_tokens == 6
+    assert final.nemo_gen == {**whole.nemo_gen, "shard": int(shard)}
 
     chat = list(client.chat.completions.create(model=model_of(served), messages=[{"role": "user", "content": "x"}],
                                                max_tokens=3, n=2, stream=True))
-    by_choice = {i: [c.choices[0] for c in chat if c.choices[0].index == i] for i in (0, 1)}
+    assert not chat[-1].choices and chat[-1].nemo_gen["weight_version"] is not None  # the final chunk
+    by_choice = {i: [c.choices[0] for c in chat if c.choices and c.choices[0].index == i] for i in (0, 1)}
     for pieces in by_choice.values():
         assert pieces[0].delta.role == "assistant"
         assert pieces[-1].finish_reason == "length" and len(pieces) == 1 + 3
@@ -298,20 +305,43 @@ def test_a_taken_port_is_a_config_error_naming_it(served):
     assert info.value.field == "server.port"
 
 
-def test_a_stream_that_fails_after_it_began_ends_with_an_error_event_naming_the_shard():
-    from nemo_gen.server.app import _guarded
+def test_a_shard_lost_mid_stream_ends_the_stream_with_an_error_event_naming_it(make_settings):
+    from nemo_gen.server import start_server
 
-    def events():
-        yield "data: {\"choices\": []}\n\n"
-        raise RuntimeError("the connection to shard 1 broke")
-
-    async def collect():
-        return [e async for e in _guarded(events(), {"shard": 1, "weight_version": 3})]
-
-    out = asyncio.run(collect())
-    assert len(out) == 3 and out[-1] == "data: [DONE]\n\n"
-    error = json.loads(out[1].removeprefix("data: "))
-    assert "shard 1" in error["error"]["message"] and error["nemo_gen"]["shard"] == 1
+    driver = FakeDriver()
+    settings = make_settings(fleet__name="fake-midstream", fleet__num_shards=2, health__probe_interval_s=60,
+                             health__auto_recover=False, server__port=0)
+    fleet = fake_fleet(settings, driver)
+    try:
+        for handle in fleet.shards:
+            driver.set_token_s(handle.name, 0.05)
+        with start_server(fleet) as server:
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                              json={"prompt": [1, 2, 3], "max_tokens": 40, "stream": True}) as response:
+                assert response.status_code == 200
+                shard = int(response.headers["x-nemo-gen-shard"])
+                lines = response.iter_lines()
+                events = [next(line for line in lines if line)]
+                driver.set_dead(fleet.handle(shard).name)
+                events += [line for line in lines if line]
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2].removeprefix("data: "))
+            assert f"shard {shard}" in error["error"]["message"] and error["nemo_gen"]["shard"] == shard
+            text = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+            assert 1 <= len(text) < 40 and all(c["choices"][0].get("finish_reason") is None for c in text)
+            # the official client raises it
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            stream = client.completions.create(model=settings.model_name(), prompt=[4, 5], max_tokens=40, stream=True)
+            survivor = fleet.handle(1 - shard).name
+            first = next(iter(stream))
+            assert first.choices[0].text is not None
+            driver.set_dead(survivor)
+            with pytest.raises(openai.APIError) as info:
+                list(stream)
+            assert f"shard {1 - shard}" in str(info.value)
+    finally:
+        fleet.shutdown()
+        driver.close()
 
 
 def test_text_pieces_join_to_the_engines_text(served):
