@@ -13,8 +13,8 @@ Two ratios, each against a target:
 2. Prefect pipeline overhead (prefect / plain wall time, target <= 1.10).
    The whole pipeline (configure environment, attach Ray, resolve config, launch a fleet,
    generate the built-in prompts, write JSONL, shut down) as plain functions
-   (``nemo_gen.pipeline.run_pipeline``) against the Prefect flow
-   (``flows.pipeline.generation_pipeline``) reporting to a real local Prefect server, in
+   (``nemo_gen.pipeline.run_pipeline``) against the Prefect flow as ``nemo-gen run`` runs it
+   (``flows.pipeline.run_watched``) reporting to a real local Prefect server, in
    alternating order for ``--pipeline-rounds`` rounds. Every run launches and stops its own
    fleet. The Prefect server and the Ray cluster are started once, by this script, before
    any measurement, so neither arm pays for them: the server comes first (as under
@@ -359,7 +359,7 @@ class PhaseClock:
 
 
 def measure_pipeline_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> dict[str, Any]:
-    from flows.pipeline import generation_pipeline
+    from flows.pipeline import run_watched
     from nemo_gen import progress
     from nemo_gen.pipeline import run_pipeline
     from nemo_gen.settings import NemoGenSettings
@@ -374,7 +374,7 @@ def measure_pipeline_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> 
 
     def prefect(r: int) -> dict[str, Any]:
         cli_overrides = as_cli_overrides(overrides("prefect", r))
-        return generation_pipeline(config=None, overrides=cli_overrides, name="bench-prefect")
+        return run_watched(config=None, overrides=cli_overrides, name="bench-prefect")  # as `nemo-gen run` does
 
     arms = {"plain": plain, "prefect": prefect}
     print(

@@ -103,6 +103,17 @@ def generation_pipeline(
             shutdown_ray(conn)
 
 
+def run_watched(config: str | None = None, overrides: list[str] | None = None, name: str = "run") -> dict[str, Any]:
+    """``generation_pipeline`` run in this process by a caller that watches it to the end
+    (``nemo-gen run``, the benchmark): without flow heartbeats. They detect zombie runs of
+    deployments, which such a run cannot become, and each flow run (the pipeline and its
+    ``launch-fleet`` subflow) paid about 1 s at its end joining the heartbeat thread."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        return generation_pipeline(config=config, overrides=overrides, name=name)
+
+
 def _publish(fleet: GenerationFleet, summary: dict[str, Any]) -> None:
     """Artifacts a person reads instead of logs: fleet health, throughput, refit timing."""
     publish_fleet_health(fleet.settings.fleet.name, fleet.status())

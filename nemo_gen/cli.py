@@ -342,16 +342,9 @@ def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
             view.note("starting Prefect server" if not (settings.prefect.api_url or os.environ.get("PREFECT_API_URL")) else "using Prefect API")
             with prefect_api(settings) as api:
                 view.note(f"Prefect API at {api.url}")
-                from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+                from flows.pipeline import run_watched
 
-                from flows.pipeline import generation_pipeline
-
-                # Heartbeats detect zombie runs of deployments; a run this process watches to the
-                # end does not need them, and each flow run pays up to 1 s joining the thread.
-                with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-                    summary = generation_pipeline(
-                        config=str(args.config) if args.config else None, overrides=overrides, name=name
-                    )
+                summary = run_watched(config=str(args.config) if args.config else None, overrides=overrides, name=name)
                 ui = api
     summary["wall_seconds"] = time.monotonic() - started
     if ui is not None:
