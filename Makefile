@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup chromium postgresql run test unit bench bench-refit bench-recovery bench-serve clean
+.PHONY: setup chromium postgresql run test unit bench bench-refit bench-recovery bench-serve bench-sessions clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,9 @@ bench-recovery: setup
 
 bench-serve: setup
 	$(PY) bench/serve.py $(ARGS)
+
+bench-sessions: setup
+	$(PY) bench/sessions.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .nemo-gen test-artifacts

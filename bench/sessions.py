@@ -1,0 +1,231 @@
+"""Session affinity: vLLM's prefix-cache hit rate and the time to first token of a multi-turn
+workload on one fleet, with affinity and without, in one run.
+
+Workload: ``--sessions`` conversations x ``--turns`` turns. Each turn is a chat prompt of the whole
+conversation so far (a system prompt, every earlier user message and answer) plus a new user
+message, sent with ``fleet.generate_stream`` — token streaming, so the time to the first ``Delta``
+is the real time to first token as a caller sees it (driver-side chat rendering and routing, the
+Ray call, the engine's queue and prefill). The answer (``--max-new-tokens``, ``ignore_eos``) is
+appended for the next turn. All sessions run at once, each its turns in order, as agents do, with
+a "tool call" between turns (a seeded random pause, ``--think-ms`` on average): without it the
+sessions move in lockstep and least-loaded routing would send each one to the same shard every
+turn by accident (92-100% of turns here), which is affinity under another name.
+
+Arms, on the same fleet of ``--shards`` vLLM CPU engines (AsyncLLM and vLLM's stats, as under
+``nemo-gen serve``; prefix caching as the fleet ships it):
+
+- ``affinity``: every turn passes ``session_id=`` — the router keeps a session on the shard that
+  served its previous turn (where that prompt's KV is cached) while that shard serves and has at
+  most ``fleet.session_affinity_slack`` more requests in flight than the least-loaded one;
+- ``none``: no session, least-loaded routing: a turn lands on whichever shard is least busy.
+
+The engines cache prompt KV in whole blocks: ``--block-size`` (default 32, as
+``generation.vllm_kwargs.block_size``) instead of the CPU backend's 128, which for conversations of
+a few hundred tokens (the tiny model's ``max_model_len`` is 512) would leave most of a turn's
+prefix in a partial block; GPU engines use 16.
+
+Each arm and round has conversations of its own (distinct text), so no arm hits another's cached
+prefixes; the arms alternate (A, B, then B, A, ...) over ``--rounds`` rounds.
+
+Per arm: the prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``: prompt tokens found in / looked up in the cache, summed over the
+shards, the arm's difference), the time to first token p50/p90 over turns 2..N (turn 1 has nothing
+of its own to hit) and over all turns, vLLM's own TTFT histogram mean (``vllm:time_to_first_token_
+seconds``, the engines' view: queue + prefill, no routing or Ray), and the share of turns 2..N that
+ran on the shard of the session's previous turn. Ratios: hit rate affinity / none, TTFT none /
+affinity. The "others" column is the CPU share of processes outside this benchmark (someone's
+tests on the shared machine); above 10% the round is NOISY.
+
+    .venv/bin/python bench/sessions.py [--shards 2] [--sessions 32] [--turns 4] [--rounds 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+from fleet_overhead import NOISY_SHARE, ForeignCpu, load  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "nemo_gen_bench"
+ARMS = ("affinity", "none")
+WORDS = ("plan tool call search file read write test build deploy check agent step result error retry "
+         "cache shard token model weight batch queue route stream answer question reason verify").split()
+SYSTEM = ("You are a careful coding agent. Think step by step, call one tool at a time, read each "
+          "result before the next step, and answer briefly.")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", type=int, default=2, help="shards in the fleet (default 2)")
+    p.add_argument("--sessions", type=int, default=32, help="conversations per arm and round (default 32)")
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    p.add_argument("--words", type=int, default=12, help="words per user message (default 12)")
+    p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between turns (default 100)")
+    p.add_argument("--block-size", type=int, default=32, help="the engines' KV block size (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default 24)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating affinity/none rounds (default 2)")
+    p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
+    args = p.parse_args(argv)
+    for name in ("shards", "sessions", "turns", "words", "max_new_tokens", "rounds", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def user_message(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def vllm_totals(fleet) -> dict[str, float]:
+    """vLLM's counters and TTFT histogram, summed over the serving shards."""
+    out = {"queries": 0.0, "hits": 0.0, "ttft_sum": 0.0, "ttft_count": 0.0}
+    for rows in fleet.vllm_metrics().values():
+        for row in rows:
+            name = row["name"].removesuffix("_total")
+            if name == "vllm:prefix_cache_queries":
+                out["queries"] += row["value"]
+            elif name == "vllm:prefix_cache_hits":
+                out["hits"] += row["value"]
+            elif name == "vllm:time_to_first_token_seconds" and row["kind"] == "histogram":
+                out["ttft_sum"] += row["sum"]
+                out["ttft_count"] += row["count"]
+    return out
+
+
+async def session(fleet, tag: str, affine: bool, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One conversation's turns in order: per turn, the time to its first token and its shard."""
+    rng = random.Random(tag)  # its own words: no two conversations share more than the system prompt
+    messages = [{"role": "system", "content": f"{SYSTEM} Session {tag}."}]
+    turns = []
+    for turn in range(args.turns):
+        messages.append({"role": "user", "content": user_message(rng, args.words)})
+        t0, first, answer, shard = time.perf_counter(), None, "", None
+        async for event in fleet.generate_stream(list(messages), session_id=tag if affine else None,
+                                                 max_new_tokens=args.max_new_tokens, temperature=0.0,
+                                                 ignore_eos=True):
+            if first is None:
+                first = time.perf_counter() - t0
+            if hasattr(event, "sample"):
+                answer += event.text
+                shard = event.shard
+            elif event.error:
+                raise RuntimeError(f"session {tag} turn {turn}: {event.error}")
+        messages.append({"role": "assistant", "content": answer})
+        await asyncio.sleep(rng.uniform(0, 2 * args.think_ms) / 1e3)  # the agent's tool call
+        turns.append({"turn": turn, "ttft_s": first, "shard": shard,
+                      "prompt_tokens": len(event.prompt_token_ids)})
+    return turns
+
+
+def run_arm(fleet, arm: str, round_: int, args: argparse.Namespace) -> dict[str, Any]:
+    async def main():
+        return await asyncio.gather(*(session(fleet, f"r{round_}-{arm}-s{i}", arm == "affinity", args)
+                                      for i in range(args.sessions)))
+
+    before = vllm_totals(fleet)
+    t0 = time.perf_counter()
+    sessions = asyncio.run(main())
+    wall = time.perf_counter() - t0
+    after = vllm_totals(fleet)
+    d = {k: after[k] - before[k] for k in before}
+    later = [t["ttft_s"] for s in sessions for t in s[1:]]
+    every = [t["ttft_s"] for s in sessions for t in s]
+    stayed = [s[i]["shard"] == s[i - 1]["shard"] for s in sessions for i in range(1, len(s))]
+    return {
+        "wall_s": wall, "turns": len(every), "hit_rate": d["hits"] / d["queries"] if d["queries"] else 0.0,
+        "cache_queries": d["queries"], "cache_hits": d["hits"],
+        "ttft_p50_ms": _pct(later, 50) * 1e3, "ttft_p90_ms": _pct(later, 90) * 1e3,
+        "ttft_all_p50_ms": _pct(every, 50) * 1e3, "ttft_all_p90_ms": _pct(every, 90) * 1e3,
+        "vllm_ttft_mean_ms": d["ttft_sum"] / d["ttft_count"] * 1e3 if d["ttft_count"] else None,
+        "stayed": sum(stayed) / len(stayed) if stayed else None,
+        "last_prompt_tokens": statistics.mean(s[-1]["prompt_tokens"] for s in sessions),
+    }
+
+
+def _pct(values: Sequence[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from nemo_gen.fleet.fleet import GenerationFleet
+    from nemo_gen.settings import NemoGenSettings
+
+    settings = NemoGenSettings.load(overrides={
+        "home": str(args.home), "fleet.name": "bench-sessions", "fleet.num_shards": args.shards,
+        "fleet.device": "cpu", "generation.vllm_cfg.max_model_len": 512, "generation.vllm_cfg.async_engine": True,
+        "generation.vllm_cfg.enable_vllm_metrics_logger": True, "generation.vllm_kwargs": {"block_size": args.block_size},
+        "ray.namespace": NAMESPACE, "ray.log_to_driver": False,
+    })
+    print(f"bench/sessions.py: {args.shards} shards, {args.sessions} sessions x {args.turns} turns "
+          f"({args.words}-word user messages, {args.max_new_tokens}-token answers, {args.think_ms:g} ms between "
+          f"turns), {args.rounds} rounds, KV block size {args.block_size}, session_affinity_slack "
+          f"{settings.fleet.session_affinity_slack}; {load()}", flush=True)
+    rounds: list[dict[str, Any]] = []
+    with GenerationFleet.launch(settings) as fleet, ForeignCpu() as foreign:
+        if not any(fleet.vllm_metrics().values()):
+            raise SystemExit("the engines report no vLLM stats (generation.vllm_cfg.enable_vllm_metrics_logger)")
+        warm = argparse.Namespace(**{**vars(args), "sessions": 4, "turns": 2})
+        run_arm(fleet, "none", -1, warm)
+        for r in range(args.rounds):
+            order = ARMS if r % 2 == 0 else ARMS[::-1]
+            row: dict[str, Any] = {"round": r, "order": order}
+            for arm in order:
+                cpu0, t0 = foreign.cpu_s(), time.perf_counter()
+                out = run_arm(fleet, arm, r, args)
+                out["others"] = ForeignCpu.share(foreign.cpu_s() - cpu0, time.perf_counter() - t0)
+                row[arm] = out
+                print(f"  round {r} {arm:8s}: prefix-cache hit rate {out['hit_rate']:.1%} "
+                      f"({out['cache_hits']:.0f}/{out['cache_queries']:.0f} tokens), TTFT turns 2-{args.turns} "
+                      f"p50 {out['ttft_p50_ms']:.0f} ms p90 {out['ttft_p90_ms']:.0f} ms (all turns p50 "
+                      f"{out['ttft_all_p50_ms']:.0f} / p90 {out['ttft_all_p90_ms']:.0f}), vLLM TTFT mean "
+                      f"{out['vllm_ttft_mean_ms']:.0f} ms, same shard as the last turn {out['stayed']:.0%}, "
+                      f"wall {out['wall_s']:.1f} s, others {out['others']:.0%}"
+                      f"{' NOISY' if out['others'] > NOISY_SHARE else ''}", flush=True)
+            a, n = row["affinity"], row["none"]
+            row["hit_rate_ratio"] = a["hit_rate"] / n["hit_rate"] if n["hit_rate"] else float("inf")
+            row["ttft_p50_ratio"] = n["ttft_p50_ms"] / a["ttft_p50_ms"]
+            row["ttft_p90_ratio"] = n["ttft_p90_ms"] / a["ttft_p90_ms"]
+            rounds.append(row)
+            print(f"  round {r}: hit rate affinity / none {row['hit_rate_ratio']:.2f}x, TTFT none / affinity "
+                  f"p50 {row['ttft_p50_ratio']:.2f}x p90 {row['ttft_p90_ratio']:.2f}x", flush=True)
+    summary = {"shards": args.shards, "sessions": args.sessions, "turns": args.turns, "words": args.words,
+               "max_new_tokens": args.max_new_tokens, "think_ms": args.think_ms, "block_size": args.block_size,
+               "rounds": rounds, "load": load()}
+    for key in ("hit_rate_ratio", "ttft_p50_ratio", "ttft_p90_ratio"):
+        summary[key] = statistics.median(r[key] for r in rounds)
+    for arm in ARMS:
+        summary[arm] = {k: statistics.median(r[arm][k] for r in rounds)
+                        for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "vllm_ttft_mean_ms", "stayed")}
+    print(f"median over {args.rounds} rounds: hit rate {summary['affinity']['hit_rate']:.1%} with affinity, "
+          f"{summary['none']['hit_rate']:.1%} without ({summary['hit_rate_ratio']:.2f}x); TTFT p50 "
+          f"{summary['affinity']['ttft_p50_ms']:.0f} vs {summary['none']['ttft_p50_ms']:.0f} ms "
+          f"({summary['ttft_p50_ratio']:.2f}x), p90 {summary['affinity']['ttft_p90_ms']:.0f} vs "
+          f"{summary['none']['ttft_p90_ms']:.0f} ms ({summary['ttft_p90_ratio']:.2f}x); {load()}", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
