@@ -39,12 +39,20 @@ async def _pools_of(ids: list[str]) -> dict[str, str]:
 
 
 def _rows(table: str) -> dict[str, tuple[str, str]]:
-    """The table's rows: deployment -> (id, error)."""
-    rows = {}
+    """The table's rows: deployment -> (id, error). A cell too long for the terminal wraps onto
+    lines whose deployment cell is empty (a long temporary path in an error does): joined back."""
+    rows: dict[str, tuple[str, str]] = {}
+    last = None
     for line in table.splitlines():
         cells = [c.strip() for c in line.split("\u2502")]  # │
-        if len(cells) == 5:  # "", deployment, id, error, ""
-            rows[cells[1]] = (cells[2], cells[3])
+        if len(cells) != 5:  # "", deployment, id, error, ""
+            continue
+        if cells[1] or last is None:
+            last = cells[1]
+            rows[last] = (cells[2], cells[3])
+        else:
+            rid, err = rows[last]
+            rows[last] = (rid + cells[2], err + cells[3])
     return rows
 
 
