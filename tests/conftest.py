@@ -72,3 +72,13 @@ def prefect_harness():
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         with prefect_test_harness(server_startup_timeout=120):
             yield
+
+
+@pytest.fixture
+def driver():
+    """A fresh ``tests.fakes.FakeDriver`` (the fake-driver tier's shards), closed after the test."""
+    from tests.fakes import FakeDriver
+
+    d = FakeDriver()
+    yield d
+    d.close()

@@ -14,7 +14,7 @@ from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.refit import RefitError
 from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, RequestError, ShardUnavailableError
 from tests import helpers
-from tests.fakes import FakeDriver, fake_fleet
+from tests.fakes import fake_fleet
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]] * 4
 
@@ -33,13 +33,6 @@ def settings(make_settings):
         base.update(overrides)
         return make_settings(**base)
     return make
-
-
-@pytest.fixture
-def driver():
-    d = FakeDriver()
-    yield d
-    d.close()
 
 
 def path_of(fleet, slot):

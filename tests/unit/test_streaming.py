@@ -19,7 +19,7 @@ from nemo_gen.errors import RequestError, ShardDiedError
 from nemo_gen.fleet.batch import Track
 from nemo_gen.fleet.streaming import Cursor, merge, span_slice
 from tests import helpers
-from tests.fakes import FakeDriver, fake_fleet
+from tests.fakes import fake_fleet
 
 
 @pytest.fixture
@@ -30,13 +30,6 @@ def settings(make_settings):
         base.update(overrides)
         return make_settings(**base)
     return make
-
-
-@pytest.fixture
-def driver():
-    d = FakeDriver()
-    yield d
-    d.close()
 
 
 def expected_ids(prompt, n, k=0):
