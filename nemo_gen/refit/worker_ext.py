@@ -251,7 +251,8 @@ class WeightLoad:
         self._begun = False
         # repack_s: what the CPU kernel's repacking took (direct path only): no refit of this
         # engine can be faster, whatever the transport (bench/refit.py reports it)
-        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0, "load_s": self._load_s, "prepare_s": self._prepare_s,
+        self.stats = {"path": self.path, "seconds": time.perf_counter() - self._t0,
+                      "load_s": self._load_s, "prepare_s": self._prepare_s,
                       "repack_s": self.direct.repack_s if self.direct is not None else None,
                       "plan": self.direct.plan_note if self.direct is not None else None,
                       "finished_at": time.time()}
@@ -551,9 +552,11 @@ class DirectLoad:
         import torch
 
         with torch.no_grad():
-            torch._foreach_copy_(plan.dsts, plan.srcs)
-            for view, value in plan.fills:  # disjoint from the copies' destinations in the loaders we know
+            # constants first: a loader that zeroes a parameter and then copies into part of it
+            # ends as recorded, and one that fills only what it did not copy (vLLM's padding) too
+            for view, value in plan.fills:
                 view.fill_(value)
+            torch._foreach_copy_(plan.dsts, plan.srcs)
             self._after_load(plan.touched)
 
 
@@ -570,10 +573,11 @@ def _param_ptrs(model: Any) -> tuple[int | None, ...]:
 
 class CopyPlan:
     """The copies one load made: (destination view in a parameter, source view in an incoming
-    tensor) pairs, the constants it filled parameters with, and the layers it wrote. A trainer refits the same tensors over and over (an
-    optimizer writes in place; ``nemo_gen_ipc``'s views of them are the same list while the
-    layout is); replaying the plan loads the new values with one batched copy instead of the
-    model's per-tensor loaders (name mapping, stacking, narrowing: ~100 us of Python a tensor).
+    tensor) pairs, the constants it filled parameters with, and the layers it wrote. A trainer
+    refits the same tensors over and over (an optimizer writes in place; ``nemo_gen_ipc``'s views
+    of them are the same list while the layout is); replaying the plan loads the new values with
+    one batched copy instead of the model's per-tensor loaders (name mapping, stacking,
+    narrowing: ~100 us of Python a tensor).
 
     Valid only for the very list it was recorded from and while every parameter keeps its
     storage (vLLM's reload writes back in place, CUDA graphs rely on it; anything else fails

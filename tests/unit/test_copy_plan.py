@@ -36,9 +36,9 @@ class Model(torch.nn.Module):
                     self.norm.data.add_(w)  # an in-place op that is not a copy
                 else:
                     self.norm.data.copy_(w)
-            elif name == "proj_t":  # stored transposed by the trainer, one row of padding (vLLM's embeddings)
+            elif name == "proj_t":  # stored transposed by the trainer, one row of padding
+                self.proj.data.zero_()  # zeroed whole, then the rows copied over it
                 self.proj.data[:3].copy_(w.t())
-                self.proj.data[3:].fill_(0)
 
 
 def sources(seed: float) -> list[tuple[str, torch.Tensor]]:
