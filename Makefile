@@ -43,9 +43,8 @@ run: setup
 
 # One process by default. TEST_WORKERS=2 hands whole files to two pytest-xdist workers
 # (--dist loadfile: a module's engines and fixtures stay in one process): on this 2-core machine
-# the suite is CPU-bound (load ~5 with two workers), so that saves only ~15% (20.6 against ~26
-# minutes), and the other worker's engines delay token delivery enough to fail the streaming
-# tests' timing (first chunk, a refit landing mid-stream) — measured 2026-12-01.
+# the suite is CPU-bound (load ~5 with two workers), so that saves only ~25% (20.6 against 27.8
+# minutes, measured 2026-12-01) for two suites' worth of engines in memory at once.
 TEST_WORKERS ?= 0
 test: setup chromium postgresql
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
