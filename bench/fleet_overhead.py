@@ -80,7 +80,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     args = p.parse_args(argv)
-    for name in ("shards", "prompts", "max_new_tokens", "rounds", "pipeline_rounds"):
+    return at_least_one(p, args, ("shards", "prompts", "max_new_tokens", "rounds", "pipeline_rounds"))
+
+
+def at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> argparse.Namespace:
+    """``args``, once every option in ``names`` is >= 1 (else argparse's error naming it);
+    the benchmarks that build on this one share it."""
+    for name in names:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args

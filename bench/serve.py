@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from fleet_overhead import NOISY_SHARE, ForeignCpu, load, make_prompts, spread, verdict  # noqa: E402
+from fleet_overhead import NOISY_SHARE, ForeignCpu, at_least_one, load, make_prompts, spread, verdict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.9  # http / library tokens per second: at least
@@ -109,10 +109,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     args = p.parse_args(argv)
-    for name in ("shards", "requests", "concurrency", "max_new_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return at_least_one(p, args, ("shards", "requests", "concurrency", "max_new_tokens", "rounds"))
 
 
 def library_arm(fleet, prompts: list[str], concurrency: int, max_new_tokens: int) -> dict[str, Any]:

@@ -56,7 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from fleet_overhead import NOISY_SHARE, ForeignCpu, load  # noqa: E402
+from fleet_overhead import NOISY_SHARE, ForeignCpu, at_least_one, load  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "nemo_gen_bench"
@@ -80,10 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     args = p.parse_args(argv)
-    for name in ("shards", "sessions", "turns", "words", "max_new_tokens", "rounds", "block_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return at_least_one(p, args, ("shards", "sessions", "turns", "words", "max_new_tokens", "rounds", "block_size"))
 
 
 def user_message(rng: random.Random, words: int) -> str:
