@@ -240,7 +240,6 @@ class WeightLoad:
             raise RuntimeError("a copy plan replays only on the direct load path")
         t0 = time.perf_counter()
         self.direct.replay(plan)
-        self.direct.plan_note = "replayed"
         self._load_s += time.perf_counter() - t0
 
     def finish(self) -> None:
@@ -558,6 +557,7 @@ class DirectLoad:
                 view.fill_(value)
             torch._foreach_copy_(plan.dsts, plan.srcs)
             self._after_load(plan.touched)
+        self.plan_note = "replayed"
 
 
 def _storage_ptr(t: Any) -> int | None:
@@ -583,14 +583,14 @@ class CopyPlan:
     storage (vLLM's reload writes back in place, CUDA graphs rely on it; anything else fails
     ``replays`` and the next load records afresh)."""
 
-    def __init__(self, weights: list, model: Any, copies: list[tuple[Any, Any]], fills: list[tuple[Any, Any]],
-                 touched: list):
+    def __init__(self, weights: list, model: Any, param_ptrs: tuple[int | None, ...],
+                 copies: list[tuple[Any, Any]], fills: list[tuple[Any, Any]], touched: list):
         self.weights, self.model = weights, model
         self.dsts = [d for d, _ in copies]
         self.srcs = [s for _, s in copies]
         self.fills = fills  # (view of a parameter, constant), in the order the loaders wrote them
         self.touched = touched
-        self._params = _param_ptrs(model)
+        self._params = param_ptrs  # every parameter's storage when the load was recorded
 
     def replays(self, weights: Any, model: Any) -> bool:
         return weights is self.weights and model is self.model and _param_ptrs(model) == self._params
@@ -605,7 +605,8 @@ class CopyRecorder:
     def __init__(self, weights: list, model: Any):
         self.weights, self.model = weights, model
         self.sources = {_storage_ptr(t) for _, t in weights} - {None}
-        self.params = set(_param_ptrs(model)) - {None}
+        self.param_ptrs = _param_ptrs(model)
+        self.params = set(self.param_ptrs) - {None}
         self.copies: list[tuple[Any, Any]] = []
         self.fills: list[tuple[Any, Any]] = []
         self.why_not: str | None = None
@@ -648,7 +649,7 @@ class CopyRecorder:
     def plan(self, touched: list) -> CopyPlan | None:
         if self.why_not is not None or not self.copies:
             return None
-        return CopyPlan(self.weights, self.model, self.copies, self.fills, list(touched))
+        return CopyPlan(self.weights, self.model, self.param_ptrs, self.copies, self.fills, list(touched))
 
 
 def _recording_mode(recorder: CopyRecorder):
