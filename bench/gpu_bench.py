@@ -49,6 +49,7 @@ from pathlib import Path
 
 T0 = time.monotonic()
 RESULT: dict = {"date": "2026-12-01", "steps": {}}
+SKIP: set[str] = set()  # steps named by --skip
 
 
 def elapsed() -> float:
@@ -63,6 +64,10 @@ def step(name: str, out: Path, deadline_s: float, need_s: float):
     """Decorator-ish: run fn if ``need_s`` seconds remain; record its result or its error."""
 
     def run(fn):
+        if name in SKIP:
+            RESULT["steps"][name] = {"skipped": "--skip"}
+            save(out)
+            return None
         if elapsed() + need_s > deadline_s:
             RESULT["steps"][name] = {"skipped": f"{deadline_s - elapsed():.0f}s left, needs ~{need_s:.0f}s"}
             save(out)
@@ -156,12 +161,15 @@ def cache_env(tag: str) -> dict[str, str]:
 
 class timed_steps:
     """Wall seconds of each protocol step the trainer engine drives on the fleet's client
-    (start / update / finish): where an end-to-end refit goes besides the copy."""
+    (one ``apply_weight_update``, or start / update / finish): where an end-to-end refit goes
+    besides the copy."""
 
     def __init__(self, client):
         self.client, self.seconds, self._orig = client, {}, {}
-        for name in ("start_weight_update", "update_weights", "finish_weight_update"):
-            fn = getattr(client, name)
+        for name in ("apply_weight_update", "start_weight_update", "update_weights", "finish_weight_update"):
+            fn = getattr(client, name, None)
+            if fn is None:
+                continue
             self._orig[name] = fn
 
             def timed(*a, _fn=fn, _name=name, **kw):
@@ -190,6 +198,8 @@ def summarize_rounds(rounds: list[dict], nbytes: int, copy_gbps: float) -> dict:
         out["engine_fraction_of_copy"] = nbytes / steady["engine_load_s"] / 1e9 / copy_gbps
     if steady.get("loaders_s"):
         out["loaders_fraction_of_copy"] = nbytes / steady["loaders_s"] / 1e9 / copy_gbps
+    if steady.get("transfer_s"):  # the engine's update_weights: the chunk's arrival to its bytes in place
+        out["transport_fraction_of_copy"] = nbytes / steady["transfer_s"] / 1e9 / copy_gbps
     return out
 
 
@@ -215,7 +225,9 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--work", default="/tmp/nemo-gen-bench")
     ap.add_argument("--refit-rounds", type=int, default=6)
+    ap.add_argument("--skip", default="", help="steps not to run, comma-separated (e.g. restart_after_sigkill)")
     args = ap.parse_args()
+    SKIP.update(s for s in args.skip.split(",") if s)
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -296,7 +308,7 @@ def main() -> None:
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo
+        from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo, vllm_steps_only
 
         policy, handle = state["policy"], fleet.shards[0]
         before = greedy()
@@ -305,20 +317,30 @@ def main() -> None:
                                                            source=ModuleSource(policy))
         res: dict = {"bytes": state["nbytes"], "copy_gbps": state["copy_gbps"]}
         try:
-            for path in ("auto", "reload_weights"):
-                res[f"path_{path}"] = call_worker(handle, "nemo_gen_set_load_path", path)[0]
+            # "auto": the direct path and the one-call update (what a trainer gets); "three_steps":
+            # the same load driven as vLLM's start / update / finish; "reload_weights": vLLM's
+            # layerwise reload on the running engine
+            for path, steps_of in (("auto", False), ("three_steps", True), ("reload_weights", False)):
+                load_path = "auto" if path == "three_steps" else path
+                res[f"path_{path}"] = call_worker(handle, "nemo_gen_set_load_path", load_path)[0]
+                engine.client = vllm_steps_only(client) if steps_of else client
                 rounds = []
                 for i in range(args.refit_rounds):
                     steps = timed_steps(client)
+                    client.timings.clear()
                     t = time.perf_counter()
                     engine.send_weights()
                     wall = time.perf_counter() - t
                     steps.undo()
                     stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
                     rounds.append({"wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
-                                   "loaders_s": stats.get("load_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
-                                   "path": stats["path"], "ok": client.report.ok})
+                                   "loaders_s": stats.get("load_s"), "transfer_s": stats.get("transfer_s"),
+                                   "prepare_s": stats.get("prepare_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
+                                   "path": stats["path"], "ok": client.report.ok,
+                                   # one-call only: seconds in the shard actor / its RPC into the engine / the worker
+                                   "shard_s": next(iter(client.timings.values()), None)})
                 res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])
+            engine.client = client
             call_worker(handle, "nemo_gen_set_load_path", None)
 
             def digests():  # (the engine's, the trainer's): float64 sums of every parameter
@@ -475,7 +497,7 @@ def write_markdown(out: Path) -> None:
 
     rows.append(("model", f"{fmt(get('model', 'bytes') and get('model', 'bytes') / 1e9)} GB bf16 random Llama"))
     rows.append(("device copy bandwidth", f"{fmt(get('copy_bandwidth', 'gbps'))} GB/s"))
-    for path in ("auto", "reload_weights"):
+    for path in ("auto", "three_steps", "reload_weights"):
         rows.append((f"refit nemo_gen_ipc, {path} ({get('refit', f'path_{path}')}): end to end",
                      f"{fmt(get('refit', path, 'wall_s'))} s = {fmt(get('refit', path, 'fraction_of_copy'))} of copy "
                      f"(first, opening handles: {fmt(get('refit', path, 'first_wall_s'))} s)"))
@@ -483,9 +505,18 @@ def write_markdown(out: Path) -> None:
                      f"{fmt(get('refit', path, 'engine_fraction_of_copy'))} / "
                      f"{fmt(get('refit', path, 'loaders_fraction_of_copy'))} of copy "
                      f"(loaders {fmt(get('refit', path, 'steady', 'loaders_s'))} s, plan {get('refit', path, 'steady', 'plan')})"))
+        rows.append((f"refit nemo_gen_ipc, {path}: the transport (the engine's update_weights: arrival to bytes in place)",
+                     f"{fmt(get('refit', path, 'steady', 'transfer_s'))} s = "
+                     f"{fmt(get('refit', path, 'transport_fraction_of_copy'))} of copy; "
+                     f"module classification {fmt(get('refit', path, 'steady', 'prepare_s'))} s"))
+        shard = get('refit', path, 'steady', 'shard_s') or {}
+        if shard:
+            rows.append((f"refit nemo_gen_ipc, {path}: in the shard actor / its RPC into the engine / the worker",
+                         " / ".join(fmt(shard.get(k)) for k in ("actor_s", "engine_rpc_s", "worker_s")) + " s"))
         steps = get('refit', path, 'steady', 'steps_s') or {}
-        rows.append((f"refit nemo_gen_ipc, {path}: client steps start / update / finish",
-                     " / ".join(fmt(steps.get(k)) for k in ("start_weight_update", "update_weights", "finish_weight_update")) + " s"))
+        rows.append((f"refit nemo_gen_ipc, {path}: client steps apply / start / update / finish",
+                     " / ".join(fmt(steps.get(k)) for k in ("apply_weight_update", "start_weight_update", "update_weights",
+                                                            "finish_weight_update")) + " s"))
     for packed in ("unpacked", "packed"):
         rows.append((f"refit vLLM ipc ({packed}) through the fleet: end to end",
                      f"{fmt(get('vllm_ipc_refit', packed, 'wall_s'))} s = {fmt(get('vllm_ipc_refit', packed, 'fraction_of_copy'))} of copy; "

@@ -37,7 +37,7 @@ for p in gpu_memory.gpu_processes():
 "
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
-      --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" > "$OUT/bench.log" 2>&1
+      --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" --skip "${BENCH_SKIP:-}" > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"
     cat "$OUT/gpu_bench.md" 2>/dev/null
     tail -c 2500 "$OUT/bench.log"

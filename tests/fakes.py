@@ -64,6 +64,7 @@ class FakeDriver:
         self.shards: dict[str, FakeShard] = {}
         self.launched: list[ShardSpec] = []
         self.launch_failures: list[BaseException | None] = []  # the next launches: raise this, or (None) start
+        self.remote_calls: list[tuple[str, str, tuple]] = []  # (actor, method, args) of each fanned-out call
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-shard")
         self._lock = threading.Lock()
 
@@ -188,6 +189,7 @@ class FakeDriver:
         return out
 
     def _remote(self, handle: ShardHandle, method: str, args: tuple) -> Any:
+        self.remote_calls.append((handle.name, method, args))
         shard = self.shards[handle.name]
         if method == "check_refit":
             if shard.refuse_refit:
@@ -203,6 +205,11 @@ class FakeDriver:
             step, payload = args[0], args[1]
             if step == "finish":
                 shard.weight_version = payload
+            elif step == "apply":
+                shard.weight_version = None  # half-loaded weights never carry a version
+                if shard.fail_load:
+                    raise RuntimeError(shard.fail_load)
+                shard.weight_version = payload["version"]
             return None
         raise AssertionError(f"the fake shard has no {method!r}")
 

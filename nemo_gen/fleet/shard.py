@@ -250,24 +250,34 @@ class ShardActor:
         self.weight_source = source
         return time.perf_counter() - t0
 
-    async def weight_sync(self, step: str, payload: Any = None, timeout_s: float = 600.0) -> None:
+    async def weight_sync(self, step: str, payload: Any = None, timeout_s: float = 600.0) -> dict[str, float] | None:
         """One step of vLLM's weight-sync protocol on this engine's workers, with the shard's
         refit rules around it: from ``start`` (``payload``: the in-flight settings) until
         ``finish`` or ``abort`` requests are held back (``drain``) or the running batch is frozen
         (``keep``/``abort``), and the shard claims no version (its weights may be half-loaded);
         ``finish`` stamps ``payload`` as the version; ``abort`` ends the workers' session and
-        restores the old version only when ``payload`` says nothing was loaded."""
+        restores the old version only when ``payload`` says nothing was loaded. ``apply``: a
+        whole one-chunk update in one call (``payload``: ``in_flight``, ``update``, ``target``,
+        ``version``) — start, the chunk and finish in one RPC into the engine."""
         rpc = {"init": "init_weight_transfer_engine", "start": "start_weight_update",
                "start_draft": "start_draft_weight_update", "update": "update_weights",
                "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
-        if step in ("start", "start_draft"):
-            self._sync_in_flight = payload
-            if payload["mode"] == "drain":
-                await self.engine.hold()
-            else:
-                await self.engine.begin_swap()
-            self._sync_was = (self.weight_version, self.weight_source)
-            self.weight_version, self.weight_source = None, None
+        if step == "apply":
+            t0 = time.perf_counter()
+            await self._begin_sync(payload["in_flight"])
+            try:
+                t1 = time.perf_counter()
+                workers = await self.engine.rpc("nemo_gen_weight_update", payload["update"], payload["target"],
+                                                timeout=timeout_s)
+                t2 = time.perf_counter()
+            except BaseException as exc:
+                await self._end_sync(None, failed=f"the weight update failed while loading: {exc}")
+                raise
+            self.weight_version = payload["version"]
+            await self._end_sync(payload["version"])
+            return {"actor_s": time.perf_counter() - t0, "engine_rpc_s": t2 - t1, "worker_s": max(workers)}
+        elif step in ("start", "start_draft"):
+            await self._begin_sync(payload)
             try:
                 await self.engine.rpc(rpc[step], timeout=timeout_s)
             except BaseException:
@@ -295,6 +305,17 @@ class ShardActor:
             await self.engine.rpc(rpc[step], *(() if payload is None else (payload,)), timeout=timeout_s)
         else:
             raise ValueError(f"unknown weight-sync step {step!r}")
+
+    async def _begin_sync(self, in_flight: dict[str, Any]) -> None:
+        """Hold requests back (``drain``) or freeze the running batch (``keep``/``abort``) for a
+        weight-sync session; the shard claims no version until it ends."""
+        self._sync_in_flight = in_flight
+        if in_flight["mode"] == "drain":
+            await self.engine.hold()
+        else:
+            await self.engine.begin_swap()
+        self._sync_was = (self.weight_version, self.weight_source)
+        self.weight_version, self.weight_source = None, None
 
     async def _end_sync(self, version: int | None, failed: str | None = None) -> None:
         """Let requests flow again after a weight-sync session (the engine serves ``version``,

@@ -82,6 +82,9 @@ class FleetWeightSyncClient:
         self.version = version
         self.draft = draft
         self.report: RefitReport | None = None
+        # shard label -> where its last one-call update went (seconds in the shard actor, in the
+        # RPC into the engine, in the worker): the round trips' share of a refit, for benchmarks
+        self.timings: dict[Any, dict[str, float]] = {}
         self._init_info: dict[str, Any] | None = None  # the trainer's, once it set the backend up
         self._attached: set[str] = set()  # actor names the backend is set up on
         self._driver = refitter.driver
@@ -150,6 +153,21 @@ class FleetWeightSyncClient:
         self._start("draft")
 
     def _start(self, target: str) -> None:
+        with self._opened(target) as session:
+            step = "start_draft" if target == "draft" else "start"
+            failed = self._fan_out(session, step, self.in_flight)
+            # A shard that cannot start has loaded nothing: it sits this refit out.
+            session.failed.update(failed)
+            if len(session.failed) == len(session.handles):
+                raise RefitError(f"no shard could start the weight update: {self._errors(session.failed)}")
+            session.lock = session.lock.pop_all()  # held until finish or abort
+        self._session = session
+
+    @contextlib.contextmanager
+    def _opened(self, target: str):
+        """A new session: the refit lock taken, its version chosen, the shards it reaches
+        admitted — nothing sent to them yet. The lock is released when the block ends, unless
+        the block moved it out of ``session.lock`` (``pop_all``)."""
         if self._session is not None:
             raise RefitError("a weight update is already in progress on this client: finish it first")
         self._check_open()
@@ -162,15 +180,38 @@ class FleetWeightSyncClient:
             handles = self._admit(self._members())
             if not handles:
                 raise RefitError("no shard can take this weight update (none is set up for the backend)")
-            session = _Session(target, version, handles, time.perf_counter(), lock)
-            step = "start_draft" if target == "draft" else "start"
-            failed = self._fan_out(session, step, self.in_flight)
-            # A shard that cannot start has loaded nothing: it sits this refit out.
-            session.failed.update(failed)
-            if len(session.failed) == len(handles):
-                raise RefitError(f"no shard could start the weight update: {self._errors(session.failed)}")
-            session.lock = lock.pop_all()  # held until finish or abort
-        self._session = session
+            yield _Session(target, version, handles, time.perf_counter(), lock)
+
+    def apply_weight_update(self, update_info: dict[str, Any], weight_version: str | int | None = None) -> RefitReport:
+        """``start_weight_update`` + one ``update_weights(update_info)`` + ``finish_weight_update``
+        as one call to each shard, and one RPC into its engine: a refit of one chunk (what
+        nemo_gen's own trainer engines send) costs one round trip instead of three — at a
+        colocated GPU refit's scale (tens of milliseconds), most of its time. The same checks,
+        versions and report as the three steps, and one more guarantee: the chunk is checked
+        whole (names, shapes, nothing the model needs left out) before any shard sees it, so a
+        bad one changes nothing anywhere."""
+        target = "draft" if self.draft else "policy"
+        if isinstance(update_info, list):
+            raise RefitError("per-rank update lists address one multi-replica vLLM engine; a nemo_gen fleet "
+                             "takes one update_info for all of its shards")
+        with self._opened(target) as session:
+            metas = chunk_metas(update_info, self.refitter.engine_dtype)
+            if metas is not None:
+                self._check_chunk(session, metas)
+                missing = self._missing(session)
+                if missing:
+                    raise RefitError(f"refit refused: the weight update leaves out {missing}")
+            session.chunks = 1
+            version = self._final_version(session, weight_version)
+            payload = {"in_flight": self.in_flight, "update": update_info, "target": target, "version": version}
+            answers = self._driver.fan_out(session.handles, "weight_sync", ("apply", payload, self._driver.timeouts.refit_s),
+                                           _UPDATE_MARGIN_S)
+            for key, answer in answers.items():
+                if answer.ok:
+                    self.timings[key.label] = answer.value
+                else:
+                    session.failed[key] = f"refit to version {version} failed: {answer.error}"
+            return self._complete(session, version)
 
     def update_weights(self, update_info: dict[str, Any] | list) -> None:
         session = self._require_session()
@@ -207,19 +248,24 @@ class FleetWeightSyncClient:
             for key, error in self._fan_out(session, "finish", version, only=ok).items():
                 session.failed[key] = f"refit to version {version} failed while finishing: {error}"
             self._fan_out(session, "abort", False, only={k: session.handles[k] for k in session.failed})
-            report = RefitReport(version=version, bytes=session.bytes, tensors=len(session.seen),
-                                 stage_seconds=0.0, load_seconds=time.perf_counter() - session.started)
-            for key in session.handles:
-                self._settle(report, key, version, session.failed.get(key))
-            if any(s.ok for s in report.shards):
-                # No staged bytes: the staging file, if any, holds an older version.
-                self.weights.landed(version, None, None)
-                self.refitter.count(report)
-            self.report = report
-            return report
+            return self._complete(session, version)
         finally:
             self._session = None
             session.lock.close()
+
+    def _complete(self, session: _Session, version: int) -> RefitReport:
+        """Settle every shard of an ended update (``session.failed``: those that must not serve
+        it) and move the fleet's version when one took it."""
+        report = RefitReport(version=version, bytes=session.bytes, tensors=len(session.seen),
+                             stage_seconds=0.0, load_seconds=time.perf_counter() - session.started)
+        for key in session.handles:
+            self._settle(report, key, version, session.failed.get(key))
+        if any(s.ok for s in report.shards):
+            # No staged bytes: the staging file, if any, holds an older version.
+            self.weights.landed(version, None, None)
+            self.refitter.count(report)
+        self.report = report
+        return report
 
     def abort_weight_update(self, reason: str = "the trainer abandoned the weight update") -> RefitReport | None:
         """End an update the trainer cannot finish (its broadcast failed, it was interrupted):

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from abc import abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -87,6 +88,7 @@ class _LoadingEngine(WeightTransferEngine):
         self._pool = ScratchPool()  # reused across refits: its pages are touched once
         self._load: WeightLoad | None = None
         self._plan: CopyPlan | None = None  # the last policy load, replayable while its sources stay
+        self._transfer_s = 0.0  # this update's seconds in update_weights (stats)
         self.last_stats: dict[str, Any] = {}
 
     @abstractmethod
@@ -97,15 +99,19 @@ class _LoadingEngine(WeightTransferEngine):
         pass
 
     def start_weight_update(self) -> None:
-        self._load = WeightLoad(self.model, self.vllm_config, self.model_config, self._pool)
+        self._load = WeightLoad(self.model, self.vllm_config, self.model_config, self._pool, plan=self._plan)
         self._load.begin()
+        self._transfer_s = 0.0
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         # The base class ends with torch.accelerator.synchronize(), which raises on a machine
         # with no accelerator.
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
+        # the transport's share of a refit: from the chunk's arrival until its bytes are in place
+        self._transfer_s += time.perf_counter() - t0
 
     def receive_weights(self, update_info: Any) -> None:
         if self._load is None:
@@ -122,7 +128,7 @@ class _LoadingEngine(WeightTransferEngine):
     def finish_weight_update(self) -> None:
         if self._load is not None:
             self._load.finish()
-            self.last_stats = self._load.stats
+            self.last_stats = {**self._load.stats, "transfer_s": self._transfer_s}
             self._load = None
 
     def shutdown(self) -> None:
@@ -178,7 +184,7 @@ class CudaIpcWeightTransferEngine(_LoadingEngine):
         self._receiver = IpcReceiver(self.device)
 
     def _weights(self, update_info: CudaIpcUpdateInfo):
-        return self._receiver.tensors(asdict(update_info))
+        return self._receiver.tensors(vars(update_info))  # its fields as they are (asdict deep-copies)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -241,11 +247,8 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
             if place is None:
                 raise ValueError(f"the weight source yielded {name!r}, which its metadata() did not declare")
             self.staging.write(place, tensor, getattr(torch, place.meta.dtype))
-        self.client.start_weight_update()
-        self.client.update_weights(
-            {"path": str(self.staging.path), "total": total, "entries": [list(e) for e in self.staging.entries(placed)]}
-        )
-        self.client.finish_weight_update()
+        send_one_chunk(self.client, {"path": str(self.staging.path), "total": total,
+                                     "entries": [list(e) for e in self.staging.entries(placed)]})
 
     def shutdown(self) -> None:
         self.staging.close()
@@ -284,13 +287,37 @@ class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
     def send_weights(self) -> None:
         if not self.is_sender:
             return
-        info = self.sender.update_info(iter(self.source))
-        self.client.start_weight_update()
-        self.client.update_weights(info)
-        self.client.finish_weight_update()
+        send_one_chunk(self.client, self.sender.update_info(iter(self.source)))
 
     def shutdown(self) -> None:
         self.sender.close()
+
+
+def send_one_chunk(client: Any, update_info: dict[str, Any]) -> None:
+    """One refit of one chunk through ``client``: in one call where the client offers it (a
+    nemo_gen fleet's ``apply_weight_update``: one round trip into each engine), else as vLLM's
+    three protocol steps (any ``VLLMWeightSyncClient``)."""
+    apply = getattr(client, "apply_weight_update", None)
+    if apply is not None:
+        apply(update_info)
+        return
+    client.start_weight_update()
+    client.update_weights(update_info)
+    client.finish_weight_update()
+
+
+class vllm_steps_only:
+    """``client`` with vLLM's protocol methods only (no ``apply_weight_update``): a trainer
+    engine given it drives start / update / finish, as on any ``VLLMWeightSyncClient`` —
+    how benchmarks and tests run the three-step path on a fleet's client."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "apply_weight_update":
+            raise AttributeError(name)
+        return getattr(self._client, name)
 
 
 def register() -> None:

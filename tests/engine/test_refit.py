@@ -166,10 +166,16 @@ def _trainer(fleet, model_dir, tmp_path, mutate=None):
     return client, engine
 
 
-def test_a_vllm_trainer_engine_refits_the_fleet_through_its_weight_sync_client(fleets, tiny_model_dir, model_b, tmp_path):
+@pytest.mark.parametrize("protocol", ["one call", "three steps"])
+def test_a_vllm_trainer_engine_refits_the_fleet_through_its_weight_sync_client(fleets, tiny_model_dir, model_b, tmp_path,
+                                                                              protocol):
     fleet, fresh = fleets["main"], fleets["fresh_b"]
     before, original = fleet.weight_version, greedy(fleet)
     client, engine = _trainer(fleet, model_b, tmp_path)
+    if protocol == "three steps":
+        from nemo_gen.refit.vllm_backend import vllm_steps_only
+
+        engine.client = vllm_steps_only(client)
     try:
         engine.send_weights()
     finally:
@@ -249,13 +255,13 @@ def test_a_shard_killed_during_a_weight_sync_update_is_quarantined_and_comes_bac
     victim = fleet.status()[1].actor_pid
     client, engine = _trainer(fleet, model_b, tmp_path)
 
-    class KillsShard1OnUpdate:  # the real client; the kill lands between start and update
+    class KillsShard1OnUpdate:  # the real client; the kill lands as the update is sent
         def __getattr__(self, name):
             return getattr(client, name)
 
-        def update_weights(self, info):
+        def apply_weight_update(self, info):
             os.kill(victim, signal.SIGKILL)
-            return client.update_weights(info)
+            return client.apply_weight_update(info)
 
     engine.client = KillsShard1OnUpdate()
     try:

@@ -26,13 +26,8 @@ def wait_until(predicate, timeout_s: float = 30.0, what: str = "the condition"):
 
 
 @pytest.fixture
-def settings(make_settings):
-    def make(**overrides):
-        base = dict(fleet__name="fake", fleet__num_shards=2, health__probe_interval_s=60,
-                    health__restart_backoff_s=0.0, health__restart_jitter=0.0, health__reap_timeout_s=0.1)
-        base.update(overrides)
-        return make_settings(**base)
-    return make
+def settings(fake_fleet_settings):
+    return fake_fleet_settings
 
 
 def path_of(fleet, slot):

@@ -1,0 +1,16 @@
+"""Fixtures of the fake-driver tier (tests/fakes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def fake_fleet_settings(make_settings):
+    """Settings for a 2-shard fleet on the fake driver: no probes to wait for, restarts at once."""
+    def make(**overrides):
+        base = dict(fleet__name="fake", fleet__num_shards=2, health__probe_interval_s=60,
+                    health__restart_backoff_s=0.0, health__restart_jitter=0.0, health__reap_timeout_s=0.1)
+        base.update(overrides)
+        return make_settings(**base)
+    return make
