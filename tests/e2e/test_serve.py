@@ -7,11 +7,25 @@ run on it (each of its streams ends with an error event naming it, the other sha
 and SIGINT leaving nothing running (by PID). Then a one-shard server on the sync engine with
 refit.in_flight=abort: a refit landing mid-stream cuts the request, which resumes on the new
 weights, and the stream goes on under the new version. The tests run in file order: the first
-server serves every test up to the SIGINT one, which stops it before the second starts."""
+server serves every test up to the SIGINT one, which stops it before the second starts.
+
+Mid-stream tests do not race the engine. This process is the client, and its reading can lag the
+server by whole streams while the server sends every chunk on time (measured at the engine, the
+shard's yield, the driver and the server's send, issue 12): with the server in a session of its own
+the engines' CPU share came out of the client's (its threads waited on the run queue for 4.1 s of a
+4.2 s round of streams), and a full collection of a full suite's heap (~720,000 objects) takes
+~0.4 s, as long as a stream of the tiny model. So the server runs in this session (``Served``), the
+collector leaves this module's heap alone (``gc.freeze``), and a test that needs "mid-stream" makes
+it so: at a stream's first chunk it freezes the shard's engine processes (SIGSTOP, ``Frozen``) —
+the actor, router and server run on, only generation stands still — reads what was already sent,
+and acts (or checks) while the stream cannot end. A stream found already over (the client lagged)
+is tried again, up to ATTEMPTS, never passed. Streams are as long as the context allows (ignore_eos)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import http.client
 import json
 import os
 import signal
@@ -35,8 +49,108 @@ pytestmark = pytest.mark.e2e
 
 KEY = "test-key-" + uuid.uuid4().hex[:8]
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
+ATTEMPTS = 3  # a mid-stream test tries again only when its stream was over before the client saw it
+QUIET_S = 0.5  # frozen engine, no new chunk for this long: the client has read what was sent
+SETTLE_TIMEOUT_S = 30.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_full_collections():
+    """This process's heap (a full suite's: vLLM, torch, Ray...) out of the collector's view while
+    the module runs: a full collection over it stops the client reading for ~0.4 s."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+class Frozen:
+    """The block runs with these engine processes (a shard's EngineCore and workers) stopped
+    (SIGSTOP): the shard's generation stands still while its actor, the router and the server go on,
+    so a stream that is unfinished when the block begins stays unfinished until it ends (SIGCONT)."""
+
+    def __init__(self, pids):
+        self.pids = list(pids)
+        assert self.pids, "no engine processes to freeze"
+
+    def _signal(self, sig) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> "Frozen":
+        self._signal(signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._signal(signal.SIGCONT)
+
+
+def tokens_in(chunks) -> int:
+    return sum(len(c.choices[0].token_ids) for c in chunks if c.choices)
+
+
+def over(chunks) -> bool:
+    """A choice of the stream has finished (its last chunk has come)."""
+    return any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+class Reader(threading.Thread):
+    """One stream's chunks, read on a thread of their own so that the test can wait on what has
+    arrived (``wait_first``, ``settle``) while reading goes on."""
+
+    def __init__(self, raw):
+        super().__init__(daemon=True)
+        self.raw, self.chunks, self.error, self.done = raw, [], None, False
+        self.last_at = time.monotonic()
+        self.cond = threading.Condition()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for chunk in self.raw.parse():
+                with self.cond:
+                    self.chunks.append(chunk)
+                    self.last_at = time.monotonic()
+                    self.cond.notify_all()
+        except openai.APIError as exc:
+            self.error = exc
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def tokens(self) -> int:
+        with self.cond:
+            return tokens_in(self.chunks)
+
+    @property
+    def finished(self) -> bool:
+        with self.cond:
+            return self.done or over(self.chunks)
+
+    def wait_first(self, timeout_s: float = 120.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.chunks or self.done, timeout_s), "no first chunk"
+
+    def settle(self) -> None:
+        """Returns once the stream is over, or no chunk came for QUIET_S (its engine frozen: the
+        client has read what the server sent)."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        with self.cond:
+            while not self.finished and time.monotonic() < deadline:
+                quiet = time.monotonic() - self.last_at
+                if quiet >= QUIET_S:
+                    return
+                self.cond.wait(QUIET_S - quiet)
+
+
+def longest(client, model, prompt) -> int:
+    """The most new tokens the context leaves after ``prompt``."""
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    return MAX_MODEL_LEN - out.usage.prompt_tokens
 
 
 class Served:
@@ -54,8 +168,13 @@ class Served:
         for setting in extra:
             cmd += ["--set", setting]
         with open(self.err, "w") as err:
+            # A process group of its own (killpg), in this process's session: the kernel schedules
+            # a session as one group (autogroup), so only inside this one does Ray's nice 15 for
+            # its workers let the engines yield the CPU to the client. In a session of their own
+            # they took the client's share: its threads waited on the run queue for 4.1 s of a
+            # 4.2 s round of streams (0.1-0.3 s here).
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         cwd=tmp, start_new_session=True)
+                                         cwd=tmp, process_group=0)
         line = self._ready_line(timeout_s=600)
         self.info = json.loads(line)
         self.url = self.info["url"]
@@ -92,15 +211,6 @@ def served(tiny_model_dir, tmp_path_factory):
     s = Served(tmp_path_factory.mktemp("serve"), tiny_model_dir)
     yield s
     s.stop()  # only when a test failed before the SIGINT test ended it
-
-
-# Known defect (issue 12, open): on a quiet machine the tiny model's 300-450-token streams take
-# ~0.4 s, and in full-suite runs of 2026-12-01 (clean clones, one process and two) a stream's
-# chunks reached the client in one burst at its end (first chunk 0.42 s of 0.43 s), a refit sent
-# at the first chunk landed after the stream had ended, and a kill after every stream's first
-# token found shard 0's streams already whole; run alone the same tests pass (first chunk 8-18
-# ms). Not strict, so a run that shows the behaviour passes and one that does not is reported.
-STREAM_TIMING = pytest.mark.xfail(strict=False, reason="stream delivery can burst at the end on a fast, quiet machine (issue 12)")
 
 
 def test_the_server_is_up_with_its_shards(served):
@@ -142,27 +252,37 @@ def test_chat_and_a_stream_of_the_same_greedy_answer(served):
     assert chunks[-1].nemo_gen["weight_versions"] == [[0, whole.usage.completion_tokens]]
 
 
-@STREAM_TIMING
 def test_a_stream_starts_with_the_first_token_and_is_the_greedy_answer(served):
     client = served.client()
-    kw = dict(model=served.model, prompt="Once upon a time", max_tokens=300, temperature=0,
+    prompt = "Once upon a time"
+    kw = dict(model=served.model, prompt=prompt, max_tokens=longest(client, served.model, prompt), temperature=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
-    t0 = time.monotonic()
     whole = client.completions.create(**kw)
-    whole_s = time.monotonic() - t0
-    t0 = time.monotonic()
-    raw = client.completions.with_raw_response.create(stream=True, **kw)
-    stamps_h = time.monotonic() - t0
-    stamps, chunks = [], []
-    for chunk in raw.parse():
-        stamps.append(time.monotonic() - t0)
-        chunks.append(chunk)
+    engines = {s["index"]: s["engine_pids"] for s in served.info["shards"]}
+    for attempt in range(1, ATTEMPTS + 1):
+        t0 = time.monotonic()
+        raw = client.completions.with_raw_response.create(stream=True, **kw)
+        reader = Reader(raw)
+        reader.wait_first()
+        first_s = time.monotonic() - t0
+        # The first chunk is here. The answer is not made yet: with the engine frozen it cannot be.
+        with Frozen(engines[int(raw.headers["x-nemo-gen-shard"])]):
+            reader.settle()
+            at_freeze, over = reader.tokens(), reader.finished
+        reader.join(300)
+        print(f"\nattempt {attempt}: first chunk read at {first_s * 1000:.0f} ms, {at_freeze} of "
+              f"{kw['max_tokens']} tokens when the engine was frozen, {time.monotonic() - t0:.2f} s in all")
+        if not over:
+            break
+        # Over before the client read its first chunk: the client lagged (a server that sent the
+        # answer only once made would fail every attempt)
+    else:
+        pytest.fail(f"in {ATTEMPTS} attempts the stream was over before its first chunk was read")
+    assert reader.error is None, reader.error
+    chunks = reader.chunks
     text = [c for c in chunks if c.choices]
-    first, end = stamps[0], stamps[-1]
-    print(f"\nstream of 300 tokens: headers {stamps_h * 1000:.0f} ms, first chunk {first * 1000:.0f} ms, end {end * 1000:.0f} ms "
-          f"({len(text)} chunks); the same request unstreamed {whole_s * 1000:.0f} ms")
-    # The first token, not the answer: generated in full first, the first chunk would come at the end.
-    assert first < end / 2 and first < whole_s / 2, (first, end, whole_s)
+    # Tokens came after the freeze: the client had the first ones while the engine still made the rest.
+    assert 0 < at_freeze < len(whole.choices[0].token_ids)
     assert len(text) >= 10  # chunks as the engine goes (merged at most every 10 ms), not one piece
     assert "".join(c.choices[0].text for c in text) == whole.choices[0].text
     assert [t for c in text for t in c.choices[0].token_ids] == whole.choices[0].token_ids
@@ -228,47 +348,85 @@ def test_metrics_show_the_fleet_and_its_engines(served):
         assert {s.labels.get("shard") for f in vllm for s in f.samples} == {"0", "1"}
 
 
-@STREAM_TIMING
 def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(served):
-    by_shard = {s["index"]: [s["actor_pid"], *s["engine_pids"]] for s in served.info["shards"]}
-    tokens, streams = 450, 8
-    started: set[int] = set()
+    shards = {s["index"]: s for s in served.info["shards"]}
+    actor, engines = shards[0]["actor_pid"], shards[0]["engine_pids"]
+    streams = 8
+    tokens = longest(served.client(), served.model, "story 0")
 
-    async def stream(client, i):
+    class Stream:
+        def __init__(self):
+            self.shard, self.chunks, self.error, self.done, self.last_at = None, [], None, False, time.monotonic()
+
+        @property
+        def finished(self) -> bool:
+            return self.done or over(self.chunks)
+
+        def tokens(self) -> int:
+            return tokens_in(self.chunks)
+
+    async def stream(client, i, into):
         raw = await client.completions.with_raw_response.create(
             model=served.model, prompt=f"story {i}", max_tokens=tokens, stream=True,
             extra_body={"ignore_eos": True, "return_token_ids": True})
-        shard, chunks = int(raw.headers["x-nemo-gen-shard"]), []
+        into.shard = int(raw.headers["x-nemo-gen-shard"])
         try:
             async for chunk in raw.parse():
-                chunks.append(chunk)
-                started.add(i)
+                into.chunks.append(chunk)
+                into.last_at = time.monotonic()
         except openai.APIError as exc:
-            return shard, chunks, exc
-        return shard, chunks, None
+            into.error = exc
+        finally:
+            into.done = True
+
+    async def until(predicate, what, timeout_s=120.0):
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.01)
+
+    async def round_(client):
+        """8 streams; at every stream's first chunk shard 0 is frozen, and killed if one of its
+        streams is unfinished. Returns the streams and whether the kill came (else shard 0 lives)."""
+        state = [Stream() for _ in range(streams)]
+        running = [asyncio.ensure_future(stream(client, i, state[i])) for i in range(streams)]
+        await until(lambda: all(s.chunks or s.done for s in state), "every stream's first chunk")
+        with Frozen(engines):
+            mine = [s for s in state if s.shard == 0]
+            # What shard 0 sent before the freeze is read: every stream of it over or quiet.
+            await until(lambda: all(s.finished or time.monotonic() - s.last_at >= QUIET_S for s in mine),
+                        "shard 0's streams to settle", SETTLE_TIMEOUT_S)
+            cut = [s for s in mine if not s.finished]
+            if cut:  # unfinished, and they stay so: their engine is stopped
+                os.kill(actor, signal.SIGKILL)  # shard 0's actor; Ray takes its (stopped) engine with it
+        await asyncio.gather(*running)
+        return state, bool(cut)
 
     async def main():
         async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0, timeout=300) as client:
-            running = [asyncio.ensure_future(stream(client, i)) for i in range(streams)]
-            deadline = time.monotonic() + 120
-            while len(started) < streams and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            assert len(started) == streams, "not every stream got its first token"
-            os.kill(by_shard[0][0], signal.SIGKILL)  # shard 0's actor; Ray takes its engine with it
-            return await asyncio.gather(*running)
+            for attempt in range(1, ATTEMPTS + 1):
+                state, killed = await round_(client)
+                print(f"\nattempt {attempt}: at the freeze shard 0's streams had "
+                      f"{[s.tokens() for s in state if s.shard == 0]} of {tokens} tokens; killed: {killed}")
+                if killed:
+                    return state
+            pytest.fail(f"in {ATTEMPTS} attempts every stream of shard 0 was over before the client saw them all start")
 
     results = asyncio.run(main())
-    assert {shard for shard, _, _ in results} == {0, 1}  # least-loaded routing used both
-    for shard, chunks, error in results:
-        got = sum(len(c.choices[0].token_ids) for c in chunks if c.choices)
-        if shard == 0:  # cut off mid-stream: an error event that names the shard, never a quiet end
-            assert error is not None and "shard 0" in error.message, error
-            assert 0 < got < tokens and all(c.choices[0].finish_reason is None for c in chunks if c.choices)
-        else:
-            assert error is None and got == tokens
-            assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
-            assert chunks[-1].nemo_gen["shard"] == 1 and chunks[-1].nemo_gen["weight_versions"] == [[1, tokens]]
-    assert wait_gone(by_shard[0], 30) == []
+    assert {s.shard for s in results} == {0, 1}  # least-loaded routing used both
+    cut = 0
+    for s in results:
+        got = s.tokens()
+        if s.error is not None:  # cut off mid-stream: an error event that names the shard, never a quiet end
+            assert s.shard == 0 and "shard 0" in s.error.message, s.error
+            assert 0 < got < tokens and all(c.choices[0].finish_reason is None for c in s.chunks if c.choices)
+            cut += 1
+        else:  # whole: shard 1's, or one of shard 0's that was over before the freeze
+            assert got == tokens, (s.shard, got)
+            assert [c for c in s.chunks if c.choices][-1].choices[0].finish_reason == "length"
+            assert s.chunks[-1].nemo_gen["shard"] == s.shard and s.chunks[-1].nemo_gen["weight_versions"] == [[1, tokens]]
+    assert cut >= 1
+    assert wait_gone([actor, *engines], 30) == []
     health = httpx.get(f"{served.url}/health").json()
     assert health["serving_shards"] == 1 and health["shards"].get("dead") == 1
     after = served.client().completions.create(model=served.model, prompt="after the loss", max_tokens=4, stream=True)
@@ -298,38 +456,57 @@ def served_abort(tiny_model_dir, tmp_path_factory):
     s.stop()
 
 
-@STREAM_TIMING
 def test_a_stream_goes_on_across_an_abort_refit_under_the_new_version(served_abort):
     s = served_abort
-    tokens = 450
-    raw = s.client().completions.with_raw_response.create(
-        model=s.model, prompt="A long story", max_tokens=tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
-    assert raw.headers["x-nemo-gen-weight-version"] == "0"
-    refit: dict = {}
-
-    def post_refit():  # while the stream is read: it lands mid-stream, the request is cut and resumed
-        t = time.monotonic()
-        refit["response"] = httpx.post(f"{s.url}/nemo_gen/refit", json={"checkpoint": str(s.tiny), "in_flight": "abort"},
-                                       headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
-        refit["s"] = time.monotonic() - t
-
-    chunks, thread, t0 = [], threading.Thread(target=post_refit), time.monotonic()
-    for chunk in raw.parse():
-        chunks.append(chunk)
-        if not thread.is_alive() and not refit:
-            thread.start()
-    stream_s = time.monotonic() - t0
-    thread.join(300)
-    print(f"\nabort refit: {refit.get('s', float('nan')):.2f} s, the stream {stream_s:.2f} s")
-    assert refit["response"].status_code == 200, refit["response"].text
-    assert refit["response"].json()["version"] == 1
+    client = s.client()
+    (shard,) = s.info["shards"]
+    prompt = "A long story"
+    tokens = longest(client, s.model, prompt)
+    host, port = s.url.removeprefix("http://").rsplit(":", 1)
+    for attempt in range(1, ATTEMPTS + 1):
+        before = int(client.completions.with_raw_response.create(model=s.model, prompt="x", max_tokens=1)
+                     .headers["x-nemo-gen-weight-version"])
+        t0 = time.monotonic()
+        raw = client.completions.with_raw_response.create(
+            model=s.model, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert raw.headers["x-nemo-gen-weight-version"] == str(before)
+        reader = Reader(raw)
+        reader.wait_first()
+        with Frozen(shard["engine_pids"]):
+            reader.settle()
+            at_freeze = reader.tokens()
+            if reader.finished:  # the client lagged: the stream was over before it saw the first chunk
+                reader.join(300)
+                continue
+            # Sent while the stream cannot end: the request is in the server's socket when the engine
+            # resumes; from there it is the refit's few tenths of a second against the stream's rest.
+            refit = http.client.HTTPConnection(host, int(port), timeout=300)
+            refit.request("POST", "/nemo_gen/refit", json.dumps({"checkpoint": str(s.tiny), "in_flight": "abort"}),
+                          {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        response = refit.getresponse()
+        report = json.loads(response.read())
+        refit_s = time.monotonic() - t0
+        reader.join(300)
+        spans = reader.chunks[-1].nemo_gen["weight_versions"] if reader.chunks else None
+        print(f"\nattempt {attempt}: refit sent at {at_freeze} of {tokens} tokens, answered at {refit_s:.2f} s, "
+              f"the stream over at {time.monotonic() - t0:.2f} s, its versions {spans}")
+        assert response.status == 200, report
+        assert report["version"] == before + 1
+        if spans is not None and len(spans) > 1:
+            break
+        # The refit landed after the stream's last token: the server's own race, which a refit
+        # that waited for the stream would lose every attempt.
+    else:
+        pytest.fail(f"in {ATTEMPTS} attempts no refit landed mid-stream")
+    assert reader.error is None, reader.error
+    chunks = reader.chunks
     text = [c for c in chunks if c.choices]
     assert sum(len(c.choices[0].token_ids) for c in text) == tokens  # whole: resumed, not cut short
     assert text[-1].choices[0].finish_reason == "length"
-    spans = chunks[-1].nemo_gen["weight_versions"]
-    assert [v for v, _ in spans] == [0, 1] and sum(n for _, n in spans) == tokens, spans
-    assert chunks[-1].nemo_gen["weight_version"] == 1  # as unstreamed: the version of the last token
-    assert text[-1].choices[0].nemo_gen == {"shard": 0, "weight_version": 1, "weight_versions": spans}
-    after = s.client().completions.with_raw_response.create(model=s.model, prompt="after", max_tokens=4)
-    assert after.headers["x-nemo-gen-weight-version"] == "1"
+    assert [v for v, _ in spans] == [before, before + 1] and sum(n for _, n in spans) == tokens, spans
+    assert spans[0][1] >= at_freeze  # the cut came after what the client had when it sent the refit
+    assert chunks[-1].nemo_gen["weight_version"] == before + 1  # as unstreamed: the version of the last token
+    assert text[-1].choices[0].nemo_gen == {"shard": 0, "weight_version": before + 1, "weight_versions": spans}
+    after = client.completions.with_raw_response.create(model=s.model, prompt="after", max_tokens=4)
+    assert after.headers["x-nemo-gen-weight-version"] == str(before + 1)
