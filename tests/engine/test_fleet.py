@@ -1,15 +1,22 @@
-"""A real 2-shard fleet of vLLM CPU engines, shared by every test in this module."""
+"""A real 2-shard fleet of vLLM CPU engines, shared by every test in this module: launch, greedy
+determinism, ordering and provenance, prompt limits, sampling, the NeMo-RL interface; then RL
+rollouts as people run them (a GRPO group of n samples per prompt: one engine request, one shard;
+chat prompts rendered with the tokenizer's chat template; a multi-turn session that stays on its
+shard and moves when that shard is killed). The kill runs second to last, the shutdown last."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import torch
 
 from nemo_gen import GenerationFleet
+from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.errors import RequestError
-from tests.helpers import alive, wait_gone
+from tests.helpers import alive, wait_gone, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -20,7 +27,9 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fl
 def fleet(ray_cluster, make_settings):
     events = []
     f = GenerationFleet.launch(
-        make_settings(fleet__name="engine-tests", fleet__num_shards=2),
+        # No probe lands among the routing tests' requests; the killed shard comes back quickly.
+        make_settings(fleet__name="engine-tests", fleet__num_shards=2, health__probe_interval_s=60,
+                      health__restart_backoff_s=0.2),
         progress=lambda i, ev, d: events.append((i, ev)),
     )
     f.launch_events = events
@@ -142,6 +151,52 @@ def test_nemo_rl_generation_interface_over_the_fleet(fleet):
     assert gen.prepare_for_generation() and gen.finish_generation()
     gen.shutdown()  # does not own the fleet: it keeps serving
     assert fleet.generate(["Hello"], max_new_tokens=1)[0].ok
+
+
+def test_n_samples_are_one_request_on_one_shard(fleet):
+    (group,) = fleet.generate(["Once upon a time"], n=4, temperature=1.0, seed=7, max_new_tokens=12)
+    assert group.ok and len(group.samples) == 4
+    assert group.token_ids == group.samples[0].token_ids and group.text == group.samples[0].text
+    assert all(len(s.token_ids) > 0 and s.finish_reason in ("length", "stop") for s in group.samples)
+    assert len({tuple(s.token_ids) for s in group.samples}) > 1  # sampled, not four copies
+    assert all(sum(n for _, n in s.weight_versions) == len(s.token_ids) for s in group.samples)
+    # Seeded: the group is reproducible.
+    (again,) = fleet.generate(["Once upon a time"], n=4, temperature=1.0, seed=7, max_new_tokens=12)
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in group.samples]
+    with pytest.raises(RequestError, match="need temperature > 0"):
+        fleet.generate(["Once upon a time"], n=3, temperature=0)
+
+
+def test_chat_prompts_render_with_the_chat_template(fleet):
+    chat = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+    (r,) = fleet.generate([chat], temperature=0, max_new_tokens=8)
+    assert r.ok and r.prompt.endswith("<s>assistant\n") and r.token_ids
+    # The same conversation as token ids gives the same greedy answer.
+    (ids,) = fleet.generate([r.prompt_token_ids], temperature=0, max_new_tokens=8)
+    assert ids.token_ids == r.token_ids
+
+
+def test_a_four_turn_session_stays_on_its_shard(fleet):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    shards = []
+    for turn in range(4):
+        (r,) = fleet.generate([messages], session_id="story", temperature=0, max_new_tokens=8)
+        assert r.ok
+        shards.append(r.shard)
+        messages = messages + [{"role": "assistant", "content": r.text}, {"role": "user", "content": f"And then {turn}?"}]
+    assert len(set(shards)) == 1 and fleet.router.session_shard("story") == shards[0]
+
+
+def test_a_session_moves_when_its_shard_is_killed(fleet):
+    (r,) = fleet.generate(["Hello, my name is"], session_id="agent", temperature=0, max_new_tokens=4)
+    home = r.shard
+    victim = next(s for s in fleet.status() if s.index == home)
+    os.kill(victim.actor_pid, signal.SIGKILL)
+    wait_until(lambda: fleet.health.state_of(home) is not ShardState.HEALTHY, 30, "the death watch")
+    (moved,) = fleet.generate(["Hello, my name is and"], session_id="agent", temperature=0, max_new_tokens=4)
+    assert moved.ok and moved.shard == 1 - home and fleet.router.session_shard("agent") == 1 - home
+    wait_until(lambda: fleet.health.state_of(home) is ShardState.HEALTHY, 240, "the killed shard back")
+    assert wait_gone([victim.actor_pid, *victim.engine_pids], 30) == []
 
 
 def test_shutdown_leaves_no_process_and_is_idempotent(fleet):
