@@ -82,3 +82,22 @@ def driver():
     d = FakeDriver()
     yield d
     d.close()
+
+
+# Under pytest-xdist (make test's --dist loadfile --no-loadscope-reorder) files are handed out in
+# collection order, one whole file to whichever worker is free. The slow tiers go first so that
+# the last files handed out are the seconds-long unit ones and neither worker is left finishing
+# a two-minute end-to-end file alone. (xdist's own reorder, by number of tests per file, sends
+# the single-test end-to-end files last: the worst order here.) One process keeps the
+# testpaths order: fast tiers first, so a broken unit test shows in seconds.
+_TIERS = ("tests/e2e/", "tests/engine/", "tests/flows/", "tests/gpu/", "tests/unit/")
+
+
+def _tier(item) -> int:
+    path = item.nodeid.replace("\\", "/")
+    return next((i for i, tier in enumerate(_TIERS) if path.startswith(tier)), len(_TIERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_tier)  # stable: file order within a tier, test order within a file
