@@ -46,7 +46,9 @@ def test_an_orphan_engine_is_reported_with_its_gpu_memory_and_freed_when_killed(
         orphans = seen["orphans"]
         pids = [o["pid"] for o in orphans]
         assert pids and set(pids) <= set(seen["engine_pids"]), seen  # the dead actor's own engine process(es)
-        assert all(o["shard"] == 0 and o["gpu_bytes"] > 2**30 for o in orphans), orphans  # reported, with its memory
+        assert all(o["shard"] == 0 for o in orphans), orphans
+        # the EngineCore holds the engine's memory (its python3 helper none): reported with it
+        assert max(o["gpu_bytes"] for o in orphans) > 2**30, orphans
         assert sum(seen["nvml_bytes"].values()) == sum(o["gpu_bytes"] for o in orphans)
         for pid in pids:  # started by this test: ended here, by PID
             os.kill(pid, signal.SIGKILL)
