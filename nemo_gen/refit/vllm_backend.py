@@ -120,8 +120,8 @@ class _LoadingEngine(WeightTransferEngine):
         if self.model is not self._default_model:  # a draft update: never write the policy's tensors
             shared = set(shared_with_policy(self.model, self._default_model))
             self._load.load((n, t) for n, t in weights if n not in shared)
-        elif self._plan is not None and self._plan.replays(weights, self.model):
-            self._load.replay(self._plan)
+        elif self._load.replays(weights):
+            self._load.replay()
         else:  # recorded when ``weights`` is a list the backend keeps (nemo_gen_ipc's views)
             self._plan = self._load.load(weights, record=isinstance(weights, list))
 

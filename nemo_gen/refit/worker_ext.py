@@ -216,10 +216,13 @@ class WeightLoad:
         (~0.1 ms a module: milliseconds per refit of a large model)."""
         self.model, self.model_config, self.pool = model, model_config, pool
         t0 = time.perf_counter()
+        # the plan this load may replay: checked here, once per load (the parameters cannot
+        # move between here and the load: the engine is held for the refit)
+        self.plan = plan if plan is not None and not _forced_reload() and plan.describes(model) else None
         if _forced_reload():
             self.direct = None
-        elif plan is not None and plan.describes(model):
-            self.direct = DirectLoad(model, model_config, plan.kinds)
+        elif self.plan is not None:
+            self.direct = DirectLoad(model, model_config, self.plan.kinds)
         else:
             self.direct = DirectLoad.for_model(model, vllm_config, model_config)
         self._prepare_s = time.perf_counter() - t0  # classifying the model's modules (stats)
@@ -264,14 +267,18 @@ class WeightLoad:
         finally:
             self._load_s += time.perf_counter() - t0
 
-    def replay(self, plan: "CopyPlan") -> None:
-        """Load what ``plan`` recorded, from the same source tensors (now holding new values)."""
+    def replays(self, weights: Any) -> bool:
+        """``weights`` are the very tensors the plan given at construction was recorded from."""
+        return self.plan is not None and self.plan.weights is weights
+
+    def replay(self) -> None:
+        """Load what the plan recorded, from the same source tensors (now holding new values)."""
         if not self._begun:
             raise RuntimeError("WeightLoad.replay before begin")
-        if self.direct is None:
-            raise RuntimeError("a copy plan replays only on the direct load path")
+        if self.plan is None:
+            raise RuntimeError("no copy plan that still describes this model")
         t0 = time.perf_counter()
-        self.direct.replay(plan)
+        self.direct.replay(self.plan)
         self._load_s += time.perf_counter() - t0
 
     def finish(self) -> None:
@@ -603,6 +610,12 @@ def _param_ptrs(model: Any) -> tuple[int | None, ...]:
     return tuple(_storage_ptr(p) for p in model.parameters())
 
 
+def _param_places(model: Any) -> tuple[int, ...]:
+    """Where every parameter's data is: a parameter replaced or re-pointed changes it. (Its
+    storage would say the same, at ~10x the cost: a Python object per parameter.)"""
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
 class CopyPlan:
     """The copies one load made: (destination view in a parameter, source view in an incoming
     tensor) pairs, the constants it filled parameters with, and the layers it wrote. A trainer
@@ -615,19 +628,19 @@ class CopyPlan:
     storage (vLLM's reload writes back in place, CUDA graphs rely on it; anything else fails
     ``replays`` and the next load records afresh)."""
 
-    def __init__(self, weights: list, model: Any, param_ptrs: tuple[int | None, ...],
-                 copies: list[tuple[Any, Any]], fills: list[tuple[Any, Any]], touched: list, kinds: dict):
+    def __init__(self, weights: list, model: Any, copies: list[tuple[Any, Any]], fills: list[tuple[Any, Any]],
+                 touched: list, kinds: dict):
         self.weights, self.model = weights, model
         self.dsts = [d for d, _ in copies]
         self.srcs = [s for _, s in copies]
         self.fills = fills  # (view of a parameter, constant), in the order the loaders wrote them
         self.touched = touched
         self.kinds = kinds  # DirectLoad's classification of the model's modules, as recorded
-        self._params = param_ptrs  # every parameter's storage when the load was recorded
+        self._places = _param_places(model)  # every parameter's data, as the load left it
 
     def describes(self, model: Any) -> bool:
-        """``model`` is the one recorded, every parameter still in its storage."""
-        return model is self.model and _param_ptrs(model) == self._params
+        """``model`` is the one recorded, every parameter still where it was."""
+        return model is self.model and _param_places(model) == self._places
 
     def replays(self, weights: Any, model: Any) -> bool:
         return weights is self.weights and self.describes(model)
@@ -686,7 +699,7 @@ class CopyRecorder:
     def plan(self, touched: list, kinds: dict) -> CopyPlan | None:
         if self.why_not is not None or not self.copies:
             return None
-        return CopyPlan(self.weights, self.model, self.param_ptrs, self.copies, self.fills, list(touched), kinds)
+        return CopyPlan(self.weights, self.model, self.copies, self.fills, list(touched), kinds)
 
 
 def _recording_mode(recorder: CopyRecorder):

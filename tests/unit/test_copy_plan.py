@@ -97,3 +97,26 @@ def test_no_plan_unless_asked_or_for_a_one_pass_iterator():
     assert load(model, weights, record=False)[1] is None
     assert load(model, iter(weights))[1] is None  # a generator cannot be read again
     expect(model, weights)
+
+
+def test_a_weight_load_given_the_plan_replays_it_without_classifying_the_model_again():
+    """What the engine's backend does per refit (``_LoadingEngine``): the last plan goes to the
+    next ``WeightLoad``, which checks once that the parameters did not move and then replays it
+    for the very same source tensors — and records afresh for any other tensors or a moved one."""
+    from nemo_gen.refit.worker_ext import WeightLoad
+
+    model, weights = Model(), sources(0)
+    _, plan = load(model, weights)
+    with torch.no_grad():
+        for (_, t), (_, new) in zip(weights, sources(2)):
+            t.copy_(new)
+    replaying = WeightLoad(model, None, None, ScratchPool(), plan=plan)
+    assert replaying.plan is plan and replaying.direct.kinds is plan.kinds  # no classification
+    assert replaying.replays(weights) and not replaying.replays(sources(2))
+    replaying.begin()
+    replaying.replay()
+    replaying.finish()
+    expect(model, weights)
+    assert replaying.stats["path"] == "direct" and replaying.stats["plan"] == "replayed"
+    model.norm = torch.nn.Parameter(torch.zeros(4), requires_grad=False)  # moved
+    assert not plan.describes(model)  # so the next WeightLoad classifies the model afresh and records

@@ -108,3 +108,18 @@ def test_a_client_mid_update_refuses_a_one_call_update(settings, driver):
             client.apply_weight_update(CHUNK)
         client.update_weights(CHUNK)
         assert client.finish_weight_update().ok and fleet.weight_version == 1
+
+
+def test_the_same_update_info_is_checked_once_per_layout(settings, driver):
+    """nemo_gen_ipc's sender gives the same update info object while the layout is unchanged:
+    its check is kept; a new layout (or another object) is checked again."""
+    with fake_fleet(settings(), driver) as fleet:
+        client = fleet.weight_sync_client()
+        info = {"names": ["w", "b"], "shapes": [[4, 4], [4]], "dtype_names": ["float32"] * 2, "layout": 1}
+        first = client.apply_weight_update(info)
+        again = client.apply_weight_update(info)
+        assert (first.tensors, first.bytes) == (again.tensors, again.bytes) == (2, 80) and again.version == 2
+        info["shapes"], info["layout"] = [[3, 4], [4]], 2  # a new layout of the same names: checked
+        with pytest.raises(RefitError, match=r"w: shape \[3, 4\]"):
+            client.apply_weight_update(info)
+        assert fleet.weight_version == 2
