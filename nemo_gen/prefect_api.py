@@ -55,16 +55,48 @@ def _healthy(url: str) -> bool:
 
 
 def server_env(home: Path, url: str | None = None) -> dict[str, str]:
-    """Environment for a managed server and for processes that report to it."""
+    """Environment for a managed server and for processes that report to it.
+
+    Run logs go to the API in Prefect's default batches (every 2 s, and once more when the
+    command ends: ``_flush_logs``). Each batch is a write to the server's SQLite database, and
+    a write that lands while one of the flow's own API calls (a subflow's creation, a state
+    change) sits between its read and its write makes that call fail with "database is
+    locked", answered 503 and retried by Prefect's client after 2 s (see ``SERVER_ONLY_ENV``).
+    """
     env = {
         "PREFECT_HOME": str(home.resolve()),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # Logs written inside Ray workers reach the API before a short task ends.
-        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3",
     }
     if url:
         env["PREFECT_API_URL"] = url
     return env
+
+
+# Settings of the managed server's own process only (the single-command server of `nemo-gen
+# run`/`generate`; an external server is configured by whoever runs it).
+#
+# Why: the server's API handlers write in SQLite DEFERRED transactions that read first (e.g.
+# POST /task_runs reads the flow run for its labels, then inserts). A write by another
+# connection in between fails the insert at once with "database is locked" — SQLite does not
+# wait (busy_timeout) once a transaction holds a read snapshot — which the server answers 503,
+# and Prefect's client retries after 2**1 s ± jitter. The other writers are the server's
+# background services; Prefect's task-run recorder writes every client event on arrival
+# (batch size 1), so the burst of events from the tasks a flow has just run is being written
+# exactly when the flow makes its next API call (the launch-fleet subflow's creation: ~2 s in
+# about half of the benchmark's Prefect runs).
+SERVER_ONLY_ENV = {
+    # Task-run states from client events, written in one transaction a second rather than one
+    # per event: the UI's task runs lag by up to 1 s.
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1000",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    # Events (the UI's event feed) every 5 s (Prefect's interval), not also every 20 events.
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "1000",
+    # Services for deployments and workers, which a managed server never has: `nemo-gen deploy`
+    # refuses to run without an external API. Each wakes every 5-60 s to query and update runs.
+    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
+}
 
 
 @contextlib.contextmanager
@@ -81,7 +113,7 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
     port = settings.prefect.port or _free_port(host)
     url = f"http://{host}:{port}/api"
     log_file = home / "server.log"
-    env = {**os.environ, **server_env(home)}
+    env = {**os.environ, **server_env(home), **SERVER_ONLY_ENV}
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
     with open(log_file, "ab") as out:
         # Own process group: the server's children go with it, and Ctrl-C in the terminal
