@@ -612,7 +612,8 @@ def _param_ptrs(model: Any) -> tuple[int | None, ...]:
 
 def _param_slots(model: Any) -> list[tuple[Any, str, Any, int]]:
     """(module, name, parameter, where its data is) for every parameter of ``model``."""
-    return [(m, n, p, p.data_ptr()) for m in model.modules() for n, p in m._parameters.items() if p is not None]
+    return [(module, name, p, p.data_ptr())
+            for module in model.modules() for name, p in module._parameters.items() if p is not None]
 
 
 class CopyPlan:
@@ -642,7 +643,7 @@ class CopyPlan:
         was. Checked through the recorded modules' own parameter dicts: walking the model again
         (``model.parameters()``) costs ~10x as much, a millisecond per refit of a large model."""
         return model is self.model and all(
-            m._parameters.get(n) is p and p.data_ptr() == ptr for m, n, p, ptr in self._slots)
+            module._parameters.get(name) is p and p.data_ptr() == ptr for module, name, p, ptr in self._slots)
 
     def replays(self, weights: Any, model: Any) -> bool:
         return weights is self.weights and self.describes(model)
