@@ -6,7 +6,9 @@ weight source, and calls ``send_weights()``; the engine drives ``init_weight_tra
 ``fleet.weight_sync_client()`` as that client, the trainer refits every shard of the fleet
 through whichever backend the engines were started with (``refit.backend``): nemo_gen's
 ``nemo_gen_shm`` (any machine) or ``nemo_gen_ipc`` (a trainer on the engines' GPU), or vLLM's
-``ipc`` / ``nccl``.
+``ipc`` / ``nccl``. nemo_gen's own trainer engines send their one chunk through
+``apply_weight_update`` instead: the same protocol as one message per shard and one RPC into
+its engine (three round trips are most of a colocated GPU refit's time).
 
 The fleet's refit rules hold around the backend's bytes:
 - one refit at a time (the fleet's refit lock, held from start to finish), versions only move
