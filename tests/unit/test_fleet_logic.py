@@ -62,7 +62,9 @@ def test_a_shard_dying_mid_batch_loses_no_request_and_the_spare_takes_its_slot(s
         assert [r.index for r in results] == list(range(len(PROMPTS)))
         assert all(r.ok for r in results)
         assert [r.token_ids for r in results] == [expected_ids(p) for p in PROMPTS]
-        detection = next(d for d in fleet.monitor.detections if d["name"] == victim)
+        # the death watch notes it on its own thread, maybe after the router re-routed the batch
+        detection = wait_until(lambda: next((d for d in fleet.monitor.detections if d["name"] == victim), None),
+                               what="the death watch's detection")
         assert detection["by"] == "watch"
         wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, what="slot 1 back")
         assert fleet.handle(1).name == spare  # promoted, no engine start
@@ -96,9 +98,11 @@ def test_a_hung_shard_is_condemned_by_a_probe_streak(settings, driver):
     with fake_fleet(s.model_copy(update={"health": s.health.model_copy(update={"probe_timeout_s": 1.0})}),
                     driver) as fleet:
         driver.set_hung(fleet.handle(0).name)
-        wait_until(lambda: fleet.health.state_of(0) is ShardState.DEAD, what="the probes to condemn shard 0")
+        # the ledger turns DEAD first and the monitor notes the detection right after (its own
+        # thread): wait for both, or a loaded machine sees the one without the other
+        detection = wait_until(lambda: fleet.health.state_of(0) is ShardState.DEAD and next(
+            (d for d in fleet.monitor.detections if d["key"] == 0), None), what="the probes to condemn shard 0")
         assert path_of(fleet, 0)[-2:] == ["suspect", "dead"]  # a streak, not one miss
-        detection = next(d for d in fleet.monitor.detections if d["key"] == 0)
         assert detection["by"] == "probe" and "probe not answered" in detection["reason"]
         assert fleet.health.state_of(1) is ShardState.HEALTHY
 
