@@ -188,6 +188,14 @@ class FakeDriver:
                 out[key] = Outcome(error=f"{type(exc).__name__}: {exc}", infra=False)
         return out
 
+    @staticmethod
+    def _load(shard: FakeShard, version: int) -> None:
+        """A load of weights: ``version`` once it succeeds, no version while it runs or if it fails."""
+        shard.weight_version = None  # half-loaded weights never carry a version
+        if shard.fail_load:
+            raise RuntimeError(shard.fail_load)
+        shard.weight_version = version
+
     def _remote(self, handle: ShardHandle, method: str, args: tuple) -> Any:
         self.remote_calls.append((handle.name, method, args))
         shard = self.shards[handle.name]
@@ -196,20 +204,14 @@ class FakeDriver:
                 raise ValueError(shard.refuse_refit)
             return 1
         if method == "load_refit":
-            shard.weight_version = None  # half-loaded weights never carry a version
-            if shard.fail_load:
-                raise RuntimeError(shard.fail_load)
-            shard.weight_version = args[3]
+            self._load(shard, args[3])
             return 0.001
         if method == "weight_sync":
             step, payload = args[0], args[1]
             if step == "finish":
                 shard.weight_version = payload
             elif step == "apply":
-                shard.weight_version = None  # half-loaded weights never carry a version
-                if shard.fail_load:
-                    raise RuntimeError(shard.fail_load)
-                shard.weight_version = payload["version"]
+                self._load(shard, payload["version"])
             return None
         raise AssertionError(f"the fake shard has no {method!r}")
 

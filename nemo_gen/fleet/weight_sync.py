@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _INIT_MARGIN_S = 30.0
 _UPDATE_MARGIN_S = 60.0
 _STEP_MARGIN_S = 10.0
+_PER_RANK_LISTS = ("per-rank update lists address one multi-replica vLLM engine; a nemo_gen fleet takes one "
+                   "update_info for all of its shards")
 
 
 @dataclass
@@ -196,8 +198,7 @@ class FleetWeightSyncClient:
         bad one changes nothing anywhere."""
         target = "draft" if self.draft else "policy"
         if isinstance(update_info, list):
-            raise RefitError("per-rank update lists address one multi-replica vLLM engine; a nemo_gen fleet "
-                             "takes one update_info for all of its shards")
+            raise RefitError(_PER_RANK_LISTS)
         with self._opened(target) as session:
             self._check_whole(session, update_info)
             session.chunks = 1
@@ -237,10 +238,7 @@ class FleetWeightSyncClient:
         session = self._require_session()
         if isinstance(update_info, list):
             self._abort(restore=session.chunks == 0)
-            raise RefitError(
-                "per-rank update lists address one multi-replica vLLM engine; a nemo_gen fleet takes one "
-                "update_info for all of its shards"
-            )
+            raise RefitError(_PER_RANK_LISTS)
         metas = chunk_metas(update_info, self.refitter.engine_dtype)
         try:
             if metas is not None:

@@ -218,8 +218,9 @@ class WeightLoad:
         t0 = time.perf_counter()
         # the plan this load may replay: checked here, once per load (the parameters cannot
         # move between here and the load: the engine is held for the refit)
-        self.plan = plan if plan is not None and not _forced_reload() and plan.describes(model) else None
-        if _forced_reload():
+        forced = _forced_reload()
+        self.plan = plan if plan is not None and not forced and plan.describes(model) else None
+        if forced:
             self.direct = None
         elif self.plan is not None:
             self.direct = DirectLoad(model, model_config, self.plan.kinds)
@@ -658,8 +659,7 @@ class CopyRecorder:
     def __init__(self, weights: list, model: Any):
         self.weights, self.model = weights, model
         self.sources = {_storage_ptr(t) for _, t in weights} - {None}
-        self.param_ptrs = _param_ptrs(model)
-        self.params = set(self.param_ptrs) - {None}
+        self.params = set(_param_ptrs(model)) - {None}
         self.copies: list[tuple[Any, Any]] = []
         self.fills: list[tuple[Any, Any]] = []
         self.why_not: str | None = None
