@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import os
 import threading
 import time
+import uuid
 from typing import Any, AsyncIterator, Callable
 
 import psutil
@@ -84,7 +86,13 @@ class Engine:
         self._llm = llm
         self.async_engine = async_engine
         self.load_s = load_s
-        self.version = version
+        # The weight version, and (sync engine) the label the engine core stamps on each step's
+        # outputs for it: the core starts as "default"; ``version =`` sends it a new one.
+        self._version = version
+        self._labels: dict[str, int | None] = {"default": version}
+        self._label_sent: concurrent.futures.Future | None = None
+        self._step_label: str | None = None  # the label of the outputs the step thread got last
+        self._pause: concurrent.futures.Future | None = None  # a swap's pause, until its resume
         self._lock = asyncio.Lock()  # the sync LLM is not re-entrant
         self._rpc_lock = asyncio.Lock()
         # Refit needs the engine to itself: no request may run on half-loaded weights.
@@ -154,7 +162,8 @@ class Engine:
         """Two guards on the sync engine's core client: its input socket is used by the step
         thread (aborts on stop strings) and by a swap's control calls, so sends take a lock (zmq
         sockets are not thread-safe); and the step thread marks when it waits for output, which
-        is how a swap knows every output sampled before the pause has been counted."""
+        is how a swap that cuts requests knows every output sampled before the pause has been
+        counted; it also keeps the version label of each step's outputs for the step loop."""
         core = self._llm.llm_engine.engine_core
         send, get, lock, parked = core._send_input, core.get_output, threading.Lock(), self._parked
 
@@ -165,15 +174,32 @@ class Engine:
         def marked_get():
             parked.set()
             try:
-                return get()
+                outputs = get()
             finally:
                 parked.clear()
+            self._step_label = outputs.weight_version
+            return outputs
 
         core._send_input, core.get_output = locked_send, marked_get
 
     @property
     def generating(self) -> bool:
         return self._generating
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @version.setter
+    def version(self, version: int | None) -> None:
+        """The engine serves ``version`` from now on. The sync engine's core is told, so that the
+        outputs of every later step carry its label: messages reach the core in order, so each
+        step after this one is counted under ``version``, however the step thread is placed."""
+        self._version = version
+        if not self.async_engine:
+            label = repr(version)
+            self._labels[label] = version
+            self._label_sent = self._send_utility("set_weight_version", label)
 
     @property
     def _salt(self) -> str:
@@ -320,8 +346,9 @@ class Engine:
 
     async def begin_swap(self) -> None:
         """Freeze the running batch (its requests keep their KV cache) so weights can be loaded
-        under it; new requests wait until ``end_swap``. Without a running batch this is
-        ``hold``: nothing is in flight to keep."""
+        under it; new requests wait until ``end_swap``. The pause is sent, not waited for: the
+        engine core takes its messages in order, so the load sent next runs while it is paused
+        and no step runs on half-loaded weights, whether a batch runs or is about to start."""
         if self.async_engine:
             raise ValueError("refit.in_flight keep/abort needs the sync engine "
                              "(generation.vllm_cfg.async_engine: false); use drain")
@@ -329,14 +356,7 @@ class Engine:
             await self._idle.wait_for(lambda: not self._exclusive)
             self._exclusive = True
         self._swapping = True
-        if self._generating:
-            await self._utility("pause_scheduler", "keep", False)
-            # The pause's answer comes after every output sampled before it; once the step
-            # thread waits again with nothing queued, each of them has been counted.
-            core = self._llm.llm_engine.engine_core
-            while not (self._parked.is_set() and core.outputs_queue.empty()) and self._generating:
-                await asyncio.sleep(0.005)  # a 2-core machine: polling must not starve the engine
-
+        self._pause = self._send_utility("pause_scheduler", "keep", False)
 
     async def end_swap(self, version: int | None, mode: str, resume_aborted: bool,
                        max_staleness: int | None, failed: str | None = None) -> None:
@@ -344,22 +364,39 @@ class Engine:
         every running request (``abort``), or those with more than ``max_staleness`` tokens
         from older weights (``keep``) — resume the batch, let new requests in. ``failed``:
         the load broke off, the weights are half-loaded: every running request is aborted and
-        the batch fails (the fleet re-routes it), and so does every later one."""
+        the batch fails (the fleet re-routes it), and so does every later one.
+
+        A plain ``keep`` cuts nothing, so it waits for nothing here: the new version's label
+        and the resume go to the core back to back, and the batch's stall is the load and one
+        trip to the core. Cutting needs every output sampled before the pause counted first."""
+        pending = [self._pause]
         try:
             if failed is not None:
                 self._poisoned = failed
-            if self._generating:
-                self._cut(version, mode, resume_aborted, max_staleness)
-                if version is not None:
-                    self.version = version
-                await self._utility("resume_scheduler")
-                # The step thread may wait for output that no request will make any more.
-                self._llm.llm_engine.engine_core.outputs_queue.put_nowait(_wake())
-            elif version is not None:
+            if self._generating and (failed is not None or mode == "abort" or max_staleness is not None):
+                await asyncio.wrap_future(self._pause)
+                await self._settled()
+                if self._generating:
+                    self._cut(version, mode, resume_aborted, max_staleness)
+            if version is not None:
                 self.version = version
+                pending.append(self._label_sent)
+            pending.append(self._send_utility("resume_scheduler"))
+            if self._generating:  # after a cut the step thread may wait for output no request makes
+                self._llm.llm_engine.engine_core.outputs_queue.put_nowait(_wake())
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending))
         finally:
+            self._pause = None
             self._swapping = False
             await self.release()
+
+    async def _settled(self) -> None:
+        """Until the step thread has counted every output sampled before the pause: the pause's
+        answer comes after all of them; once the thread waits again with nothing queued, each
+        has been counted (or the batch is over)."""
+        core = self._llm.llm_engine.engine_core
+        while not (self._parked.is_set() and core.outputs_queue.empty()) and self._generating:
+            await asyncio.sleep(0.005)  # a 2-core machine: polling must not starve the engine
 
     def _cut(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None) -> None:
         """Runs while the step thread is parked: no engine state moves under us."""
@@ -394,9 +431,18 @@ class Engine:
         """The running batch's requests (a request may be several engine requests after a cut)."""
         return list({id(t): t for t in self._tracks.values()}.values())
 
-    async def _utility(self, method: str, *args: Any) -> Any:
+    def _send_utility(self, method: str, *args: Any) -> concurrent.futures.Future:
+        """Send a utility call to the sync engine's core without waiting for it (vLLM's own
+        ``call_utility`` is this plus the wait): the core answers in the order it was sent, so
+        calls sent back to back cost one round trip, not one each."""
+        from vllm.v1.engine import EngineCoreRequestType
+
         core = self._llm.llm_engine.engine_core
-        return await asyncio.to_thread(core.call_utility, method, *args)
+        call_id = uuid.uuid1().int >> 64
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        core.utility_results[call_id] = future
+        core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        return future
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
@@ -481,8 +527,7 @@ class Engine:
     def _run_to_completion(self) -> None:
         """``LLM.wait_for_completion`` with a heartbeat (each finished engine step is stamped,
         so a probe can tell a busy engine from a wedged one) and per-token versions: a step's
-        tokens were sampled by ``self.version`` as read right after it, since a swap changes the
-        version only while this thread is parked with every earlier output counted."""
+        tokens were sampled by the version its outputs are labelled with (see ``version``)."""
         engine = self._llm.llm_engine
         self.last_step_at = time.monotonic()
         self.batch_steps = 0
@@ -495,7 +540,7 @@ class Engine:
                 self._tracks = {}
                 break
             outputs = engine.step()
-            version = self.version
+            version = self._labels.get(self._step_label, self._version)
             for out in outputs:
                 track = self._tracks.get(out.request_id)
                 if track is None:

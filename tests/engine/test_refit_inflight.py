@@ -129,6 +129,30 @@ def test_abort_without_resume_returns_the_partial_results(fleets, model_b, tiny_
     fleet.refit(str(tiny_model_dir))
 
 
+def test_keep_past_max_staleness_resumes_each_request_on_fresh_kv(fleets, model_b, tiny_model_dir):
+    """refit.max_staleness 0: every running request has tokens from the old weights, so each is
+    cut and resumed: its tokens after the cut are what a fresh engine on the new weights makes
+    from its prompt and the tokens it had (its prefix re-computed, not kept as in plain keep)."""
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    before = fleet.weight_version
+    fleet.settings.refit.max_staleness = 0
+    try:
+        results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
+    finally:
+        fleet.settings.refit.max_staleness = None
+    check_whole(results, report)
+    assert refit_at < batch_at
+    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
+    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
+        [r.weight_versions for r in results]
+    cut = [r.weight_versions[0][1] for r in results[:2]]
+    prefixes = [list(r.prompt_token_ids) + r.token_ids[:k] for r, k in zip(results, cut)]
+    check = 16  # greedy continuations agree on their first tokens; the test needs no more
+    reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
+    assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
+    fleet.refit(str(tiny_model_dir))
+
+
 def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleets, model_b):
     fleet, fresh = fleets["main"], fleets["fresh_b"]
     # Prompts of several KV blocks (the CPU backend's blocks are 128 tokens): their prefix is cached.
