@@ -1,11 +1,12 @@
 """A bare ``vllm.LLM`` (no Ray, no nemo_gen): the baseline ``bench/gpu_bench.py`` compares a
 fleet's launch and generation throughput with. Run by it as a subprocess::
 
-    python bench/gpu_bare_vllm.py OUT.json MODEL UTIL MAX_MODEL_LEN PROMPTS.json MAX_TOKENS
+    python bench/gpu_bare_vllm.py OUT.json MODEL UTIL MAX_MODEL_LEN PROMPTS.json MAX_TOKENS [LOGPROBS_MODE]
 
 Writes the seconds of ``import vllm`` and of ``LLM(...)`` (the engine's own log lines, in the
 caller's capture of this process's output, break the latter down), and the generation throughput
-of the prompts (token ids) at temperature 0 with EOS ignored, best of two runs.
+of the prompts (token ids) at temperature 0 with EOS ignored, best of two runs. ``LOGPROBS_MODE``
+(vLLM's default when left out): the caller passes the fleet's, so that the two run one engine config.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 def main() -> None:
     out_path, model, util, max_len, prompts_path, max_tokens = sys.argv[1:7]
+    engine_args = {"logprobs_mode": sys.argv[7]} if len(sys.argv) > 7 else {}
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
     t0 = time.monotonic()
     import vllm
@@ -31,7 +33,7 @@ def main() -> None:
     with engine_start_lock() as lock:  # as a fleet's engine would, on a shared GPU
         t2 = time.monotonic()
         llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=float(util), max_model_len=int(max_len),
-                  seed=0, disable_log_stats=True)
+                  seed=0, disable_log_stats=True, **engine_args)
     llm_s = time.monotonic() - t2
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_path))]
     sampling = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)
@@ -42,7 +44,7 @@ def main() -> None:
         outs = llm.generate(prompts, sampling, use_tqdm=False)
         runs.append({"seconds": time.perf_counter() - t, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
     best = min(runs, key=lambda r: r["seconds"])
-    json.dump({"vllm": vllm.__version__, "import_s": import_s, "lock_wait_s": t2 - t1, "llm_s": llm_s,
+    json.dump({"vllm": vllm.__version__, "engine_args": engine_args, "import_s": import_s, "lock_wait_s": t2 - t1, "llm_s": llm_s,
                "total_s": import_s + llm_s, "lock_waited_s": lock.waited_s, "runs": runs,
                "tokens_per_s": best["tokens"] / best["seconds"]}, open(out_path, "w"))
     llm.llm_engine.engine_core.shutdown()

@@ -139,6 +139,7 @@ PATTERNS = {
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
     "compile_s": r"init engine \(profile, create kv cache, warmup model\) took [\d.]+ s \(compilation: ([\d.]+) s",
+    "kv_cache_tokens": r"KV cache size: ([\d,]+) tokens",
 }
 
 
@@ -148,7 +149,7 @@ def breakdown(text: str) -> dict:
     for key, pattern in PATTERNS.items():
         found = re.findall(pattern, text)
         if found:
-            out[key] = float(found[-1])
+            out[key] = float(found[-1].replace(",", ""))
     return out
 
 
@@ -201,6 +202,47 @@ def summarize_rounds(rounds: list[dict], nbytes: int, copy_gbps: float) -> dict:
     if steady.get("transfer_s"):  # the engine's update_weights: the chunk's arrival to its bytes in place
         out["transport_fraction_of_copy"] = nbytes / steady["transfer_s"] / 1e9 / copy_gbps
     return out
+
+
+def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int = 2) -> dict:
+    """Where a fleet's generation time goes, measured inside its shard actor on its own engine
+    (no Ray call, no router): ``step_loop`` is nemo_gen's batch loop (``Engine._generate_sync``:
+    every step's DELTA outputs counted per weight version, results as dicts); ``llm_generate`` is
+    vLLM's own ``LLM.generate`` on the same engine (final outputs only), the same sampling as the
+    bare run. Best of ``runs`` each. Benchmark use only: it blocks the actor while it runs."""
+    import ray
+
+    def fn(actor, prompts, tokens, runs):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from nemo_gen.core.results import GenerationRequest
+        from nemo_gen.fleet.engine import sampling_params
+
+        engine = actor.engine
+        resolved = {"max_new_tokens": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
+        vllm_params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+
+        def step_loop():
+            reqs = [GenerationRequest(index=i, prompt_token_ids=p) for i, p in enumerate(prompts)]
+            return sum(len(r["token_ids"]) for r in engine._generate_sync(reqs, sampling_params(resolved)))
+
+        def llm_generate():
+            outs = engine._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vllm_params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+
+        res = {}
+        for name, run in (("step_loop", step_loop), ("llm_generate", llm_generate)):
+            best = None
+            for _ in range(runs):
+                t = time.perf_counter()
+                n = run()
+                took = time.perf_counter() - t
+                best = min(best or (took, n), (took, n))
+            res[name] = {"seconds": best[0], "tokens": best[1], "tokens_per_s": best[1] / best[0]}
+        return res
+
+    return ray.get(handle.actor.__ray_call__.remote(fn, prompts, tokens, runs), timeout=600)
 
 
 def call_worker(handle, method: str, *args):
@@ -392,6 +434,30 @@ def main() -> None:
         state["fleet_tps"] = throughput()
         return state["fleet_tps"]
 
+    @step("throughput_breakdown", out, args.deadline_s, 40)
+    def _():
+        import ray
+
+        from nemo_gen.core.results import GenerationRequest
+
+        res = in_actor_throughput(fleet.shards[0], tok_prompts, args.tokens)
+        # The shard actor's own generate, called straight (no router): its wall on the driver
+        # against the seconds the actor reports (engine.generate: the batch on its worker thread).
+        resolved = {"max_new_tokens": args.tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
+        reqs = [GenerationRequest(index=i, prompt_token_ids=p) for i, p in enumerate(tok_prompts)]
+        calls = []
+        for _ in range(2):
+            t = time.perf_counter()
+            answer = ray.get(fleet.shards[0].actor.generate.remote(reqs, resolved), timeout=600)
+            calls.append({"driver_wall_s": time.perf_counter() - t, "actor_s": answer["seconds"]})
+        res["actor_call"] = min(calls, key=lambda c: c["driver_wall_s"])
+        if state.get("fleet_tps"):
+            fleet_s = state["fleet_tps"]["seconds"]
+            res["fleet_generate_s"] = fleet_s
+            res["ray_and_router_s"] = fleet_s - res["step_loop"]["seconds"]
+            res["step_loop_over_llm_generate_s"] = res["step_loop"]["seconds"] - res["llm_generate"]["seconds"]
+        return res
+
     @step("bare_vllm", out, args.deadline_s, 240)
     def _():
         prompts_file = work / "prompts.json"
@@ -401,7 +467,8 @@ def main() -> None:
         t = time.monotonic()
         with open(bare_log, "w") as logf:
             proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(res_file),
-                                   str(model_dir), str(args.util), "512", str(prompts_file), str(args.tokens)],
+                                   str(model_dir), str(args.util), "512", str(prompts_file), str(args.tokens),
+                                   settings.generation.vllm_cfg.logprobs_mode],
                                   env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=max(60, args.deadline_s - elapsed()))
         wall = time.monotonic() - t
         if proc.returncode != 0:
@@ -533,6 +600,10 @@ def write_markdown(out: Path) -> None:
     rows.append(("  bare import vllm / LLM()", f"{fmt(get('bare_vllm', 'bare', 'import_s'))} s / {fmt(get('bare_vllm', 'bare', 'llm_s'))} s"))
     rows.append(("throughput fleet / bare", f"{fmt(get('fleet_throughput', 'tokens_per_s'))} / "
                  f"{fmt(get('bare_vllm', 'bare', 'tokens_per_s'))} tok/s = {fmt(get('bare_vllm', 'throughput_fleet_over_bare'))}"))
+    rows.append(("  the same batch in the shard actor: nemo_gen's step loop / vLLM's LLM.generate",
+                 f"{fmt(get('throughput_breakdown', 'step_loop', 'seconds'))} s / "
+                 f"{fmt(get('throughput_breakdown', 'llm_generate', 'seconds'))} s "
+                 f"(fleet.generate {fmt(get('throughput_breakdown', 'fleet_generate_s'))} s)"))
     rows.append(("SIGKILL -> GPU memory back", f"{fmt(get('restart_after_sigkill', 'gpu_memory_back_s'))} s "
                  f"({fmt(get('restart_after_sigkill', 'held_gib'))} GiB)"))
     rows.append(("SIGKILL -> full strength, no spare", f"{fmt(get('restart_after_sigkill', 'to_full_strength_s'))} s = "
