@@ -262,11 +262,14 @@ def _fleet(args: argparse.Namespace, guard: SignalGuard) -> int:
 
 
 def _refit(args: argparse.Namespace, guard: SignalGuard) -> int:
+    from nemo_gen.refit.sources import CheckpointSource
+
     settings = _persistent_settings(args)
+    checkpoint = str(args.checkpoint.resolve())
+    CheckpointSource(checkpoint)  # no such directory, no safetensors: refused (exit 2) before Ray starts
     guard.before_ray()
     if not args.verbose:
         _quiet()
-    checkpoint = str(args.checkpoint.resolve())
     if args.no_prefect:
         from nemo_gen.fleet.fleet import GenerationFleet
 

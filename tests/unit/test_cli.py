@@ -242,6 +242,15 @@ def test_fleet_commands_without_ray_address_load_nothing_heavy(verb, monkeypatch
     assert heavy == []
 
 
+@pytest.mark.parametrize("prefect", [[], ["--no-prefect"]], ids=["prefect", "no-prefect"])
+def test_refit_of_a_missing_checkpoint_exits_2_naming_it_before_ray(prefect, tmp_path):
+    """A mistyped checkpoint is refused before the command attaches to the cluster (which costs
+    seconds, and a Prefect server on the Prefect path)."""
+    err = _fails_before_starting(["refit", "--checkpoint", str(tmp_path / "nowhere"), *prefect,
+                                  "--set", "ray.address=127.0.0.1:1", "--set", f"home={tmp_path / 'home'}"])
+    assert f"checkpoint {tmp_path / 'nowhere'} is not a directory" in err
+
+
 def test_deploy_without_a_prefect_api_exits_2_and_starts_no_server(monkeypatch, tmp_path):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
