@@ -242,11 +242,15 @@ def _fleet(args: argparse.Namespace, guard: SignalGuard) -> int:
         rows = [s.to_json() for s in fleet.status()]
         fleet.detach()
     elif args.fleet_command == "status":
-        fleet = GenerationFleet.attach(settings)
+        # Not watching (as the flows attach): a status that found a dead shard would otherwise
+        # start its replacement and wait for it to load before exiting; healing is `heal`'s.
+        fleet = GenerationFleet.attach(settings, watch=False)
         rows = [s.to_json() for s in fleet.status()]
         fleet.detach()
     else:
-        fleet = GenerationFleet.attach(settings)
+        # Not watching: a dead shard's replacement would be loaded only to be stopped (the
+        # shutdown waits for a recovery in progress: ~35 s here for the tiny model).
+        fleet = GenerationFleet.attach(settings, watch=False)
         rows = [s.to_json() for s in fleet.status()]
         killed = fleet.shutdown()
         rows = [{**r, "state": "stopped"} for r in rows]

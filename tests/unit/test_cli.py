@@ -242,6 +242,35 @@ def test_fleet_commands_without_ray_address_load_nothing_heavy(verb, monkeypatch
     assert heavy == []
 
 
+@pytest.mark.parametrize("verb", ["status", "down"])
+def test_fleet_status_and_down_attach_without_watching(verb, monkeypatch, capsys):
+    """Neither heals: a watching attach would restart a dead shard in the background, and the
+    command would wait for that engine to load before exiting (down: only to stop it)."""
+    from nemo_gen.fleet.fleet import GenerationFleet
+
+    calls = []
+
+    class Attached:
+        def status(self):
+            return []
+
+        def detach(self):
+            calls.append("detach")
+
+        def shutdown(self):
+            calls.append("shutdown")
+            return []
+
+    def attach(cls, settings, watch=True):
+        calls.append(("attach", watch))
+        return Attached()
+
+    monkeypatch.setattr(GenerationFleet, "attach", classmethod(attach))
+    assert main(["fleet", verb, "--set", "ray.address=127.0.0.1:1", "--json"]) == EXIT_OK
+    assert calls == [("attach", False), "detach" if verb == "status" else "shutdown"]
+    assert json.loads(capsys.readouterr().out)["shards"] == []
+
+
 @pytest.mark.parametrize("prefect", [[], ["--no-prefect"]], ids=["prefect", "no-prefect"])
 def test_refit_of_a_missing_checkpoint_exits_2_naming_it_before_ray(prefect, tmp_path):
     """A mistyped checkpoint is refused before the command attaches to the cluster (which costs
