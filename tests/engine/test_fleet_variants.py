@@ -9,7 +9,7 @@ import pytest
 
 from nemo_gen import GenerationFleet
 from nemo_gen.errors import ShardUnavailableError
-from tests.helpers import wait_gone
+from tests.helpers import shutdown_all, wait_gone
 
 pytestmark = pytest.mark.engine
 
@@ -34,8 +34,7 @@ def async_and_train(ray_cluster, make_settings):
         )
         fleets = {"async": a.result(), "train": t.result()}
     yield fleets
-    for f in fleets.values():
-        f.shutdown()
+    shutdown_all(fleets.values())
 
 
 def test_async_engine_serves_many_requests_concurrently(async_and_train):

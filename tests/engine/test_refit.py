@@ -17,6 +17,7 @@ from nemo_gen import GenerationFleet
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.refit import RefitError
 from nemo_gen.tiny_model import make_tiny_model
+from tests.helpers import shutdown_all
 
 pytestmark = pytest.mark.engine
 
@@ -41,8 +42,7 @@ def fleets(ray_cluster, make_settings, model_b):
                                                                    model__path=str(model_b)))
         fleets = {"main": main.result(), "fresh_b": fresh.result()}
     yield fleets
-    for f in fleets.values():
-        f.shutdown()
+    shutdown_all(fleets.values())
 
 
 def greedy(fleet):
