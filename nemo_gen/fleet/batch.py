@@ -14,7 +14,7 @@ the completion outputs it reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from nemo_gen.core.results import GenerationRequest
 
@@ -29,6 +29,24 @@ def add_span(spans: list[list[Any]], version: int | None, count: int) -> None:
         spans.append([version, count])
 
 
+def sampled_by(version: int | None) -> Callable[[Any], list[tuple[Any, int]]]:
+    """``Track.observe``'s ``spans_of`` for a step's delta outputs: every new token from ``version``."""
+    return lambda comp: [(version, len(comp.token_ids))]
+
+
+@dataclass
+class Piece:
+    """Tokens one sample made in one stretch: a step's delta, a final output, or what a request
+    that a refit cuts had made so far. ``spans``: ([version, count] in generation order) over
+    ``token_ids``; ``logprobs``: vLLM's per-token entries (or None)."""
+
+    token_ids: list[int]
+    logprobs: Any
+    text: str
+    spans: list[tuple[Any, int]]
+    finish_reason: str | None
+
+
 @dataclass
 class SampleTrack:
     tokens: list[int] = field(default_factory=list)
@@ -37,16 +55,15 @@ class SampleTrack:
     spans: list[list[Any]] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def add(self, comp: Any, version: int | None) -> None:
-        """A delta completion output: its new tokens were sampled by ``version``."""
-        new = list(comp.token_ids)
-        add_span(self.spans, version, len(new))
-        self.tokens += new
-        if comp.logprobs:
-            self.logprobs += [float(lp[tok].logprob) for tok, lp in zip(new, comp.logprobs)]
-        self.text += comp.text or ""
-        if comp.finish_reason is not None:
-            self.finish_reason = comp.finish_reason
+    def add(self, piece: Piece) -> None:
+        for version, count in piece.spans:
+            add_span(self.spans, version, count)
+        self.tokens += piece.token_ids
+        if piece.logprobs:
+            self.logprobs += [float(lp[tok].logprob) for tok, lp in zip(piece.token_ids, piece.logprobs)]
+        self.text += piece.text
+        if piece.finish_reason is not None:
+            self.finish_reason = piece.finish_reason
 
     def as_dict(self) -> dict[str, Any]:
         return {"token_ids": self.tokens, "text": self.text, "logprobs": self.logprobs,
@@ -63,17 +80,24 @@ class Track:
     # None for the original request, whose outputs name their sample by index).
     parts: dict[str, tuple[str, int | None]] = field(default_factory=dict)
     result: dict[str, Any] | None = None
+    # Its engine requests report only their final outputs (an unstreamed batch): what a running
+    # part has made is in the engine's request state until then, not here.
+    final_only: bool = False
 
     @classmethod
-    def start(cls, req: GenerationRequest, params: Any, rid: str, internal_id: str) -> "Track":
+    def start(cls, req: GenerationRequest, params: Any, rid: str, internal_id: str,
+              final_only: bool = False) -> "Track":
         n = max(1, int(getattr(params, "n", 1) or 1))
-        return cls(req, params, params.max_tokens, [SampleTrack() for _ in range(n)], {rid: (internal_id, None)})
+        return cls(req, params, params.max_tokens, [SampleTrack() for _ in range(n)], {rid: (internal_id, None)},
+                   final_only=final_only)
 
-    def observe(self, rid: str, out: Any, version: int | None) -> bool:
-        """A delta output of part ``rid``; True when the whole request is finished."""
+    def observe(self, rid: str, out: Any, spans_of: Callable[[Any], list[tuple[Any, int]]]) -> bool:
+        """An output of part ``rid`` (a step's delta, or a final output); ``spans_of(completion)``:
+        its tokens' versions. True when the whole request is finished."""
         _, sample = self.parts[rid]
         for comp in out.outputs:
-            self.samples[comp.index if sample is None else sample].add(comp, version)
+            piece = Piece(list(comp.token_ids), comp.logprobs, comp.text or "", spans_of(comp), comp.finish_reason)
+            self.samples[comp.index if sample is None else sample].add(piece)
         if out.finished:
             del self.parts[rid]
             if not self.parts:
@@ -99,9 +123,21 @@ class Track:
                 s.finish_reason = "abort"
         return self._close()
 
-    def stale_tokens(self, current: int | None) -> int:
-        """The most tokens any sample has from a version other than ``current``."""
-        return max(sum(count for version, count in s.spans if version != current) for s in self.samples)
+    def absorb(self, pieces: dict[int, Piece]) -> None:
+        """What each running sample had made (``pieces`` by sample), read from the engine as a
+        cut stops its part: the part's final output never comes."""
+        for i, piece in pieces.items():
+            self.samples[i].add(piece)
+
+    def stale_tokens(self, current: int | None, pieces: dict[int, Piece] | None = None) -> int:
+        """The most tokens any sample has from a version other than ``current`` (with
+        ``pieces``: what running final-only parts have made so far, not yet absorbed)."""
+        pieces = pieces or {}
+
+        def stale(spans) -> int:
+            return sum(count for version, count in spans if version != current)
+
+        return max(stale(s.spans) + stale(pieces[i].spans if i in pieces else ()) for i, s in enumerate(self.samples))
 
     def finished_if_done(self) -> bool:
         """After a cut: close the result when no part is left to run."""

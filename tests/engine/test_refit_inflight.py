@@ -48,13 +48,22 @@ def fleets(ray_cluster, make_settings, model_b):
         f.shutdown()
 
 
-def generate_then_refit(fleet, source, mode):
+@pytest.fixture
+def fleet(fleets, tiny_model_dir):
+    """The fleet under test, back on the tiny model after each test whatever the test did (a
+    test that failed half-way must not hand the next one model B's weights as its "before")."""
+    yield fleets["main"]
+    fleets["main"].refit(str(tiny_model_dir))
+
+
+def generate_then_refit(fleet, source, mode, **sampling):
     """Start a long batch, refit once it is well under way; (results, refit report, when the
     refit returned, when the batch ended)."""
     done: dict = {}
+    sampling = {"temperature": 0, **sampling}
 
     def run():
-        done["results"] = fleet.generate(PROMPTS, temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+        done["results"] = fleet.generate(PROMPTS, max_new_tokens=TOKENS, ignore_eos=True, **sampling)
         done["at"] = time.monotonic()
 
     thread = threading.Thread(target=run)
@@ -81,18 +90,15 @@ def check_whole(results, report):
     assert [s.ok for s in report.shards] == [True]
 
 
-def test_drain_waits_for_the_batch_and_nothing_spans_two_versions(fleets, model_b, tiny_model_dir):
-    fleet = fleets["main"]
+def test_drain_waits_for_the_batch_and_nothing_spans_two_versions(fleet, model_b):
     before = fleet.weight_version
     results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "drain")
     check_whole(results, report)
     assert refit_at >= batch_at  # the load waited for the batch to finish
     assert {tuple(r.weight_versions) for r in results} == {((before, TOKENS),)}
-    fleet.refit(str(tiny_model_dir))  # back to the tiny model for the next test
 
 
-def test_keep_swaps_under_the_running_batch_and_results_span_both_versions(fleets, model_b, tiny_model_dir):
-    fleet = fleets["main"]
+def test_keep_swaps_under_the_running_batch_and_results_span_both_versions(fleet, model_b):
     before = fleet.weight_version
     results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
     check_whole(results, report)
@@ -101,11 +107,9 @@ def test_keep_swaps_under_the_running_batch_and_results_span_both_versions(fleet
     two = [r.weight_versions for r in results if len(r.weight_versions) == 2]
     assert two, [r.weight_versions for r in results]
     assert all(spans[0][0] == before and spans[1][0] == report.version for spans in two)
-    fleet.refit(str(tiny_model_dir))
 
 
-def test_abort_resumes_each_request_on_the_new_weights(fleets, model_b, tiny_model_dir):
-    fleet = fleets["main"]
+def test_abort_resumes_each_request_on_the_new_weights(fleet, model_b):
     before = fleet.weight_version
     results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "abort")
     check_whole(results, report)
@@ -113,11 +117,25 @@ def test_abort_resumes_each_request_on_the_new_weights(fleets, model_b, tiny_mod
     assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
     assert all(r.weight_versions[-1][0] == report.version for r in results)
     assert any(r.weight_versions[0][0] == before for r in results)  # some tokens came from before the cut
-    fleet.refit(str(tiny_model_dir))
 
 
-def test_abort_without_resume_returns_the_partial_results(fleets, model_b, tiny_model_dir):
-    fleet = fleets["main"]
+def test_abort_resumes_every_sample_of_a_group(fleet, model_b):
+    """A GRPO group (n samples of one prompt, vLLM's child requests) cut mid-batch: each sample
+    goes on from its own tokens and ends complete, its spans covering every token."""
+    before = fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "abort", n=2, temperature=1.0,
+                                                              seed=7)
+    check_whole(results, report)
+    assert refit_at < batch_at
+    samples = [s for r in results for s in r.samples]
+    assert len(samples) == 2 * len(PROMPTS)
+    assert all(len(s.token_ids) == TOKENS and s.finish_reason == "length" for s in samples)
+    assert all(sum(n for _, n in s.weight_versions) == TOKENS and s.weight_versions[-1][0] == report.version
+               for s in samples), [s.weight_versions for s in samples]
+    assert any(s.weight_versions[0][0] == before for s in samples)
+
+
+def test_abort_without_resume_returns_the_partial_results(fleet, model_b):
     fleet.settings.refit.resume_aborted = False
     try:
         results, report, _, _ = generate_then_refit(fleet, str(model_b), "abort")
@@ -126,14 +144,13 @@ def test_abort_without_resume_returns_the_partial_results(fleets, model_b, tiny_
     check_whole(results, report)
     cut = [r for r in results if r.finish_reason == "abort"]
     assert cut and all(0 < len(r.token_ids) < TOKENS for r in cut)
-    fleet.refit(str(tiny_model_dir))
 
 
-def test_keep_past_max_staleness_resumes_each_request_on_fresh_kv(fleets, model_b, tiny_model_dir):
+def test_keep_past_max_staleness_resumes_each_request_on_fresh_kv(fleet, fleets, model_b):
     """refit.max_staleness 0: every running request has tokens from the old weights, so each is
     cut and resumed: its tokens after the cut are what a fresh engine on the new weights makes
     from its prompt and the tokens it had (its prefix re-computed, not kept as in plain keep)."""
-    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    fresh = fleets["fresh_b"]
     before = fleet.weight_version
     fleet.settings.refit.max_staleness = 0
     try:
@@ -150,11 +167,10 @@ def test_keep_past_max_staleness_resumes_each_request_on_fresh_kv(fleets, model_
     check = 16  # greedy continuations agree on their first tokens; the test needs no more
     reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
     assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
-    fleet.refit(str(tiny_model_dir))
 
 
-def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleets, model_b):
-    fleet, fresh = fleets["main"], fleets["fresh_b"]
+def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleet, fleets, model_b):
+    fresh = fleets["fresh_b"]
     # Prompts of several KV blocks (the CPU backend's blocks are 128 tokens): their prefix is cached.
     long = [" ".join([p] * 8) for p in PROMPTS[:2]]
     probe = fleet.generate(long, max_new_tokens=1)

@@ -16,7 +16,7 @@ from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.errors import RequestError, ShardDiedError
-from nemo_gen.fleet.batch import Track
+from nemo_gen.fleet.batch import Track, sampled_by
 from nemo_gen.fleet.streaming import Cursor, merge, span_slice
 from tests import helpers
 from tests.fakes import fake_fleet
@@ -182,18 +182,43 @@ def test_a_cursor_cuts_what_came_since_its_last_call_with_the_versions_that_made
     req = GenerationRequest(index=0, prompt_token_ids=[1, 2])
     track = Track.start(req, SimpleNamespace(n=2, max_tokens=4), "r", "i")
     cursor = Cursor(track)
-    track.observe("r", SimpleNamespace(outputs=[_comp(0, [5, 6], "ab")], finished=False), 0)
+    track.observe("r", SimpleNamespace(outputs=[_comp(0, [5, 6], "ab")], finished=False), sampled_by(0))
     assert cursor.deltas() == [{"sample": 0, "token_ids": [5, 6], "text": "ab", "logprobs": [],
                                 "weight_versions": [[0, 2]], "finish_reason": None}]
     assert cursor.deltas() == []  # nothing new
-    track.observe("r", SimpleNamespace(outputs=[_comp(0, [7], "c"), _comp(1, [8], "d")], finished=False), 1)
+    track.observe("r", SimpleNamespace(outputs=[_comp(0, [7], "c"), _comp(1, [8], "d")], finished=False),
+                  sampled_by(1))
     assert [(d["sample"], d["token_ids"], d["weight_versions"]) for d in cursor.deltas()] == [
         (0, [7], [[1, 1]]), (1, [8], [[1, 1]])]
     track.observe("r", SimpleNamespace(outputs=[_comp(0, [9], "e", "length"), _comp(1, [], "", "stop")],
-                                       finished=True), 1)
+                                       finished=True), sampled_by(1))
     assert [(d["sample"], d["token_ids"], d["finish_reason"]) for d in cursor.deltas()] == [
         (0, [9], "length"), (1, [], "stop")]
     assert cursor.deltas() == []
+
+
+def test_a_final_only_track_is_cut_from_what_the_engine_holds_and_resumed_from_it():
+    """An unstreamed batch's request reports only its final output: a cut reads what each sample
+    had made (``Piece``s, as vLLM's request state holds them), judges staleness on it, and the
+    continuations start from it; the continuation's final output completes the sample."""
+    from nemo_gen.fleet.batch import Piece
+
+    req = GenerationRequest(index=3, prompt_token_ids=[1, 2])
+    track = Track.start(req, SimpleNamespace(n=2, max_tokens=5), "r", "i", final_only=True)
+    pieces = {0: Piece([5, 6, 7], None, "abc", [(0, 2), (1, 1)], None),
+              1: Piece([8, 9, 4, 4, 4], None, "dexxx", [(0, 5)], "length")}  # sample 1 finished
+    assert track.stale_tokens(1) == 0  # nothing absorbed yet: the track alone knows of no token
+    assert track.stale_tokens(1, pieces) == 5
+    track.absorb(pieces)
+    assert track.cut() == [(0, [1, 2, 5, 6, 7], 2)]  # only the unfinished sample goes on
+    track.parts["c"] = ("ci", 0)
+    done = track.observe("c", SimpleNamespace(outputs=[_comp(0, [3, 3], "yy", "length")], finished=True),
+                         lambda comp: [(1, 2)])
+    assert done and track.result["index"] == 3
+    first, second = track.result["samples"]
+    assert first["token_ids"] == [5, 6, 7, 3, 3] and first["text"] == "abcyy"
+    assert first["weight_versions"] == [(0, 2), (1, 3)] and first["finish_reason"] == "length"
+    assert second["token_ids"] == [8, 9, 4, 4, 4] and second["weight_versions"] == [(0, 5)]
 
 
 def test_merging_deltas_joins_each_samples_tokens_and_spans_in_order():
