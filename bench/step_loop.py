@@ -1,0 +1,78 @@
+"""Where a CPU fleet's generation time goes, side by side in one run on one shard's engine:
+``fleet.generate`` (router, Ray, the shard actor), the actor's ``generate`` called straight,
+and inside the actor (``gpu_bench.in_actor_throughput``): nemo_gen's step loop on final outputs
+(a batch), the same loop with every step's outputs (as a stream runs), and vLLM's own
+``LLM.generate`` on the same engine. Printed: seconds of each (best of ``--rounds``, the arms
+interleaved) and each in-actor loop as a ratio of ``LLM.generate`` (target for the batch loop:
+<= 1.05). The GPU benchmark (``bench/gpu_bench.py``) measures the same on a CUDA engine.
+
+Run: ``.venv/bin/python bench/step_loop.py [--prompts 256] [--tokens 64] [--rounds 3] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    import ray
+
+    from gpu_bench import in_actor_throughput
+    from nemo_gen import GenerationFleet
+    from nemo_gen.core.results import GenerationRequest
+    from nemo_gen.settings import NemoGenSettings
+    from nemo_gen.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-steploop-"))
+    settings = NemoGenSettings.load(overrides={
+        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": "bench-steploop",
+        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
+    prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    resolved = {"max_new_tokens": args.tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
+    requests = [GenerationRequest(index=i, prompt_token_ids=q) for i, q in enumerate(prompts)]
+    fleet = GenerationFleet.launch(settings)
+    best: dict[str, float] = {}
+    try:
+        fleet.generate(prompts[:8], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)  # warm
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            fleet.generate(prompts, temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
+            times = {"fleet_generate": time.perf_counter() - t}
+            t = time.perf_counter()
+            ray.get(fleet.shards[0].actor.generate.remote(requests, resolved), timeout=600)
+            times["actor_call"] = time.perf_counter() - t
+            times.update({k: v["seconds"] for k, v in in_actor_throughput(fleet.shards[0], prompts, args.tokens, 1).items()})
+            for k, v in times.items():
+                best[k] = min(best.get(k, v), v)
+    finally:
+        fleet.shutdown()
+    ratios = {k: best[k] / best["llm_generate"] for k in ("step_loop", "step_loop_per_step")}
+    for k, v in best.items():
+        print(f"{k:<20}{v:8.3f} s" + (f"   {ratios[k]:.2f}x LLM.generate" if k in ratios else ""))
+    print(f"\nbatch step loop / LLM.generate: {ratios['step_loop']:.2f} (target <= 1.05); "
+          f"per-step loop {ratios['step_loop_per_step']:.2f}; load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"prompts": args.prompts, "tokens": args.tokens, "rounds": args.rounds,
+                                         "best_s": best, "over_llm_generate": ratios,
+                                         "load_average": os.getloadavg()[0]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
