@@ -434,26 +434,22 @@ class Engine:
         sample, as vLLM's output processor holds it (the step thread is parked): a running
         engine request's state, or — one of ``n`` samples that finished — its final output,
         waiting in the parent request for its siblings."""
-        states = self._llm.llm_engine.output_processor.request_states
+        processor = self._llm.llm_engine.output_processor
         pieces: dict[int, Piece] = {}
         for internal, sample in track.parts.values():
-            # n > 1: vLLM runs child requests "{i}_{parent id}"; a continuation is one sample.
-            children = [internal] if sample is not None or len(track.samples) == 1 else \
-                [f"{i}_{internal}" for i in range(len(track.samples))]
-            parent = None
+            # n > 1: vLLM runs the samples as child requests "{i}_{parent id}" (ParentRequest).
+            parent = processor.parent_requests.get(internal) if sample is None else None
+            children = [internal] if parent is None else [f"{i}_{internal}" for i in range(parent.n)]
             for i, child in enumerate(children):
-                state = states.get(child)
-                if state is None:
-                    continue
-                parent = parent or state.parent_req
-                detok = state.detokenizer
-                pieces[i if sample is None else sample] = Piece(
-                    list(detok.output_token_ids), state.logprobs_processor.logprobs,
-                    detok.get_next_output_text(True, False), self._state_spans(state), None)
-            for i, done in enumerate(parent.output_aggregator if parent is not None else ()):
-                if done is not None and i not in pieces:
-                    pieces[i] = Piece(list(done.token_ids), done.logprobs, done.text or "",
-                                      self._label_spans(done), done.finish_reason)
+                state, at = processor.request_states.get(child), i if sample is None else sample
+                if state is not None:
+                    detok = state.detokenizer
+                    pieces[at] = Piece(list(detok.output_token_ids), state.logprobs_processor.logprobs,
+                                       detok.get_next_output_text(True, False), self._state_spans(state), None)
+                elif parent is not None and parent.output_aggregator and parent.output_aggregator[i] is not None:
+                    done = parent.output_aggregator[i]
+                    pieces[at] = Piece(list(done.token_ids), done.logprobs, done.text or "", self._label_spans(done),
+                                       done.finish_reason)
         return pieces
 
     def _label_spans(self, comp: Any) -> list[tuple[int | None, int]]:
