@@ -1,6 +1,7 @@
 """One request of a batch as the sync engine's step loop follows it: for each of its ``n``
-samples, the tokens so far and the weight version each was sampled under, and the continuations
-a refit turns it into.
+samples, the tokens it has been told of (``Piece``s: every step's for a stream; for a batch, the
+final output, or what a cut read from the engine) with the weight version each was sampled
+under, and the continuations a refit turns it into.
 
 The engine runs a request as one vLLM request (n samples share one prefill). A refit that lands
 while it runs (``refit.in_flight``: ``keep`` past ``refit.max_staleness``, or ``abort``) may cut
