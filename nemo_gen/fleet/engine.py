@@ -90,7 +90,6 @@ class Engine:
         # outputs for it: the core starts as "default"; ``version =`` sends it a new one.
         self._version = version
         self._labels: dict[str, int | None] = {"default": version}
-        self._label_sent: concurrent.futures.Future | None = None
         self._step_label: str | None = None  # the label of the outputs the step thread got last
         self._pause: concurrent.futures.Future | None = None  # a swap's pause, until its resume
         self._lock = asyncio.Lock()  # the sync LLM is not re-entrant
@@ -197,9 +196,17 @@ class Engine:
         step after this one is counted under ``version``, however the step thread is placed."""
         self._version = version
         if not self.async_engine:
-            label = repr(version)
-            self._labels[label] = version
-            self._label_sent = self._send_utility("set_weight_version", label)
+            self._send_label(version)
+
+    def _send_label(self, version: int | None) -> concurrent.futures.Future:
+        """Tell the engine core to label later steps' outputs with ``version``."""
+        label = repr(version)
+        self._labels[label] = version
+        return self._send_utility("set_weight_version", label)
+
+    def _version_of(self, label: str | None) -> int | None:
+        """The version an output label stands for (no label: the engine's current version)."""
+        return self._labels.get(label, self._version)
 
     @property
     def _salt(self) -> str:
@@ -379,8 +386,8 @@ class Engine:
                 if self._generating:
                     self._cut(version, mode, resume_aborted, max_staleness)
             if version is not None:
-                self.version = version
-                pending.append(self._label_sent)
+                self._version = version
+                pending.append(self._send_label(version))
             pending.append(self._send_utility("resume_scheduler"))
             if self._generating:  # after a cut the step thread may wait for output no request makes
                 self._llm.llm_engine.engine_core.outputs_queue.put_nowait(_wake())
@@ -457,7 +464,7 @@ class Engine:
         labels (``version``)."""
         if comp.weight_versions is None:
             return [(self._version, len(comp.token_ids))]
-        return [(self._labels.get(s.version, self._version), s.end - s.start) for s in comp.weight_versions]
+        return [(self._version_of(s.version), s.end - s.start) for s in comp.weight_versions]
 
     def _state_spans(self, state: Any) -> list[tuple[int | None, int]]:
         """The same for a running request, from its state's version starts."""
@@ -465,7 +472,7 @@ class Engine:
         if not starts:
             return [(self._version, made)] if made else []
         ends = [start for _, start in starts[1:]] + [made]
-        return [(self._labels.get(label, self._version), end - start) for (label, start), end in zip(starts, ends)]
+        return [(self._version_of(label), end - start) for (label, start), end in zip(starts, ends)]
 
     def _running(self) -> list[Track]:
         """The running batch's requests (a request may be several engine requests after a cut)."""
@@ -584,7 +591,7 @@ class Engine:
                 self._tracks = {}
                 break
             outputs = engine.step()
-            step = sampled_by(self._labels.get(self._step_label, self._version))
+            step = sampled_by(self._version_of(self._step_label))
             for out in outputs:
                 track = self._tracks.get(out.request_id)
                 if track is None:
