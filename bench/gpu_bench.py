@@ -210,23 +210,27 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
     final outputs, versions from the engine core's labels, results as dicts); ``step_loop_per_step``
     the same with every step's outputs (what a stream gets); ``llm_generate`` is
     vLLM's own ``LLM.generate`` on the same engine (final outputs only), the same sampling as the
-    bare run. Best of ``runs`` each. Benchmark use only: it blocks the actor while it runs."""
+    bare run. Best of ``runs`` each. Benchmark use only: it blocks the actor while it runs.
+    Beside them, ``actor_call``: the shard actor's own ``generate`` called straight from the
+    driver (no router), its wall there and the seconds the actor reports."""
     import ray
 
-    def fn(actor, prompts, tokens, runs):
+    from nemo_gen.core.results import GenerationRequest
+
+    resolved = {"max_new_tokens": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
+    requests = [GenerationRequest(index=i, prompt_token_ids=p) for i, p in enumerate(prompts)]
+
+    def fn(actor, prompts, requests, resolved, runs):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from nemo_gen.core.results import GenerationRequest
         from nemo_gen.fleet.engine import sampling_params
 
         engine = actor.engine
-        resolved = {"max_new_tokens": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
-        vllm_params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+        vllm_params = SamplingParams(temperature=0.0, max_tokens=resolved["max_new_tokens"], ignore_eos=True, logprobs=0)
 
         def step_loop(per_step=None):
-            reqs = [GenerationRequest(index=i, prompt_token_ids=p) for i, p in enumerate(prompts)]
-            results = engine._generate_sync(reqs, sampling_params(resolved), per_step)
+            results = engine._generate_sync(requests, sampling_params(resolved), per_step)
             return sum(len(r["token_ids"]) for r in results)
 
         def llm_generate():
@@ -246,7 +250,14 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
                 best[name] = min(best.get(name, (took, n)), (took, n))
         return {name: {"seconds": sec, "tokens": n, "tokens_per_s": n / sec} for name, (sec, n) in best.items()}
 
-    return ray.get(handle.actor.__ray_call__.remote(fn, prompts, tokens, runs), timeout=600)
+    res = ray.get(handle.actor.__ray_call__.remote(fn, prompts, requests, resolved, runs), timeout=600)
+    calls = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        answer = ray.get(handle.actor.generate.remote(requests, resolved), timeout=600)
+        calls.append({"driver_wall_s": time.perf_counter() - t, "actor_s": answer["seconds"]})
+    res["actor_call"] = min(calls, key=lambda c: c["driver_wall_s"])
+    return res
 
 
 def call_worker(handle, method: str, *args):
@@ -440,21 +451,7 @@ def main() -> None:
 
     @step("throughput_breakdown", out, args.deadline_s, 40)
     def _():
-        import ray
-
-        from nemo_gen.core.results import GenerationRequest
-
         res = in_actor_throughput(fleet.shards[0], tok_prompts, args.tokens)
-        # The shard actor's own generate, called straight (no router): its wall on the driver
-        # against the seconds the actor reports (engine.generate: the batch on its worker thread).
-        resolved = {"max_new_tokens": args.tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
-        reqs = [GenerationRequest(index=i, prompt_token_ids=p) for i, p in enumerate(tok_prompts)]
-        calls = []
-        for _ in range(2):
-            t = time.perf_counter()
-            answer = ray.get(fleet.shards[0].actor.generate.remote(reqs, resolved), timeout=600)
-            calls.append({"driver_wall_s": time.perf_counter() - t, "actor_s": answer["seconds"]})
-        res["actor_call"] = min(calls, key=lambda c: c["driver_wall_s"])
         if state.get("fleet_tps"):
             fleet_s = state["fleet_tps"]["seconds"]
             res["fleet_generate_s"] = fleet_s
