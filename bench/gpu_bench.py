@@ -389,11 +389,14 @@ def main() -> None:
                     engine.send_weights()
                     wall = time.perf_counter() - t
                     steps.undo()
+                    t = time.perf_counter()  # the sender's own share: the same call send_weights made first
+                    engine.sender.update_info(iter(engine.source))
+                    sender_s = time.perf_counter() - t
                     stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
                     rounds.append({"wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
                                    "loaders_s": stats.get("load_s"), "transfer_s": stats.get("transfer_s"),
                                    "prepare_s": stats.get("prepare_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
-                                   "path": stats["path"], "ok": client.report.ok,
+                                   "path": stats["path"], "ok": client.report.ok, "sender_s": sender_s,
                                    # one-call only: seconds in the shard actor / its RPC into the engine / the worker
                                    "shard_s": next(iter(client.timings.values()), None)})
                 res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])

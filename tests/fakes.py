@@ -21,10 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures,
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from nemo_gen.core.refit import needs_whole
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.batch import add_span
 from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify
-from nemo_gen.fleet.shard import ShardHandle, ShardSpec
+from nemo_gen.fleet.shard import LAYOUT_UNKNOWN, ShardHandle, ShardSpec
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
 
@@ -45,6 +46,7 @@ class FakeShard:
     stopped: bool = False
     refuse_refit: str | None = None  # a data failure while reading the staged weights
     fail_load: str | None = None  # a failure while loading them
+    layout: Any = None  # the layout number of the last weight-sync update it loaded
     generated: int = 0  # requests served
     streams: list["FakeStream"] = field(default_factory=list)  # every stream it was asked for
     watchers: list[Future] = field(default_factory=list)
@@ -206,12 +208,21 @@ class FakeDriver:
         if method == "load_refit":
             self._load(shard, args[3])
             return 0.001
-        if method == "weight_sync":
+        if method == "weight_sync":  # the shard actor's rules (nemo_gen.fleet.shard.ShardActor.weight_sync)
             step, payload = args[0], args[1]
-            if step == "finish":
+            update = payload["update"] if step == "apply" else payload if step == "update" else None
+            if isinstance(update, dict) and needs_whole(update, shard.layout):
+                return {LAYOUT_UNKNOWN: True}
+            if step in ("init", "shutdown"):
+                shard.layout = None
+            elif step == "finish":
                 shard.weight_version = payload
             elif step == "apply":
+                shard.layout = None
                 self._load(shard, payload["version"])
+                shard.layout = update.get("layout")
+            elif step == "update":
+                shard.layout = update.get("layout")
             return None
         raise AssertionError(f"the fake shard has no {method!r}")
 

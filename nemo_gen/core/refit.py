@@ -258,6 +258,24 @@ def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | N
     return metas
 
 
+def layout_only(update_info: Mapping) -> dict | None:
+    """The short form of a layout-numbered update (nemo_gen_ipc's): its layout number alone,
+    for an engine that opened that layout with the last update it loaded. A trainer that
+    refits the same tensors sends the same layout every time, and the whole form is ~300 bytes
+    a tensor (135 KB for 450: over Ray's inline limit, and copied twice more on its way into
+    the workers). None: the update has no layout number and always travels whole."""
+    layout = update_info.get("layout")
+    if layout is None or update_info.get("layout_only"):
+        return None
+    return {"layout": layout, "layout_only": True}
+
+
+def needs_whole(update_info: Mapping, held_layout: object) -> bool:
+    """An engine whose workers loaded ``held_layout`` last cannot take ``update_info``: it is
+    a layout's short form, and not of that layout (the sender must send it whole)."""
+    return bool(update_info.get("layout_only")) and update_info.get("layout") != held_layout
+
+
 def nccl_rank_offsets(workers_per_engine: Sequence[int], first: int = 1) -> list[int]:
     """NCCL ranks of each engine's first worker when one trainer rank (0) broadcasts to several
     independent engines: vLLM numbers an engine's workers from the ``rank_offset`` it is given,

@@ -15,7 +15,12 @@ from typing import Any
 import ray
 from ray.util import get_node_ip_address
 
+from nemo_gen.core.refit import needs_whole
 from nemo_gen.core.results import GenerationRequest
+
+# A weight-sync answer: the update was a layout's short form, and this engine's workers do not
+# hold that layout's views; nothing was touched, the client sends the whole update.
+LAYOUT_UNKNOWN = "layout_unknown"
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class ShardActor:
         self._engine_pids: list[int] = []
         self._sync_was: tuple[int | None, str | None] = (weight_version, None)  # before a weight-sync start
         self._sync_in_flight: dict[str, Any] = {}  # the in-flight settings of that session
+        self._layout: Any = None  # the layout number of the last update its workers loaded (nemo_gen_ipc)
 
     async def start(self) -> dict[str, Any]:
         import asyncio
@@ -258,21 +264,29 @@ class ShardActor:
         ``finish`` stamps ``payload`` as the version; ``abort`` ends the workers' session and
         restores the old version only when ``payload`` says nothing was loaded. ``apply``: a
         whole one-chunk update in one call (``payload``: ``in_flight``, ``update``, ``target``,
-        ``version``) — start, the chunk and finish in one RPC into the engine."""
+        ``version``) — start, the chunk and finish in one RPC into the engine. A chunk in its
+        short form (``layout_only``: nemo_gen_ipc's layout number alone) for a layout the
+        workers did not load last is answered ``{LAYOUT_UNKNOWN: True}``, nothing touched."""
         rpc = {"init": "init_weight_transfer_engine", "start": "start_weight_update",
                "start_draft": "start_draft_weight_update", "update": "update_weights",
                "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
+        update = payload["update"] if step == "apply" else payload if step == "update" else None
+        if isinstance(update, dict) and needs_whole(update, self._layout):
+            return {LAYOUT_UNKNOWN: True}
+        if step in ("init", "shutdown"):
+            self._layout = None  # a new transfer engine, or none: no views are open
         if step == "apply":
             t0 = time.perf_counter()
             await self._begin_sync(payload["in_flight"])
             try:
                 t1 = time.perf_counter()
-                workers = await self.engine.rpc("nemo_gen_weight_update", payload["update"], payload["target"],
-                                                timeout=timeout_s)
+                workers = await self.engine.rpc("nemo_gen_weight_update", update, payload["target"], timeout=timeout_s)
                 t2 = time.perf_counter()
             except BaseException as exc:
+                self._layout = None
                 await self._end_sync(None, failed=f"the weight update failed while loading: {exc}")
                 raise
+            self._layout = update.get("layout")
             self.weight_version = payload["version"]
             await self._end_sync(payload["version"])
             return {"actor_s": time.perf_counter() - t0, "engine_rpc_s": t2 - t1, "worker_s": max(workers)}
@@ -301,6 +315,10 @@ class ShardActor:
                 raise
             self.weight_version = payload
             await self._end_sync(payload)
+        elif step == "update":
+            self._layout = None
+            await self.engine.rpc(rpc[step], update, timeout=timeout_s)
+            self._layout = update.get("layout") if isinstance(update, dict) else None
         elif step in rpc:
             await self.engine.rpc(rpc[step], *(() if payload is None else (payload,)), timeout=timeout_s)
         else:

@@ -38,11 +38,12 @@ from nemo_gen.core.refit import (
     TensorMeta,
     check_manifest,
     chunk_metas,
+    layout_only,
     next_version,
     nccl_rank_offsets,
 )
 from nemo_gen.fleet.refit import Refitter, metas_of
-from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.fleet.shard import LAYOUT_UNKNOWN, ShardHandle
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class FleetWeightSyncClient:
         self._checked: tuple | None = None  # the last whole chunk that passed: (info, layout, manifest, seen, bytes)
         self._init_info: dict[str, Any] | None = None  # the trainer's, once it set the backend up
         self._attached: set[str] = set()  # actor names the backend is set up on
+        # actor name -> the layout number of the last update it loaded: it is sent that layout's
+        # short form (``layout_only``) next time
+        self._layouts: dict[str, Any] = {}
         self._driver = refitter.driver
         self._session: _Session | None = None
 
@@ -137,6 +141,7 @@ class FleetWeightSyncClient:
         answers = self._driver.fan_out(members, "weight_sync", {k: ("init", per_shard[k], timeout) for k in members},
                                        _INIT_MARGIN_S)
         for key, answer in answers.items():
+            self._layouts.pop(members[key].name, None)  # a new transfer engine holds no layout
             if answer.ok:
                 self._attached.add(members[key].name)
         return {k: a.error for k, a in answers.items() if not a.ok}
@@ -145,7 +150,7 @@ class FleetWeightSyncClient:
         timeout = self._driver.timeouts.refit_s
         errors = {k: a.error for k, a in self._driver.fan_out(
             self._members(), "weight_sync", ("shutdown", None, timeout), _STEP_MARGIN_S).items() if not a.ok}
-        self._attached, self._init_info = set(), None
+        self._attached, self._init_info, self._layouts = set(), None, {}
         if errors:
             raise RefitError(f"weight transfer could not be shut down: {self._errors(errors)}")
 
@@ -203,9 +208,8 @@ class FleetWeightSyncClient:
             self._check_whole(session, update_info)
             session.chunks = 1
             version = self._final_version(session, weight_version)
-            payload = {"in_flight": self.in_flight, "update": update_info, "target": target, "version": version}
-            answers = self._driver.fan_out(session.handles, "weight_sync", ("apply", payload, self._driver.timeouts.refit_s),
-                                           _UPDATE_MARGIN_S)
+            answers = self._send(session, "apply", update_info, lambda update: {
+                "in_flight": self.in_flight, "update": update, "target": target, "version": version})
             for key, answer in answers.items():
                 if answer.ok:
                     self.timings[key.label] = answer.value
@@ -248,8 +252,9 @@ class FleetWeightSyncClient:
             self._abort(restore=not loaded, reason="a later chunk was refused" if loaded else None)
             raise
         session.chunks += 1
-        for key, error in self._fan_out(session, "update", update_info).items():
-            session.failed[key] = f"refit to version {session.version} failed: {error}"
+        for key, answer in self._send(session, "update", update_info, lambda update: update).items():
+            if not answer.ok:
+                session.failed[key] = f"refit to version {session.version} failed: {answer.error}"
 
     def finish_weight_update(self, weight_version: str | int | None = None) -> RefitReport:
         session = self._require_session()
@@ -356,6 +361,33 @@ class FleetWeightSyncClient:
         if not missing:
             return None
         return f"{len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+
+    def _send(self, session: _Session, step: str, update_info: dict[str, Any],
+              payload: Callable[[dict[str, Any]], Any]) -> dict[Member, Any]:
+        """Fan one chunk out (``step``: "apply" or "update"; ``payload`` wraps the update for
+        it) to the session's shards still in the update; key -> Outcome. A shard whose last
+        loaded update had this layout is sent the layout's short form. One that does not hold it
+        after all (another client refit it since) answers so before touching anything, and is
+        sent the whole update."""
+        handles = {k: h for k, h in session.handles.items() if k not in session.failed}
+        short = layout_only(update_info)
+        timeout = self._driver.timeouts.refit_s
+
+        def args(key: Member, whole: bool = False) -> tuple:
+            held = not whole and short is not None and self._layouts.get(handles[key].name) == short["layout"]
+            return step, payload(short if held else update_info), timeout
+
+        answers = self._driver.fan_out(handles, "weight_sync", {k: args(k) for k in handles}, _UPDATE_MARGIN_S)
+        again = {k: handles[k] for k, a in answers.items() if a.ok and isinstance(a.value, dict) and a.value.get(LAYOUT_UNKNOWN)}
+        if again:
+            answers.update(self._driver.fan_out(again, "weight_sync", {k: args(k, whole=True) for k in again},
+                                                _UPDATE_MARGIN_S))
+        for key, answer in answers.items():
+            if answer.ok and short is not None:
+                self._layouts[handles[key].name] = short["layout"]
+            else:  # its workers' views are unknown now: the next update goes whole
+                self._layouts.pop(handles[key].name, None)
+        return answers
 
     def _fan_out(self, session: _Session, step: str, payload: Any, only: dict | None = None) -> dict[Any, str]:
         """Run one protocol step on the session's shards at once; returns key -> error."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import secrets
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -29,6 +30,13 @@ import torch
 from nemo_gen.refit.views import typed_view
 
 _serials = itertools.count(1)
+# Layout numbers and storage keys name things across processes (an engine may take weights from
+# several trainers in turn): this process's token makes them unique beyond one counter.
+_TOKEN = secrets.token_hex(6)
+
+
+def _serial() -> str:
+    return f"{_TOKEN}-{next(_serials)}"
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,7 @@ class IpcSender:
         live = {}
         for ptr, view in storages.items():
             if ptr not in self._exports or self._exports[ptr][1].numel() != view.numel():
-                self._exports[ptr] = (f"{next(_serials)}-{ptr:x}", view, reduce_tensor(view)[1])
+                self._exports[ptr] = (f"{_serial()}-{ptr:x}", view, reduce_tensor(view)[1])
             key, _, args = self._exports[ptr]
             live[key] = {uuid: args}
         names, shapes, dtypes, keys, offsets = [], [], [], [], []
@@ -115,7 +123,7 @@ class IpcSender:
         # Pickled once per layout: every refit carries the handles (an engine that joined late
         # needs them), but as one opaque blob that costs a copy, not a pickling of each handle.
         return {"names": names, "shapes": shapes, "dtype_names": dtypes, "storages": keys, "offsets": offsets,
-                "handles": pickle.dumps(live), "layout": next(_serials)}
+                "handles": pickle.dumps(live), "layout": _serial()}
 
     def close(self) -> None:
         self._exports.clear()
@@ -127,7 +135,8 @@ class IpcReceiver:
     """Engine side: opens each exported storage once (kept across refits, dropped when the
     trainer no longer lists it) and returns (name, view) pairs in place — no copy until the
     model's loaders copy into their parameters. Views are kept per layout: a refit with the
-    layout of the last one costs no work here."""
+    layout of the last one costs no work here, and may name that layout alone (``layout_only``,
+    what a nemo_gen fleet's client sends an engine that loaded it last)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -136,7 +145,13 @@ class IpcReceiver:
 
     def tensors(self, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
         layout = info.get("layout")
-        if layout is None or self._views is None or self._views[0] != layout:
+        held = None if self._views is None else self._views[0]
+        if info.get("layout_only"):
+            if layout is None or held != layout:
+                raise ValueError(f"nemo_gen_ipc: an update names layout {layout!r} alone, but this engine holds "
+                                 f"{held!r}: send the whole update info")
+            return self._views[1]
+        if layout is None or held != layout:
             self._views = (layout, self._open(info))
         return self._views[1]
 

@@ -154,15 +154,17 @@ class CudaIpcInitInfo(WeightTransferInitInfo):
 @dataclass
 class CudaIpcUpdateInfo(WeightTransferUpdateInfo):
     """``IpcSender.update_info``: per tensor its name, shape, dtype, storage key and offset; the
-    IPC handle of every storage, per trainer GPU UUID; a layout number (same layout, same views)."""
+    IPC handle of every storage, per trainer GPU UUID; a layout name (same layout, same views).
+    ``layout_only``: the short form, the layout alone, for an engine that loaded it last."""
 
-    names: list[str]
-    shapes: list[list[int]]
-    dtype_names: list[str]
-    storages: list[str]
-    offsets: list[int]
-    handles: bytes  # pickled {storage key: {GPU UUID: rebuild args}}
-    layout: int = 0
+    names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    storages: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    handles: bytes = b""  # pickled {storage key: {GPU UUID: rebuild args}}
+    layout: str | None = None
+    layout_only: bool = False
 
     def __post_init__(self):
         n = len(self.names)

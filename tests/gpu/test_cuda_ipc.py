@@ -71,6 +71,7 @@ def sums(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def test_engine_loads_the_trainers_tensors_in_place_and_handles_are_shared_once(engine_proc):
+    from nemo_gen.core.refit import layout_only
     from nemo_gen.refit.cuda_ipc import IpcSender
 
     policy, flat = make_policy(0), torch.randn(4096, device="cuda")
@@ -96,6 +97,16 @@ def test_engine_loads_the_trainers_tensors_in_place_and_handles_are_shared_once(
     got = engine_proc.recv()
     assert got["sums"] == pytest.approx(sums(named(policy, flat)), rel=1e-6) and got["mapped"] == 8
 
+    # The short form of the layout the engine loaded last (what a fleet's client sends it): the
+    # same views, so the next in-place step is read through them.
+    with torch.no_grad():
+        flat.mul_(3.0)
+    assert sender.update_info(named(policy, flat)) is again  # (it refreshes the transposed view's copy)
+    engine_proc.send(layout_only(again))
+    got = engine_proc.recv()
+    assert got.get("error") is None, got
+    assert got["sums"] == pytest.approx(sums(named(policy, flat)), rel=1e-6) and got["mapped"] == 8
+
     # A parameter replaced by a new tensor: exported under a new key; the old one is let go on both sides.
     old_key = again["storages"][0]
     policy[0].weight = torch.nn.Parameter(torch.ones_like(policy[0].weight))
@@ -105,6 +116,11 @@ def test_engine_loads_the_trainers_tensors_in_place_and_handles_are_shared_once(
     engine_proc.send(third)
     got = engine_proc.recv()
     assert got["sums"]["0.weight"] == pytest.approx(float(policy[0].weight.numel())) and got["mapped"] == 8
+
+    # The short form of a layout the engine no longer holds is refused, not read through stale views.
+    engine_proc.send(layout_only(info))
+    got = engine_proc.recv()
+    assert "alone, but this engine holds" in got["error"] and "send the whole update info" in got["error"]
     sender.close()
 
 

@@ -123,3 +123,50 @@ def test_the_same_update_info_is_checked_once_per_layout(settings, driver):
         with pytest.raises(RefitError, match=r"w: shape \[3, 4\]"):
             client.apply_weight_update(info)
         assert fleet.weight_version == 2
+
+
+IPC_INFO = {"names": ["w", "b"], "shapes": [[4, 4], [4]], "dtype_names": ["float32"] * 2, "handles": b"h" * 64,
+            "layout": "a-1"}
+
+
+def updates_sent(driver) -> list[dict]:
+    return [args[1]["update"] if args[0] == "apply" else args[1]
+            for _, method, args in driver.remote_calls if method == "weight_sync" and args[0] in ("apply", "update")]
+
+
+@pytest.mark.parametrize("send", [lambda c, chunk: c.apply_weight_update(chunk), three_steps],
+                         ids=["one call", "three steps"])
+def test_a_shard_that_loaded_a_layout_last_is_sent_its_number_alone(settings, driver, send):
+    """nemo_gen_ipc's update of an unchanged layout is the same places and handles every refit:
+    after a shard loaded it once, each refit sends it the layout's short form."""
+    with fake_fleet(settings(), driver) as fleet:
+        client = fleet.weight_sync_client()
+        driver.remote_calls.clear()
+        send(client, IPC_INFO)
+        assert updates_sent(driver) == [IPC_INFO, IPC_INFO]
+        driver.remote_calls.clear()
+        report = send(client, IPC_INFO)
+        assert updates_sent(driver) == [{"layout": "a-1", "layout_only": True}] * 2
+        assert report.ok and report.version == 2 == fleet.weight_version and (report.tensors, report.bytes) == (2, 80)
+        assert {driver.shard(h).weight_version for h in fleet.shards} == {2}
+        driver.remote_calls.clear()
+        send(client, {**IPC_INFO, "layout": "a-2"})  # a new layout goes whole
+        assert updates_sent(driver) == [{**IPC_INFO, "layout": "a-2"}] * 2
+        driver.remote_calls.clear()
+        send(client, CHUNK)  # an update with no layout number always goes whole
+        assert updates_sent(driver) == [CHUNK, CHUNK]
+
+
+def test_a_shard_that_holds_another_layout_is_sent_the_whole_update(settings, driver):
+    """Another client refit the shards since (their workers hold its layout now): the short
+    form is answered 'unknown' before anything is touched, and the whole update follows."""
+    with fake_fleet(settings(health__auto_recover=False), driver) as fleet:
+        mine, other = fleet.weight_sync_client(), fleet.weight_sync_client()
+        mine.apply_weight_update(IPC_INFO)
+        other.apply_weight_update({**IPC_INFO, "layout": "b-1"})
+        driver.remote_calls.clear()
+        report = mine.apply_weight_update(IPC_INFO)
+        assert updates_sent(driver) == [{"layout": "a-1", "layout_only": True}] * 2 + [IPC_INFO] * 2
+        assert report.ok and report.version == 3 and fleet.health.serving_shards() == [0, 1]
+        assert {driver.shard(h).layout for h in fleet.shards} == {"a-1"}
+
