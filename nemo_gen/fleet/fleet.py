@@ -31,7 +31,7 @@ from nemo_gen.fleet.driver import ProgressFn, ShardDriver
 from nemo_gen.fleet.members import Membership, claimed_slots
 from nemo_gen.fleet.monitor import FleetMonitor, Prober
 from nemo_gen.fleet.processes import reap
-from nemo_gen.fleet.record import create_record, find_record, remove_record, update_record
+from nemo_gen.fleet.record import RecordWriter, create_record, find_record, remove_record
 from nemo_gen.fleet.recovery import Recovery
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
@@ -71,8 +71,8 @@ class GenerationFleet:
         elif not s.is_eval():
             for handle in shards:
                 self.health.mark_loaded(handle.index)
-        self.weights = FleetWeights(version, source, s.refit.staging_dir, s.fleet.name, record,
-                                    lambda actor, **v: update_record(actor, s.fleet.control_timeout_s, **v))
+        self.weights = FleetWeights(version, source, s.refit.staging_dir, s.fleet.name,
+                                    RecordWriter(record, s.fleet.control_timeout_s))
         self.background = Background(s.fleet.name)
         self.monitor: FleetMonitor | None = None
         gen_cfg = resolved.generation_config
@@ -284,8 +284,8 @@ class GenerationFleet:
             for stopped in pool.map(self.driver.stop, handles):
                 pids.update(stopped)
         killed = reap(pids, self.settings.health.reap_timeout_s if reap_timeout_s is None else reap_timeout_s)
-        remove_record(self.weights.record)
         self.weights.close()
+        remove_record(self.weights.record.actor)
         shutdown_ray(self._ray)
         return killed
 

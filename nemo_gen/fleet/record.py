@@ -5,14 +5,17 @@ budget spans every process that attaches, and RETIRED stays terminal for the nex
 
 Shards remember their own versions, but a fleet whose every shard died would otherwise be
 indistinguishable from no fleet at all, and its replacements would not know which weights to
-load. ``attach`` reads the record; a refit writes it; ``shutdown`` removes it.
+load. ``attach`` reads the record; a refit writes it (``RecordWriter``); ``shutdown`` removes it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
@@ -54,12 +57,40 @@ def find_record(fleet: str, namespace: str, timeout_s: float) -> tuple[Any, dict
         return None, None
 
 
-def update_record(actor: Any, timeout_s: float, slot: int | None = None, **values: Any) -> None:
-    """Write ``values`` into the record, or into slot ``slot``'s entry (no-op without a record)."""
-    if actor is None:
-        return
-    ref = actor.update.remote(**values) if slot is None else actor.update_slot.remote(slot, **values)
-    ray.get(ref, timeout=timeout_s)
+class RecordWriter:
+    """This process's writes to a fleet's record (no-ops without one). Sent without waiting:
+    Ray runs one caller's calls on an actor in the order they were sent, so the record takes
+    them in order and this process reads its own writes; what a refit's caller waits for is its
+    shards, and a round trip to the record was a millisecond of a colocated GPU refit. A write
+    that failed is logged when the next one is sent, or at ``flush``."""
+
+    def __init__(self, actor: Any, timeout_s: float):
+        self.actor = actor
+        self._timeout_s = timeout_s
+        self._pending: Any = None
+
+    def write(self, slot: int | None = None, **values: Any) -> None:
+        """``values`` into the record, or into slot ``slot``'s entry."""
+        if self.actor is None:
+            return
+        self._check(wait=False)
+        self._pending = (self.actor.update.remote(**values) if slot is None
+                         else self.actor.update_slot.remote(slot, **values))
+
+    def flush(self) -> None:
+        """Wait (``fleet.control_timeout_s`` at most) until the record holds every write sent."""
+        self._check(wait=True)
+
+    def _check(self, wait: bool) -> None:
+        ref, self._pending = self._pending, None
+        if ref is None:
+            return
+        if not wait and not ray.wait([ref], timeout=0)[0]:
+            return  # still on its way; the record takes the next write after it
+        try:
+            ray.get(ref, timeout=self._timeout_s)
+        except Exception as exc:  # the shards still know; a lost record costs only all-dead recovery
+            log.warning("could not update the fleet record: %s", exc)
 
 
 def remove_record(actor: Any) -> None:

@@ -10,12 +10,9 @@ they share the staging file and the version. A weight-sync session that spans se
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,8 +34,7 @@ class StagedRefit:
 
 
 class FleetWeights:
-    def __init__(self, version: int | None, source: str | None, staging_dir: str, fleet_name: str,
-                 record: Any = None, update_record: Callable[..., None] | None = None):
+    def __init__(self, version: int | None, source: str | None, staging_dir: str, fleet_name: str, record: Any):
         self._version = version
         self._source = source
         self._staged: StagedRefit | None = None
@@ -46,8 +42,7 @@ class FleetWeights:
         self._staging = None
         self._staging_dir = staging_dir
         self._fleet_name = fleet_name
-        self._record = record
-        self._update_record = update_record
+        self._record = record  # a RecordWriter
         self._lock = threading.RLock()
 
     @property
@@ -67,6 +62,7 @@ class FleetWeights:
 
     @property
     def record(self) -> Any:
+        """The fleet record's writer (``nemo_gen.fleet.record.RecordWriter``)."""
         return self._record
 
     @contextlib.contextmanager
@@ -101,26 +97,20 @@ class FleetWeights:
         self._version = version
         self._source = source
         self._staged = staged
-        if self._update_record is not None:
-            try:
-                self._update_record(self._record, weight_version=version, weight_source=source)
-            except Exception as exc:  # the shards still know; a lost record costs only all-dead recovery
-                log.warning("could not update the fleet record: %s", exc)
+        self._record.write(weight_version=version, weight_source=source)
 
     def note_slot(self, slot: int, restarts: int, retired: str | None) -> None:
         """Keep slot ``slot``'s restart count and retirement in the fleet record, which outlives
         every shard and every process that attaches."""
-        if self._update_record is not None:
-            try:
-                self._update_record(self._record, slot=slot, restarts=restarts, retired=retired)
-            except Exception as exc:  # the ledger of this process still knows
-                log.warning("could not update the fleet record for slot %d: %s", slot, exc)
+        self._record.write(slot=slot, restarts=restarts, retired=retired)
 
     def keep_staged(self, staged: StagedRefit) -> None:
         """A catch-up re-staged the current version (another process did the last refit)."""
         self._staged = staged
 
     def close(self) -> None:
-        """Remove the staging file this process wrote (the shards read it only during a refit)."""
+        """Wait until the record holds this process's writes; remove the staging file this
+        process wrote (the shards read it only during a refit)."""
+        self._record.flush()
         if self._staging is not None:
             self._staging.close()

@@ -359,7 +359,7 @@ def test_retirement_and_the_restart_budget_outlive_the_process_that_decided_them
 def test_recovery_writes_restarts_and_retirement_to_the_fleet_record(settings, driver):
     written = []
     with fake_fleet(settings(health__max_restart_attempts_per_shard=1), driver) as fleet:
-        fleet.weights._update_record = lambda actor, **v: written.append(v)  # the record actor's stand-in
+        fleet.weights.record.write = lambda slot=None, **v: written.append({"slot": slot, **v})  # the record's stand-in
         driver.launch_failures = [EngineStartError(1, "CUDA error")]
         driver.set_dead(fleet.handle(1).name)
         wait_until(lambda: fleet.health.state_of(1) is ShardState.RETIRED, what="slot 1 retired")
