@@ -242,12 +242,22 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
         arms = (("step_loop", step_loop), ("step_loop_per_step", lambda: step_loop(lambda tracks: None)),
                 ("llm_generate", llm_generate))
         best: dict = {}
-        for _ in range(runs):  # interleaved, so that a noisy moment does not fall on one arm only
-            for name, run in arms:
-                t = time.perf_counter()
-                n = run()
-                took = time.perf_counter() - t
-                best[name] = min(best.get(name, (took, n)), (took, n))
+        # These arms drive the engine from this thread, outside the actor's one-batch lock: the
+        # fleet's probes must not start a batch of their own meanwhile (a probe's batch resets
+        # the step loop's tracks: "vLLM returned no output", 2026-12-01 fifth sitting). A
+        # control call in progress is what makes a probe answer "skipped".
+        engine._rpc_active += 1
+        while engine._lock.locked():  # a probe's batch that started before: let it end
+            time.sleep(0.01)
+        try:
+            for _ in range(runs):  # interleaved, so that a noisy moment does not fall on one arm only
+                for name, run in arms:
+                    t = time.perf_counter()
+                    n = run()
+                    took = time.perf_counter() - t
+                    best[name] = min(best.get(name, (took, n)), (took, n))
+        finally:
+            engine._rpc_active -= 1
         return {name: {"seconds": sec, "tokens": n, "tokens_per_s": n / sec} for name, (sec, n) in best.items()}
 
     res = ray.get(handle.actor.__ray_call__.remote(fn, prompts, requests, resolved, runs), timeout=600)
@@ -392,11 +402,18 @@ def main() -> None:
                     t = time.perf_counter()  # the sender's own share: the same call send_weights made first
                     engine.sender.update_info(iter(engine.source))
                     sender_s = time.perf_counter() - t
+                    t = time.perf_counter()  # ... of which: the source's iteration, the stream sync
+                    list(iter(engine.source))
+                    source_s = time.perf_counter() - t
+                    t = time.perf_counter()
+                    torch.cuda.synchronize()
+                    sync_s = time.perf_counter() - t
                     stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
                     rounds.append({"wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
                                    "loaders_s": stats.get("load_s"), "transfer_s": stats.get("transfer_s"),
                                    "prepare_s": stats.get("prepare_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
                                    "path": stats["path"], "ok": client.report.ok, "sender_s": sender_s,
+                                   "sender_source_s": source_s, "sender_sync_s": sync_s,
                                    # one-call only: seconds in the shard actor / its RPC into the engine / the worker
                                    "shard_s": next(iter(client.timings.values()), None)})
                 res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])

@@ -75,13 +75,11 @@ class IpcSender:
     def __init__(self):
         self._exports: dict[int, tuple[str, torch.Tensor, tuple]] = {}  # ptr -> (key, storage view, args)
         self._private: dict[str, torch.Tensor] = {}  # name -> contiguous copy of a non-contiguous tensor
-        self._last: tuple[tuple, dict[str, Any]] | None = None  # (layout signature, its update info)
+        self._last: tuple[list, dict[str, Any]] | None = None  # (layout signature, its update info)
 
     def update_info(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         tensors = []
         for name, tensor in named:
-            if tensor.device.type != "cuda":
-                raise ValueError(f"nemo_gen_ipc sends CUDA tensors; {name} is on {tensor.device}")
             if not tensor.is_contiguous():  # kept and reused: its pages are touched once
                 private = self._private.get(name)
                 if private is None or private.shape != tensor.shape or private.dtype != tensor.dtype:
@@ -91,9 +89,14 @@ class IpcSender:
             tensors.append((name, tensor))
         # A trainer refits the same tensors over and over (an optimizer writes in place): the
         # same layout is the same update info, built once; a new ``layout`` number tells the
-        # engines to rebuild their views.
-        signature = tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in tensors)
+        # engines to rebuild their views. This runs on every refit (~1 us a tensor counts here).
+        signature = [(n, t.data_ptr(), t.shape, t.dtype) for n, t in tensors]
         if self._last is None or self._last[0] != signature:
+            # Devices are checked for a new layout only: an unchanged one has every tensor at the
+            # address a CUDA tensor had (CUDA's unified addressing keeps host memory elsewhere).
+            for name, tensor in tensors:
+                if tensor.device.type != "cuda":
+                    raise ValueError(f"nemo_gen_ipc sends CUDA tensors; {name} is on {tensor.device}")
             self._last = (signature, self._build(tensors))
         # The engines read these bytes after this call returns: the trainer's queued writes
         # (an optimizer step) must have landed.

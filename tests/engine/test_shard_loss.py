@@ -137,9 +137,13 @@ def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
     # 30 s: a bound for a wait, not a latency target (bench/recovery.py measures detection).
     detection = wait_until(lambda: next((d for d in fleet.monitor.detections if d["name"] == victim.name), None),
                            30, "the death watch")
-    # That the death watch saw this kill; how fast is bench/recovery.py's subject (on a loaded
-    # 2-core machine Ray's notice of a dead actor can come >1 s after the process exited).
-    assert detection["by"] == "watch" and detection["at"] >= killed_at, detection
+    # That Ray's notice of this death condemned the shard, not a streak of probe timeouts; how fast
+    # is bench/recovery.py's subject (on a loaded 2-core machine the notice can come >1 s after the
+    # process exited). The death watch gets it, or a probe in flight at the kill that fails with
+    # the same ActorDiedError a moment earlier (seen once in a loaded run).
+    assert detection["at"] >= killed_at, detection
+    assert (detection["by"], "actor died" in detection["reason"]) == ("watch", True) or (
+        detection["by"], "ActorDiedError" in detection["reason"]) == ("probe", True), detection
     wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, 30, "shard 1 back")
     assert fleet.handle(1).name == spare.name  # the spare took the slot, already at the version
     assert path_of(fleet, 1, since)[-4:] == ["dead", "restarting", "stale", "healthy"]
