@@ -59,6 +59,7 @@ def driver_timeouts(settings: NemoGenSettings):
     return DriverTimeouts(
         control_s=settings.fleet.control_timeout_s,
         stop_s=settings.fleet.stop_timeout_s,
+        engine_grace_s=settings.fleet.engine_stop_grace_s,
         refit_s=settings.refit.timeout_s,
     )
 

@@ -60,7 +60,7 @@ class FakeDriver:
     """See the module doc. ``manifest``: what every engine says its weights are."""
 
     def __init__(self, manifest: dict[str, tuple[tuple[int, ...], str]] | None = None,
-                 timeouts: DriverTimeouts = DriverTimeouts(control_s=0.5, stop_s=0.5, refit_s=1.0)):
+                 timeouts: DriverTimeouts = DriverTimeouts(control_s=0.5, stop_s=0.5, engine_grace_s=0.1, refit_s=1.0)):
         self.timeouts = timeouts
         self.manifest = manifest or {"w": ((4, 4), "float32"), "b": ((4,), "float32")}
         self.shards: dict[str, FakeShard] = {}

@@ -42,6 +42,7 @@ class DriverTimeouts:
 
     control_s: float  # info / assign: a live actor answers at once
     stop_s: float  # a clean engine stop before the actor is killed
+    engine_grace_s: float  # within it, the engine's processes' time to exit before vLLM kills them
     refit_s: float  # each refit phase on a shard (the workers enforce it; the driver adds a margin)
 
 
@@ -160,7 +161,7 @@ class ShardDriver:
         placement group. Returns the engine PIDs known for the shard (for reap checks)."""
         pids = set(handle.engine_pids)
         try:
-            pids.update(ray.get(handle.actor.shutdown.remote(), timeout=self.timeouts.stop_s))
+            pids.update(ray.get(handle.actor.shutdown.remote(self.timeouts.engine_grace_s), timeout=self.timeouts.stop_s))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # already dead or wedged: killing the actor below is what remains
         _teardown(handle.actor, handle.placement_group)

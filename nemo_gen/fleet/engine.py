@@ -670,15 +670,16 @@ class Engine:
         except psutil.Error:
             return []
 
-    def shutdown(self) -> None:
-        """Stop the engine's processes now, rather than whenever garbage collection runs."""
+    def shutdown(self, grace_s: float) -> None:
+        """Stop the engine's processes now, rather than whenever garbage collection runs: vLLM
+        signals them, gives them ``grace_s`` to exit, then kills what is left."""
         llm, self._llm = self._llm, None
         if llm is None:
             return
         if self.async_engine:
-            llm.shutdown()
+            llm.shutdown(timeout=grace_s)
         else:
-            llm.llm_engine.engine_core.shutdown()
+            llm.llm_engine.engine_core.shutdown(timeout=grace_s)
 
 
 def _wake():

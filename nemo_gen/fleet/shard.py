@@ -346,12 +346,13 @@ class ShardActor:
         else:
             await self.engine.end_swap(version, **in_flight, failed=failed)
 
-    def shutdown(self) -> list[int]:
-        """Stop the engine's processes; returns the PIDs that were running, for the caller to check."""
+    def shutdown(self, grace_s: float) -> list[int]:
+        """Stop the engine's processes (``grace_s`` to exit before vLLM kills them); returns the
+        PIDs that were running, for the caller to check."""
         if self.engine is None:
             return []
         pids = self.engine.child_pids()
-        self.engine.shutdown()
+        self.engine.shutdown(grace_s)
         self.engine = None
         return pids
 

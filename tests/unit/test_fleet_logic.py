@@ -94,7 +94,7 @@ def test_a_hung_shard_is_condemned_at_the_request_deadline_and_its_work_rerouted
 
 def test_a_hung_shard_is_condemned_by_a_probe_streak(settings, driver):
     s = settings(health__probe_interval_s=0.01, health__unhealthy_threshold=2, health__auto_recover=False)
-    driver.timeouts = type(driver.timeouts)(control_s=0.5, stop_s=0.5, refit_s=1.0)
+    driver.timeouts = type(driver.timeouts)(control_s=0.5, stop_s=0.5, engine_grace_s=0.1, refit_s=1.0)
     with fake_fleet(s.model_copy(update={"health": s.health.model_copy(update={"probe_timeout_s": 1.0})}),
                     driver) as fleet:
         driver.set_hung(fleet.handle(0).name)

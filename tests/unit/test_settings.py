@@ -827,3 +827,13 @@ def test_the_backends_settings_accept_are_the_ones_that_resolve():
         with pytest.raises(ConfigError):
             resolve_generation_class({"backend": backend})
         assert _raises_config_error(overrides={"generation.backend": backend}).field == "generation.backend"
+
+
+def test_the_engine_stop_grace_reaches_the_driver():
+    from nemo_gen import policies
+
+    s = NemoGenSettings.load(overrides={"fleet.engine_stop_grace_s": 0.25})
+    assert policies.driver_timeouts(s).engine_grace_s == 0.25
+    assert policies.driver_timeouts(NemoGenSettings.load()).engine_grace_s == 1.0
+    with pytest.raises(ConfigError, match="engine_stop_grace_s"):
+        NemoGenSettings.load(overrides={"fleet.engine_stop_grace_s": -1})
