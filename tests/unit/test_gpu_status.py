@@ -5,6 +5,8 @@ memory and reports what stayed held."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from nemo_gen.cli_view import status_table
@@ -76,8 +78,11 @@ def test_the_reaper_waits_for_gpu_memory_and_reports_what_stayed_held(nvml, monk
     assert report.gpu_held == {} and freed.polls == 4 and report.gpu_seconds > 0
 
     nvml({4242: 40 * 2**30})  # never comes back: the bound is health.reap_timeout_s
+    t0 = time.monotonic()
     report = recovery.reap_shard(driver, handle, timeout_s=0.2)
-    assert report.gpu_held == {4242: 40 * 2**30} and report.gpu_seconds >= 0.2
+    # The whole reap waits out its bound; the GPU wait is what is left of it after the process
+    # checks (0.19998 s once, which a ">= 0.2" on the GPU wait alone failed).
+    assert report.gpu_held == {4242: 40 * 2**30} and time.monotonic() - t0 >= 0.2 - 1e-6 and report.gpu_seconds > 0.1
     driver.close()
 
 
