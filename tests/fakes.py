@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures,
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from nemo_gen.core.refit import needs_whole
+from nemo_gen.core.refit import chunk_of, needs_whole
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.batch import add_span
 from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify
@@ -210,8 +210,8 @@ class FakeDriver:
             return 0.001
         if method == "weight_sync":  # the shard actor's rules (nemo_gen.fleet.shard.ShardActor.weight_sync)
             step, payload = args[0], args[1]
-            update = payload["update"] if step == "apply" else payload if step == "update" else None
-            if isinstance(update, dict) and needs_whole(update, shard.layout):
+            update = chunk_of(step, payload)
+            if update is not None and needs_whole(update, shard.layout):
                 return {LAYOUT_UNKNOWN: True}
             if step in ("init", "shutdown"):
                 shard.layout = None
@@ -220,9 +220,9 @@ class FakeDriver:
             elif step == "apply":
                 shard.layout = None
                 self._load(shard, payload["version"])
-                shard.layout = update.get("layout")
+                shard.layout = update.get("layout") if update is not None else None
             elif step == "update":
-                shard.layout = update.get("layout")
+                shard.layout = update.get("layout") if update is not None else None
             return None
         raise AssertionError(f"the fake shard has no {method!r}")
 

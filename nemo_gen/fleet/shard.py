@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray.util import get_node_ip_address
 
-from nemo_gen.core.refit import needs_whole
+from nemo_gen.core.refit import chunk_of, needs_whole
 from nemo_gen.core.results import GenerationRequest
 
 # A weight-sync answer: the update was a layout's short form, and this engine's workers do not
@@ -270,8 +270,8 @@ class ShardActor:
         rpc = {"init": "init_weight_transfer_engine", "start": "start_weight_update",
                "start_draft": "start_draft_weight_update", "update": "update_weights",
                "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
-        update = payload["update"] if step == "apply" else payload if step == "update" else None
-        if isinstance(update, dict) and needs_whole(update, self._layout):
+        update = chunk_of(step, payload)
+        if update is not None and needs_whole(update, self._layout):
             return {LAYOUT_UNKNOWN: True}
         if step in ("init", "shutdown"):
             self._layout = None  # a new transfer engine, or none: no views are open
@@ -280,13 +280,14 @@ class ShardActor:
             await self._begin_sync(payload["in_flight"])
             try:
                 t1 = time.perf_counter()
-                workers = await self.engine.rpc("nemo_gen_weight_update", update, payload["target"], timeout=timeout_s)
+                workers = await self.engine.rpc("nemo_gen_weight_update", payload["update"], payload["target"],
+                                                timeout=timeout_s)
                 t2 = time.perf_counter()
             except BaseException as exc:
                 self._layout = None
                 await self._end_sync(None, failed=f"the weight update failed while loading: {exc}")
                 raise
-            self._layout = update.get("layout")
+            self._layout = update.get("layout") if update is not None else None
             self.weight_version = payload["version"]
             await self._end_sync(payload["version"])
             return {"actor_s": time.perf_counter() - t0, "engine_rpc_s": t2 - t1, "worker_s": max(workers)}
@@ -317,8 +318,8 @@ class ShardActor:
             await self._end_sync(payload)
         elif step == "update":
             self._layout = None
-            await self.engine.rpc(rpc[step], update, timeout=timeout_s)
-            self._layout = update.get("layout") if isinstance(update, dict) else None
+            await self.engine.rpc(rpc[step], payload, timeout=timeout_s)
+            self._layout = update.get("layout") if update is not None else None
         elif step in rpc:
             await self.engine.rpc(rpc[step], *(() if payload is None else (payload,)), timeout=timeout_s)
         else:
