@@ -123,8 +123,9 @@ class IpcSender:
             dtypes.append(str(tensor.dtype).removeprefix("torch."))
             keys.append(self._exports[ptr][0])
             offsets.append(tensor.data_ptr() - ptr)
-        # Pickled once per layout: every refit carries the handles (an engine that joined late
-        # needs them), but as one opaque blob that costs a copy, not a pickling of each handle.
+        # Pickled once per layout: every update info carries the handles (an engine that joined
+        # late needs them; a nemo_gen fleet's client sends an engine that loaded this layout last
+        # only its number), as one opaque blob that costs a copy, not a pickling of each handle.
         return {"names": names, "shapes": shapes, "dtype_names": dtypes, "storages": keys, "offsets": offsets,
                 "handles": pickle.dumps(live), "layout": _serial()}
 
