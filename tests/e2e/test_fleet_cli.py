@@ -34,12 +34,19 @@ def _free_port() -> int:
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """A Ray head of its own (blocking `ray start`, own process group), stopped by PID."""
+    """A Ray head of its own (blocking `ray start`, own process group), stopped by PID, on what
+    a machine that never ran Ray looks like: a HOME of its own, so no ~/.ray/auth_token (the
+    head's script makes the cluster's token; every command below attaches with it)."""
     marker = uuid.uuid4().hex
     port = _free_port()
+    home = tmp_path / "user-home"
+    home.mkdir()
     env = {**os.environ, "NEMO_GEN_TEST_MARKER": marker, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "HOME": str(home),
            # `ray start --block` otherwise drains for 30 s on SIGTERM.
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(var, None)
     temp_dir = f"/tmp/rn{marker[:8]}"
     proc = subprocess.Popen(
         [str(ROOT / "deployments/ray/start-node.sh"), "--head", f"--port={port}", "--num-cpus=4",
@@ -54,6 +61,7 @@ def ray_head(tmp_path):
         except OSError:
             assert proc.poll() is None, (tmp_path / "ray.log").read_text()[-2000:]
             time.sleep(0.5)
+    assert (home / ".ray" / "auth_token").stat().st_size > 0  # the head made the cluster's token
     wait_ray_nodes(f"127.0.0.1:{port}", env, 1)  # the raylet registers just after the GCS port opens
     yield {"address": f"127.0.0.1:{port}", "marker": marker, "env": env}
     os.killpg(proc.pid, signal.SIGTERM)
