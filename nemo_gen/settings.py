@@ -310,7 +310,8 @@ class FleetSettings(_Section):
         1, ge=1, description="OMP threads per CPU engine rank, so engines don't oversubscribe cores."
     )
     cpu_kvcache_space_gb: float = Field(
-        1.0, gt=0, description="KV cache per CPU engine in GiB (VLLM_CPU_KVCACHE_SPACE)."
+        1.0, gt=0, description="KV cache per CPU engine in whole GiB (VLLM_CPU_KVCACHE_SPACE, which vLLM "
+        "reads as an integer).",
     )
     engine_start_timeout_s: float = Field(600.0, gt=0, description="Deadline for one engine to load.")
     placement_timeout_s: float = Field(
@@ -345,6 +346,15 @@ class FleetSettings(_Section):
         "gpu_memory_utilization must then leave GPU_SHARE_HEADROOM of the device free. Engines that "
         "share a GPU start one at a time. k > 1 needs tensor_parallel_size x pipeline_parallel_size = 1.",
     )
+
+    @field_validator("cpu_kvcache_space_gb")
+    @classmethod
+    def _whole_gib(cls, value: float) -> float:
+        # vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE with int(): 0.5 would be accepted here
+        # and kill every engine at its start.
+        if not float(value).is_integer():
+            raise ValueError("must be a whole number of GiB (vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)")
+        return value
 
 
 class RefitSettings(_Section):

@@ -132,7 +132,10 @@ def engine_env(
 
 
 def _fmt_gb(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+    # vLLM reads VLLM_CPU_KVCACHE_SPACE with int(): "0.5" would fail every engine at its start.
+    if not float(value).is_integer():
+        raise ConfigError(f"must be a whole number of GiB, got {value}", field="fleet.cpu_kvcache_space_gb")
+    return str(int(value))
 
 
 def _core_list(cores: list[int]) -> str:

@@ -228,9 +228,16 @@ def test_cpu_env_basics():
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
-@pytest.mark.parametrize("gb, text", [(1.0, "1"), (1, "1"), (1.5, "1.5"), (2.0, "2"), (0.25, "0.25")])
+@pytest.mark.parametrize("gb, text", [(1.0, "1"), (1, "1"), (2.0, "2")])
 def test_kvcache_space_formatting(gb, text):
     assert _env("cpu", kv=gb)["VLLM_CPU_KVCACHE_SPACE"] == text
+
+
+@pytest.mark.parametrize("gb", [1.5, 0.25])
+def test_a_kvcache_space_vllm_cannot_read_is_refused(gb):
+    with pytest.raises(ConfigError) as info:
+        _env("cpu", kv=gb)
+    assert info.value.field == "fleet.cpu_kvcache_space_gb"
 
 
 def test_threads_bind_per_rank_for_tp2():

@@ -518,6 +518,14 @@ def test_unknown_precision_is_refused_with_a_suggestion():
     assert "did you mean 'fp8'" in str(err) and "bfloat16" in str(err)
 
 
+def test_cpu_kv_cache_space_is_whole_gib():
+    """vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE with int(): a fraction would be accepted and
+    then kill every engine at its start, so it is refused here, naming the field."""
+    assert NemoGenSettings.load(overrides=["fleet.cpu_kvcache_space_gb=2"]).fleet.cpu_kvcache_space_gb == 2
+    err = _raises_config_error(overrides=["fleet.cpu_kvcache_space_gb=0.5"])
+    assert err.field == "fleet.cpu_kvcache_space_gb" and "whole number of GiB" in str(err) and "0.5" in str(err)
+
+
 def test_refit_backend_must_be_registered():
     for backend in ("nemo_gen_shm", "nemo_gen_ipc", "ipc", "nccl"):
         assert NemoGenSettings.load(overrides=[f"refit.backend={backend}"]).refit.backend == backend
