@@ -25,7 +25,9 @@ would be passed:
    refit with other weights (must differ: CUDA graphs see the new weights) and back (must match);
 5. generation throughput through the fleet;
 6. a bare ``vllm.LLM`` of the same model in a subprocess (its own cold caches): launch breakdown
-   and the same generation -> launch and throughput ratios;
+   and the same generation -> launch and throughput ratios; then, with both engines up,
+   ``--interleave`` rounds of one fleet run and one bare run (order swapped each round): the
+   throughput ratio of their medians, measured in the same minutes;
 7. SIGKILL of the shard actor -> its GPU memory back (NVML) -> a replacement (no spare; warm
    compile cache shared with the first launch) serving at the fleet's version: restart / launch;
 8. vLLM's own ``ipc`` backend through the same client on a fleet started with it (unpacked and
@@ -48,7 +50,7 @@ import time
 from pathlib import Path
 
 T0 = time.monotonic()
-RESULT: dict = {"date": "2026-12-01", "steps": {}}
+RESULT: dict = {"date": time.strftime("%Y-%m-%d"), "steps": {}}
 SKIP: set[str] = set()  # steps named by --skip
 
 
@@ -270,6 +272,32 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
     return res
 
 
+def interleaved_throughput(fleet_run, bare_run, proc, rounds: int, deadline_s: float) -> dict:
+    """``rounds`` x (one fleet run, one bare run), the order swapped every round, while both engines
+    are up on the GPU. ``fleet_run`` returns ``{"seconds", "tokens"}``; ``bare_run`` asks the bare
+    process (``gpu_bare_vllm.py ... serve``) for one run and returns its answer. Stops early at the
+    deadline. The ratio is of the medians (the same batch on both: tokens are equal)."""
+    import statistics
+
+    seconds: dict[str, list[float]] = {"fleet": [], "bare": []}
+    for i in range(rounds):
+        if elapsed() > deadline_s:
+            break
+        for arm in (("fleet", "bare") if i % 2 == 0 else ("bare", "fleet")):
+            if arm == "bare":
+                proc.stdin.write("run\n")
+                proc.stdin.flush()
+                seconds["bare"].append(bare_run()["seconds"])
+            else:
+                seconds["fleet"].append(fleet_run()["seconds"])
+    out: dict = {"seconds": seconds}
+    if seconds["fleet"] and seconds["bare"]:
+        med = {arm: statistics.median(v) for arm, v in seconds.items()}
+        out.update(median_s=med, throughput_fleet_over_bare=med["bare"] / med["fleet"],
+                   best_fleet_over_bare=min(seconds["bare"]) / min(seconds["fleet"]))
+    return out
+
+
 def call_worker(handle, method: str, *args):
     """A worker-extension method on a running shard's engine (sync engine: through the actor's
     ``__ray_call__``; benchmark use only)."""
@@ -292,6 +320,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--work", default="/tmp/nemo-gen-bench")
     ap.add_argument("--refit-rounds", type=int, default=6)
+    ap.add_argument("--interleave", type=int, default=5,
+                    help="rounds of (fleet run, bare run) with both engines up, after the bare engine's launch")
     ap.add_argument("--skip", default="", help="steps not to run, comma-separated (e.g. restart_after_sigkill)")
     args = ap.parse_args()
     SKIP.update(s for s in args.skip.split(",") if s)
@@ -486,15 +516,32 @@ def main() -> None:
         res_file, bare_log = work / "bare.json", out / "bare_vllm.log"
         env = dict(os.environ, **cache_env("bare"))
         t = time.monotonic()
+        # The bare engine stays up after its own runs ("serve"): the fleet's and its runs are then
+        # interleaved below, in the same minutes of the same GPU (runs minutes apart differed by
+        # 14% on one engine, 2026-12-02).
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(res_file),
+                                 str(model_dir), str(args.util), "512", str(prompts_file), str(args.tokens),
+                                 settings.generation.vllm_cfg.logprobs_mode, "serve"],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
         with open(bare_log, "w") as logf:
-            proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(res_file),
-                                   str(model_dir), str(args.util), "512", str(prompts_file), str(args.tokens),
-                                   settings.generation.vllm_cfg.logprobs_mode],
-                                  env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=max(60, args.deadline_s - elapsed()))
-        wall = time.monotonic() - t
-        if proc.returncode != 0:
-            raise RuntimeError(f"bare vLLM exited {proc.returncode}: {bare_log.read_text()[-2000:]}")
-        bare = json.loads(res_file.read_text())
+            def answer(prefix: str) -> str:  # the bare process's next line with this prefix (its log kept)
+                for line in proc.stdout:
+                    logf.write(line)
+                    if line.startswith(prefix):
+                        return line[len(prefix):]
+                raise RuntimeError(f"bare vLLM exited {proc.wait()}: {bare_log.read_text()[-2000:]}")
+
+            try:
+                answer("BARE READY")
+                wall = time.monotonic() - t
+                bare = json.loads(res_file.read_text())
+                rounds = interleaved_throughput(lambda: throughput(runs=1), lambda: json.loads(answer("BARE ")),
+                                                proc, args.interleave, args.deadline_s - 30)
+            finally:
+                if proc.poll() is None:  # closing its stdin shuts the bare engine down
+                    rest, _ = proc.communicate(timeout=120)
+                    logf.write(rest or "")
         bare.update(breakdown(bare_log.read_text(errors="replace")), process_wall_s=wall)
         launch = RESULT["steps"].get("fleet_launch", {})
         ratios = {}
@@ -502,7 +549,7 @@ def main() -> None:
             ratios["launch_over_bare"] = launch["launch_s"] / bare["total_s"]
         if state.get("fleet_tps"):
             ratios["throughput_fleet_over_bare"] = state["fleet_tps"]["tokens_per_s"] / bare["tokens_per_s"]
-        return {"bare": bare, **ratios}
+        return {"bare": bare, "interleaved": rounds, **ratios}
 
     @step("restart_after_sigkill", out, args.deadline_s, 200)
     def _():
@@ -621,6 +668,11 @@ def write_markdown(out: Path) -> None:
     rows.append(("  bare import vllm / LLM()", f"{fmt(get('bare_vllm', 'bare', 'import_s'))} s / {fmt(get('bare_vllm', 'bare', 'llm_s'))} s"))
     rows.append(("throughput fleet / bare", f"{fmt(get('fleet_throughput', 'tokens_per_s'))} / "
                  f"{fmt(get('bare_vllm', 'bare', 'tokens_per_s'))} tok/s = {fmt(get('bare_vllm', 'throughput_fleet_over_bare'))}"))
+    rows.append(("throughput fleet / bare, interleaved (median / best; both engines up)",
+                 f"{fmt(get('bare_vllm', 'interleaved', 'throughput_fleet_over_bare'))} / "
+                 f"{fmt(get('bare_vllm', 'interleaved', 'best_fleet_over_bare'))} "
+                 f"(fleet {fmt(get('bare_vllm', 'interleaved', 'median_s', 'fleet'))} s, "
+                 f"bare {fmt(get('bare_vllm', 'interleaved', 'median_s', 'bare'))} s)"))
     rows.append(("  the same batch in the shard actor: nemo_gen's step loop (final outputs / every step's) / vLLM's LLM.generate",
                  f"{fmt(get('throughput_breakdown', 'step_loop', 'seconds'))} s / "
                  f"{fmt(get('throughput_breakdown', 'step_loop_per_step', 'seconds'))} s / "
