@@ -6,7 +6,12 @@ and inside the actor (``gpu_bench.in_actor_throughput``): nemo_gen's step loop o
 interleaved) and each in-actor loop as a ratio of ``LLM.generate`` (target for the batch loop:
 <= 1.05). The GPU benchmark (``bench/gpu_bench.py``) measures the same on a CUDA engine.
 
-Run: ``.venv/bin/python bench/step_loop.py [--prompts 256] [--tokens 64] [--rounds 3] [--json out.json]``.
+``--bare`` adds ``bare_llm_generate``: ``LLM.generate`` in a plain process (no Ray) on an engine
+started with the fleet's own engine arguments and environment, its runs interleaved with the
+others: whether the same engine is slower inside a shard actor than outside it (on the H200 the
+fleet's batch took 5.3 s where a bare process took 4.1-4.7, 2026-12-02).
+
+Run: ``.venv/bin/python bench/step_loop.py [--prompts 256] [--tokens 64] [--rounds 3] [--bare] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -24,12 +29,62 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+# A bare engine in its own process, one timed LLM.generate per "run" line on stdin (answered on
+# stdout as "BARE {json}"; vLLM logs there too): argv = engine kwargs (JSON), prompts (JSON), tokens.
+BARE = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    kwargs, prompts, tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(**kwargs)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+    llm.generate(prompts[:8], sampling, use_tqdm=False)
+    print("BARE READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t = time.perf_counter()
+        llm.generate(prompts, sampling, use_tqdm=False)
+        print("BARE " + json.dumps({"seconds": time.perf_counter() - t}), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+"""
+
+
+def start_bare(spec, prompts, tokens):
+    """The bare engine of ``--bare`` (``spec``: the fleet's ShardSpec), up and warm; returns
+    ``(process, run)`` where ``run()`` is the seconds of one more batch."""
+    import subprocess
+
+    script = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-bare-")) / "bare.py"  # vLLM spawns from a file's main
+    script.write_text(BARE)
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec.engine_kwargs), json.dumps(prompts), str(tokens)],
+                            env={**os.environ, **spec.engine_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+    def answer(prefix: str) -> str:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise RuntimeError(f"the bare engine exited {proc.wait()}")
+
+    def run() -> float:
+        proc.stdin.write("run\n")
+        proc.stdin.flush()
+        return json.loads(answer("BARE "))["seconds"]
+
+    answer("BARE READY")
+    return proc, run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--bare", action="store_true", help="also LLM.generate in a plain process on the fleet's engine config")
     args = p.parse_args()
 
     from gpu_bench import in_actor_throughput
@@ -44,8 +99,11 @@ def main() -> None:
     prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
     fleet = GenerationFleet.launch(settings)
     best: dict[str, float] = {}
+    bare = None
     try:
         fleet.generate(prompts[:8], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)  # warm
+        if args.bare:
+            bare = start_bare(fleet.resolved.shards[0], prompts, args.tokens)
         for _ in range(args.rounds):
             t = time.perf_counter()
             fleet.generate(prompts, temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
@@ -53,13 +111,20 @@ def main() -> None:
             inside = in_actor_throughput(fleet.shards[0], prompts, args.tokens, 1)
             times["actor_call"] = inside.pop("actor_call")["driver_wall_s"]
             times.update({k: v["seconds"] for k, v in inside.items()})
+            if bare is not None:
+                times["bare_llm_generate"] = bare[1]()
             for k, v in times.items():
                 best[k] = min(best.get(k, v), v)
     finally:
+        if bare is not None:
+            bare[0].communicate(timeout=120)  # the end of its stdin: the bare engine stops
         fleet.shutdown()
     ratios = {k: best[k] / best["llm_generate"] for k in ("step_loop", "step_loop_per_step")}
     for k, v in best.items():
         print(f"{k:<20}{v:8.3f} s" + (f"   {ratios[k]:.2f}x LLM.generate" if k in ratios else ""))
+    if "bare_llm_generate" in best:
+        print(f"LLM.generate in the shard actor / in a plain process: {best['llm_generate'] / best['bare_llm_generate']:.2f}; "
+              f"fleet.generate / bare: {best['fleet_generate'] / best['bare_llm_generate']:.2f}")
     print(f"\nbatch step loop / LLM.generate: {ratios['step_loop']:.2f} (target <= 1.05); "
           f"per-step loop {ratios['step_loop_per_step']:.2f}; load average {os.getloadavg()[0]:.1f}")
     if args.json:
