@@ -12,6 +12,10 @@ With ``serve`` the engine stays up after OUT.json is written: each ``run`` line 
 timed run of the same batch, answered on stdout as ``BARE {"seconds": ..., "tokens": ...}`` (vLLM's
 own log lines share stdout), until ``quit`` or the end of stdin. The caller interleaves these with
 the fleet's runs, so that both are measured in the same minutes of the same GPU.
+
+``BARE_ENGINE_KWARGS`` (a JSON file) replaces the engine arguments with those given (a fleet shard's
+own, nemo_gen's worker extension and weight-transfer engine included): the same engine, outside
+Ray and nemo_gen.
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ def main() -> None:
     t1 = time.monotonic()
     with engine_start_lock() as lock:  # as a fleet's engine would, on a shared GPU
         t2 = time.monotonic()
-        llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=float(util), max_model_len=int(max_len),
-                  seed=0, disable_log_stats=True, **engine_args)
+        if os.environ.get("BARE_ENGINE_KWARGS"):  # a JSON file of a fleet shard's own engine arguments
+            engine_args = json.load(open(os.environ["BARE_ENGINE_KWARGS"]))
+            llm = LLM(**engine_args)
+        else:
+            llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=float(util), max_model_len=int(max_len),
+                      seed=0, disable_log_stats=True, **engine_args)
     llm_s = time.monotonic() - t2
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_path))]
     sampling = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)

@@ -322,6 +322,9 @@ def main() -> None:
     ap.add_argument("--refit-rounds", type=int, default=6)
     ap.add_argument("--interleave", type=int, default=5,
                     help="rounds of (fleet run, bare run) with both engines up, after the bare engine's launch")
+    ap.add_argument("--bare-config", choices=("plain", "fleet"), default="plain",
+                    help="the bare engine's arguments: plain vLLM's (the model, bf16, the same memory share, "
+                    "logprobs mode), or the fleet shard's own (nemo_gen's worker extension and weight transfer too)")
     ap.add_argument("--skip", default="", help="steps not to run, comma-separated (e.g. restart_after_sigkill)")
     args = ap.parse_args()
     SKIP.update(s for s in args.skip.split(",") if s)
@@ -515,6 +518,10 @@ def main() -> None:
         prompts_file.write_text(json.dumps(tok_prompts))
         res_file, bare_log = work / "bare.json", out / "bare_vllm.log"
         env = dict(os.environ, **cache_env("bare"))
+        if args.bare_config == "fleet":  # the fleet shard's own engine arguments, outside Ray and nemo_gen
+            kwargs_file = work / "fleet_engine_kwargs.json"
+            kwargs_file.write_text(json.dumps(fleet.resolved.shards[0].engine_kwargs))
+            env["BARE_ENGINE_KWARGS"] = str(kwargs_file)
         t = time.monotonic()
         # The bare engine stays up after its own runs ("serve"): the fleet's and its runs are then
         # interleaved below, in the same minutes of the same GPU (runs minutes apart differed by

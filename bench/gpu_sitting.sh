@@ -3,7 +3,8 @@
 # with the stack's parts already received (`bash .gpu/unpack.sh receive .gpu/parts/pNNN` each)
 # and this repository's committed state carried as .gpu-src/:
 #   bash .gpu-src/bench/gpu_sitting.sh tests    install the stack, run tests/gpu  -> $OUT/test_gpu.log
-#   bash .gpu-src/bench/gpu_sitting.sh bench    run bench/gpu_bench.py          -> $OUT/gpu_bench.{json,md}, bench.log
+#   bash .gpu-src/bench/gpu_sitting.sh bench    install, run bench/gpu_bench.py -> $OUT/gpu_bench.{json,md}, bench.log
+#                                               (BENCH_ARGS: more of its flags, e.g. "--bare-config fleet --interleave 7")
 #   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
 set -uo pipefail
 #   bash .gpu-src/bench/gpu_sitting.sh inflight install, run bench/refit_inflight.py --device gpu -> $OUT/refit_inflight.json
@@ -26,6 +27,7 @@ case "${1:-}" in
     echo "pytest rc=$rc"
     ;;
   bench)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }  # once per host
     cd .gpu-src
     # GPU processes the tests' run left (a run cut off by its timeout skips the fleet's shutdown):
     # started by this sitting, ended here by PID.
@@ -37,7 +39,7 @@ for p in gpu_memory.gpu_processes():
 "
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
-      --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" --skip "${BENCH_SKIP:-}" > "$OUT/bench.log" 2>&1
+      --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" --skip "${BENCH_SKIP:-}" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"
     cat "$OUT/gpu_bench.md" 2>/dev/null
     tail -c 2500 "$OUT/bench.log"
