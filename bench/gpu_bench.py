@@ -46,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -531,6 +532,9 @@ def main() -> None:
                                  settings.generation.vllm_cfg.logprobs_mode, "serve"],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
+        # A bare engine that hangs is killed at the deadline (answer() then sees its output end).
+        watchdog = threading.Timer(max(60.0, args.deadline_s - elapsed()), proc.kill)
+        watchdog.start()
         with open(bare_log, "w") as logf:
             def answer(prefix: str) -> str:  # the bare process's next line with this prefix (its log kept)
                 for line in proc.stdout:
@@ -549,6 +553,7 @@ def main() -> None:
                 if proc.poll() is None:  # closing its stdin shuts the bare engine down
                     rest, _ = proc.communicate(timeout=120)
                     logf.write(rest or "")
+                watchdog.cancel()
         bare.update(breakdown(bare_log.read_text(errors="replace")), process_wall_s=wall)
         launch = RESULT["steps"].get("fleet_launch", {})
         ratios = {}
