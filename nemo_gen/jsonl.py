@@ -114,6 +114,19 @@ def result_row(line: PromptLine | None, result: GenerationResult | None, error: 
     return row
 
 
+# json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings (valid JSON),
+# and str.splitlines() — as well as editors and JavaScript — break lines there: a sampled token
+# that decodes to one of them (a random model's sometimes do) split a result row in two for such
+# a reader (a clean clone's CI failed so in tests/e2e/test_cli.py, 2026-12-02). Written as \u
+# escapes, every row is one line for every reader and parses back the same.
+_LINE_BREAKS = {0x2028: "\\u2028", 0x2029: "\\u2029", 0x85: "\\u0085"}
+
+
+def _line(row: dict[str, Any]) -> str:
+    """One output row as one physical line of JSON, with its newline."""
+    return json.dumps(row, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +134,7 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             for row in rows:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out.write(_line(row))
         # mkstemp creates 0600; publish with the permissions a plain open() would give.
         umask = os.umask(0)
         os.umask(umask)
@@ -149,7 +162,7 @@ class OutputWriter:
             self._file.write("\n")  # a line cut short by a kill stays on its own (ignored) line
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
-        self._file.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        self._file.write("".join(_line(row) for row in rows))
         self._file.flush()
 
     def close(self) -> None:

@@ -230,6 +230,18 @@ def test_write_jsonl_round_trip_and_no_temp_left(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["out.jsonl"]
 
 
+def test_every_output_row_is_one_line_for_any_line_splitter(tmp_path):
+    """A sampled text may hold U+2028, U+2029 or U+0085, which JSON allows raw but str.splitlines()
+    (and editors) treat as line breaks: both writers escape them, and the rows parse back the same."""
+    rows = [{"line": 1, "text": "a\u2028b\x85c\u2029d\x0be\x1cf"}, {"line": 2, "text": "plain"}]
+    final = write_jsonl(tmp_path / "final.jsonl", rows)
+    with OutputWriter(tmp_path / "log.jsonl") as w:
+        w.write(rows)
+    for path in (final, tmp_path / "log.jsonl"):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert [json.loads(line) for line in lines] == rows
+
+
 def test_write_jsonl_accepts_a_generator_and_str_path(tmp_path):
     path = tmp_path / "gen.jsonl"
     write_jsonl(str(path), ({"i": i} for i in range(3)))
