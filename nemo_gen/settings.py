@@ -313,6 +313,12 @@ class FleetSettings(_Section):
         1.0, gt=0, description="KV cache per CPU engine in whole GiB (VLLM_CPU_KVCACHE_SPACE, which vLLM "
         "reads as an integer).",
     )
+    engine_niceness: int = Field(
+        0, ge=0, le=19, description="Nice value of each shard's processes (its actor, EngineCore and "
+        "workers). Ray starts workers at 15, which makes a serving engine's host side (scheduling, output "
+        "processing: the bound of a GPU engine's step at large batches) yield the CPU to everything else "
+        "on the node; raise it to let other work on a shared node go first.",
+    )
     engine_start_timeout_s: float = Field(600.0, gt=0, description="Deadline for one engine to load.")
     placement_timeout_s: float = Field(
         30.0, gt=0, description="Deadline for the cluster to place a shard; then a PlacementError."

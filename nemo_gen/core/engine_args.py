@@ -17,6 +17,9 @@ Device = Literal["cpu", "gpu"]
 # module named here also registers nemo_gen's weight-transfer backends in the worker.
 WORKER_EXTENSION = "nemo_gen.refit.worker_entry.NemoGenWorkerExtension"
 
+# The nice value the raylet starts a worker process at (Ray's default: 15).
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
+
 _DTYPES = {"auto", "float32", "bfloat16", "float16", "half", "float"}
 
 
@@ -101,14 +104,21 @@ def engine_env(
     omp_threads: int,
     cpu_kvcache_space_gb: float,
     cpu_cores: list[int] | None = None,
+    niceness: int | None = None,
 ) -> dict[str, str]:
     """Environment for one shard's processes.
 
     On CPU each rank gets ``omp_threads`` OpenMP threads; with ``cpu_cores`` given, ranks are
     pinned (VLLM_CPU_OMP_THREADS_BIND, ``|`` between ranks) so two engines never share a core.
+    ``niceness``: the nice value Ray starts the shard actor at (its engine's processes inherit
+    it); None leaves Ray's default for workers (15).
     """
     vc = gen_cfg.get("vllm_cfg", {})
     env: dict[str, str] = {}
+    if niceness is not None:
+        # Read by the raylet from the actor's runtime env when it starts the worker process (Ray's
+        # job supervisor sets "0" the same way for itself).
+        env[RAY_WORKER_NICENESS] = str(niceness)
     if vc.get("use_deep_gemm") is not None:
         if vc["use_deep_gemm"] and device == "cpu":
             raise ConfigError("DeepGEMM is a CUDA kernel library: use_deep_gemm=true needs a GPU fleet",

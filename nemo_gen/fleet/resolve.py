@@ -128,6 +128,7 @@ def resolve_generation(
                 omp_threads=settings.fleet.omp_threads_per_engine,
                 cpu_kvcache_space_gb=settings.fleet.cpu_kvcache_space_gb,
                 cpu_cores=cores[shard.shard] if cores else None,
+                niceness=settings.fleet.engine_niceness,
             ),
             async_engine=bool(vc.get("async_engine")),
             device=device,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
+import ray
 
 from nemo_gen import GenerationFleet
 from nemo_gen.errors import ShardUnavailableError
@@ -30,7 +33,8 @@ def async_and_train(ray_cluster, make_settings):
             make_settings(fleet__name="async", fleet__num_shards=1, generation__vllm_cfg__async_engine=True),
         )
         t = pool.submit(
-            GenerationFleet.launch, make_settings(fleet__name="train", fleet__num_shards=1, fleet__mode="train")
+            GenerationFleet.launch, make_settings(fleet__name="train", fleet__num_shards=1, fleet__mode="train",
+                                                   fleet__engine_niceness=5)
         )
         fleets = {"async": a.result(), "train": t.result()}
     yield fleets
@@ -79,6 +83,20 @@ def test_train_mode_waits_for_its_first_refit(async_and_train):
     assert status.state == "stale" and status.weight_version is None
     with pytest.raises(ShardUnavailableError, match="fleet.mode=train and has not been refit yet"):
         fleet.generate(PROMPTS)
+
+
+def test_shard_processes_run_at_their_niceness_with_the_heap_frozen(async_and_train):
+    """fleet.engine_niceness (0 by default, where Ray starts workers at 15) reaches the actor and
+    every engine process it forks; once its engine is up, the actor's heap is exempt from the
+    garbage collector's scans (vLLM's own serving practice), on the sync and the async engine."""
+    for name, nice in (("async", 0), ("train", 5)):
+        fleet = async_and_train[name]
+        assert fleet.settings.fleet.engine_niceness == nice
+        (status,) = fleet.status()
+        assert {pid: psutil.Process(pid).nice() for pid in [status.actor_pid, *status.engine_pids]} == \
+            dict.fromkeys([status.actor_pid, *status.engine_pids], nice), name
+        frozen = ray.get(fleet.shards[0].actor.__ray_call__.remote(lambda actor: gc.get_freeze_count()), timeout=30)
+        assert frozen > 10_000, (name, frozen)  # vLLM, torch and Ray's objects: ~660k on CPU
 
 
 def test_tensor_parallel_2_shard_matches_tp1_greedy(ray_cluster, make_settings, async_and_train):

@@ -284,3 +284,11 @@ def test_weight_transfer_backend_becomes_vllms_weight_transfer_config():
     kw = engine_kwargs({"vllm_kwargs": {"weight_transfer_config": {"backend": "nccl"}}}, model_dir="m",
                        tokenizer_dir="t", device="gpu", weight_transfer_backend="ipc")
     assert kw["weight_transfer_config"] == {"backend": "nccl"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_niceness_is_rays_worker_niceness_when_given(device):
+    cfg = _cfg()
+    env = engine_env(cfg, device=device, omp_threads=1, cpu_kvcache_space_gb=1.0, niceness=0)
+    assert env["RAY_worker_niceness"] == "0"
+    assert "RAY_worker_niceness" not in _env(device)  # not given: Ray's own default stands

@@ -526,6 +526,15 @@ def test_cpu_kv_cache_space_is_whole_gib():
     assert err.field == "fleet.cpu_kvcache_space_gb" and "whole number of GiB" in str(err) and "0.5" in str(err)
 
 
+def test_engine_niceness_is_a_nice_value_a_worker_can_take():
+    """0..19: Ray's worker (not root, on many clusters) cannot lower its own niceness below 0."""
+    assert NemoGenSettings.load().fleet.engine_niceness == 0
+    assert NemoGenSettings.load(overrides=["fleet.engine_niceness=10"]).fleet.engine_niceness == 10
+    for bad in ("-5", "20"):
+        err = _raises_config_error(overrides=[f"fleet.engine_niceness={bad}"])
+        assert err.field == "fleet.engine_niceness", err
+
+
 def test_refit_backend_must_be_registered():
     for backend in ("nemo_gen_shm", "nemo_gen_ipc", "ipc", "nccl"):
         assert NemoGenSettings.load(overrides=[f"refit.backend={backend}"]).refit.backend == backend
