@@ -9,8 +9,10 @@ of the prompts (token ids) at temperature 0 with EOS ignored, best of two runs. 
 (vLLM's default when left out): the caller passes the fleet's, so that the two run one engine config.
 
 With ``serve`` the engine stays up after OUT.json is written: each ``run`` line on stdin is one more
-timed run of the same batch, answered on stdout as ``BARE {"seconds": ..., "tokens": ...}`` (vLLM's
-own log lines share stdout), until ``quit`` or the end of stdin. The caller interleaves these with
+timed run of the same batch, answered on stdout as ``BARE {"seconds": ..., "tokens": ...,
+"front_end": ...}`` (vLLM's own log lines share stdout; ``front_end``: ``front_end.FrontEndClock``'s
+split of the run), until ``quit`` or the end of stdin. A ``freeze`` line freezes this process's
+heap (vLLM's ``freeze_gc_heap``, as a shard actor does once its engine is up), answered ``BARE {}``. The caller interleaves these with
 the fleet's runs, so that both are measured in the same minutes of the same GPU.
 
 ``BARE_ENGINE_KWARGS`` (a JSON file) replaces the engine arguments with those given (a fleet shard's
@@ -49,14 +51,20 @@ def main() -> None:
             llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=float(util), max_model_len=int(max_len),
                       seed=0, disable_log_stats=True, **engine_args)
     llm_s = time.monotonic() - t2
+    from front_end import clock_of  # beside this file
+
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_path))]
     sampling = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)
     llm.generate(prompts[:8], sampling, use_tqdm=False)  # warm-up, as the fleet's first batch is not timed either
 
+    clock = clock_of(llm)
+
     def timed_run() -> dict:
+        clock.reset()
         t = time.perf_counter()
         outs = llm.generate(prompts, sampling, use_tqdm=False)
-        return {"seconds": time.perf_counter() - t, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        return {"seconds": time.perf_counter() - t, "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "front_end": clock.read()}
 
     runs = [timed_run() for _ in range(2)]
     best = min(runs, key=lambda r: r["seconds"])
@@ -67,6 +75,12 @@ def main() -> None:
     if serve:
         print("BARE READY", flush=True)
         for line in sys.stdin:
+            if line.strip() == "freeze":
+                from vllm.utils.gc_utils import freeze_gc_heap
+
+                freeze_gc_heap()
+                print("BARE {}", flush=True)
+                continue
             if line.strip() != "run":
                 break
             print("BARE " + json.dumps(timed_run()), flush=True)

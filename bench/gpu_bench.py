@@ -170,6 +170,8 @@ class timed_steps:
 
     def __init__(self, client):
         self.client, self.seconds, self._orig = client, {}, {}
+        self.started: dict[str, float] = {}  # the last call's start and end (perf_counter)
+        self.ended: dict[str, float] = {}
         for name in ("apply_weight_update", "start_weight_update", "update_weights", "finish_weight_update"):
             fn = getattr(client, name, None)
             if fn is None:
@@ -177,11 +179,12 @@ class timed_steps:
             self._orig[name] = fn
 
             def timed(*a, _fn=fn, _name=name, **kw):
-                t = time.perf_counter()
+                t = self.started[_name] = time.perf_counter()
                 try:
                     return _fn(*a, **kw)
                 finally:
-                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - t
+                    self.ended[_name] = time.perf_counter()
+                    self.seconds[_name] = self.seconds.get(_name, 0.0) + self.ended[_name] - t
 
             setattr(client, name, timed)
 
@@ -273,30 +276,49 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
     return res
 
 
-def interleaved_throughput(fleet_run, bare_run, proc, rounds: int, deadline_s: float) -> dict:
+def interleaved_throughput(fleet_run, bare_run, rounds: int, deadline_s: float) -> dict:
     """``rounds`` x (one fleet run, one bare run), the order swapped every round, while both engines
-    are up on the GPU. ``fleet_run`` returns ``{"seconds", "tokens"}``; ``bare_run`` asks the bare
-    process (``gpu_bare_vllm.py ... serve``) for one run and returns its answer. Stops early at the
-    deadline. The ratio is of the medians (the same batch on both: tokens are equal)."""
+    are up on the GPU. Each ``*_run`` returns ``{"seconds", "tokens", "front_end"}`` (the bare one
+    asks the process ``gpu_bare_vllm.py ... serve`` for a run; ``front_end``: where its engine's
+    own process spent the run, ``front_end.FrontEndClock``). Stops early at the deadline. The
+    ratio is of the medians (the same batch on both: tokens are equal)."""
     import statistics
 
-    seconds: dict[str, list[float]] = {"fleet": [], "bare": []}
+    from front_end import medians
+
+    runs: dict[str, list[dict]] = {"fleet": [], "bare": []}
     for i in range(rounds):
         if elapsed() > deadline_s:
             break
         for arm in (("fleet", "bare") if i % 2 == 0 else ("bare", "fleet")):
-            if arm == "bare":
-                proc.stdin.write("run\n")
-                proc.stdin.flush()
-                seconds["bare"].append(bare_run()["seconds"])
-            else:
-                seconds["fleet"].append(fleet_run()["seconds"])
-    out: dict = {"seconds": seconds}
-    if seconds["fleet"] and seconds["bare"]:
-        med = {arm: statistics.median(v) for arm, v in seconds.items()}
+            runs[arm].append(bare_run() if arm == "bare" else fleet_run())
+    out: dict = {"seconds": {arm: [r["seconds"] for r in v] for arm, v in runs.items()}}
+    if runs["fleet"] and runs["bare"]:
+        med = {arm: statistics.median(r["seconds"] for r in v) for arm, v in runs.items()}
         out.update(median_s=med, throughput_fleet_over_bare=med["bare"] / med["fleet"],
-                   best_fleet_over_bare=min(seconds["bare"]) / min(seconds["fleet"]))
+                   best_fleet_over_bare=min(out["seconds"]["bare"]) / min(out["seconds"]["fleet"]),
+                   front_end={arm: medians([r["front_end"] for r in v if r.get("front_end")]) for arm, v in runs.items()})
     return out
+
+
+def fleet_front_end(handle, reset: bool) -> dict | None:
+    """The front-end clock (``front_end.FrontEndClock``) on a shard's engine, inside its actor:
+    installed and reset (``reset``), or read."""
+    import ray
+    from ray import cloudpickle
+
+    import front_end
+
+    cloudpickle.register_pickle_by_value(front_end)  # the actor cannot import bench/
+
+    def fn(actor, reset):
+        clock = front_end.clock_of(actor.engine._llm)
+        if reset:
+            clock.reset()
+            return None
+        return clock.read()
+
+    return ray.get(handle.actor.__ray_call__.remote(fn, reset), timeout=60)
 
 
 def call_worker(handle, method: str, *args):
@@ -429,7 +451,7 @@ def main() -> None:
                 for i in range(args.refit_rounds):
                     steps = timed_steps(client)
                     client.timings.clear()
-                    t = time.perf_counter()
+                    t = t_send = time.perf_counter()
                     engine.send_weights()
                     wall = time.perf_counter() - t
                     steps.undo()
@@ -443,7 +465,16 @@ def main() -> None:
                     torch.cuda.synchronize()
                     sync_s = time.perf_counter() - t
                     stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
-                    rounds.append({"wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
+                    shard = next(iter(client.timings.values()), None)
+                    legs = {}
+                    if shard and "entered_at" in shard and "apply_weight_update" in steps.started:
+                        # the Ray call's two legs (one host, one monotonic clock): the client's
+                        # checks + the call reaching the actor, and the answer's way back + the
+                        # client's bookkeeping (version flip included)
+                        legs = {"to_actor_s": shard["entered_at"] - steps.started["apply_weight_update"],
+                                "back_s": steps.ended["apply_weight_update"] - shard["left_at"],
+                                "sender_before_apply_s": steps.started["apply_weight_update"] - t_send}
+                    rounds.append({**legs, "wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
                                    "loaders_s": stats.get("load_s"), "transfer_s": stats.get("transfer_s"),
                                    "prepare_s": stats.get("prepare_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
                                    "path": stats["path"], "ok": client.report.ok, "sender_s": sender_s,
@@ -543,12 +574,26 @@ def main() -> None:
                         return line[len(prefix):]
                 raise RuntimeError(f"bare vLLM exited {proc.wait()}: {bare_log.read_text()[-2000:]}")
 
+            def ask(line: str) -> dict:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+                return json.loads(answer("BARE "))
+
+            def fleet_run() -> dict:
+                fleet_front_end(fleet.shards[0], reset=True)
+                res = throughput(runs=1)
+                return {**res, "front_end": fleet_front_end(fleet.shards[0], reset=False)}
+
             try:
                 answer("BARE READY")
                 wall = time.monotonic() - t
                 bare = json.loads(res_file.read_text())
-                rounds = interleaved_throughput(lambda: throughput(runs=1), lambda: json.loads(answer("BARE ")),
-                                                proc, args.interleave, args.deadline_s - 30)
+                # First the bare engine as vLLM leaves it, then with its heap frozen as the shard
+                # actor's is once its engine is up: what is left is the process, not the GC.
+                rounds = interleaved_throughput(fleet_run, lambda: ask("run"), args.interleave, args.deadline_s - 60)
+                ask("freeze")
+                rounds_frozen = interleaved_throughput(fleet_run, lambda: ask("run"), args.interleave,
+                                                       args.deadline_s - 30)
             finally:
                 if proc.poll() is None:  # closing its stdin shuts the bare engine down
                     rest, _ = proc.communicate(timeout=120)
@@ -561,7 +606,7 @@ def main() -> None:
             ratios["launch_over_bare"] = launch["launch_s"] / bare["total_s"]
         if state.get("fleet_tps"):
             ratios["throughput_fleet_over_bare"] = state["fleet_tps"]["tokens_per_s"] / bare["tokens_per_s"]
-        return {"bare": bare, "interleaved": rounds, **ratios}
+        return {"bare": bare, "interleaved": rounds, "interleaved_bare_frozen": rounds_frozen, **ratios}
 
     @step("restart_after_sigkill", out, args.deadline_s, 200)
     def _():
@@ -660,6 +705,10 @@ def write_markdown(out: Path) -> None:
         if shard:
             rows.append((f"refit nemo_gen_ipc, {path}: in the shard actor / its RPC into the engine / the worker",
                          " / ".join(fmt(shard.get(k)) for k in ("actor_s", "engine_rpc_s", "worker_s")) + " s"))
+        if get('refit', path, 'steady', 'to_actor_s') is not None:
+            rows.append((f"refit nemo_gen_ipc, {path}: sender before the call / the call reaching the actor / its answer back",
+                         " / ".join(fmt(get('refit', path, 'steady', k)) for k in
+                                    ("sender_before_apply_s", "to_actor_s", "back_s")) + " s"))
         steps = get('refit', path, 'steady', 'steps_s') or {}
         rows.append((f"refit nemo_gen_ipc, {path}: client steps apply / start / update / finish",
                      " / ".join(fmt(steps.get(k)) for k in ("apply_weight_update", "start_weight_update", "update_weights",
@@ -685,6 +734,16 @@ def write_markdown(out: Path) -> None:
                  f"{fmt(get('bare_vllm', 'interleaved', 'best_fleet_over_bare'))} "
                  f"(fleet {fmt(get('bare_vllm', 'interleaved', 'median_s', 'fleet'))} s, "
                  f"bare {fmt(get('bare_vllm', 'interleaved', 'median_s', 'bare'))} s)"))
+    for key, what in (("interleaved", "as vLLM leaves it"), ("interleaved_bare_frozen", "its heap frozen too")):
+        fe = get('bare_vllm', key, 'front_end') or {}
+        rows.append((f"  engine process of each (bare {what}), medians: front end / waiting for the EngineCore / GC (full collections)",
+                     "; ".join(f"{arm} {fmt(m.get('proc_s'))} / {fmt(m.get('wait_s'))} / {fmt(m.get('gc_s'))} s "
+                               f"({fmt(m.get('gc_full'))})" for arm, m in fe.items()) or "-"))
+    rows.append(("throughput fleet / bare, interleaved, the bare engine's heap frozen too (median / best)",
+                 f"{fmt(get('bare_vllm', 'interleaved_bare_frozen', 'throughput_fleet_over_bare'))} / "
+                 f"{fmt(get('bare_vllm', 'interleaved_bare_frozen', 'best_fleet_over_bare'))} "
+                 f"(fleet {fmt(get('bare_vllm', 'interleaved_bare_frozen', 'median_s', 'fleet'))} s, "
+                 f"bare {fmt(get('bare_vllm', 'interleaved_bare_frozen', 'median_s', 'bare'))} s)"))
     rows.append(("  the same batch in the shard actor: nemo_gen's step loop (final outputs / every step's) / vLLM's LLM.generate",
                  f"{fmt(get('throughput_breakdown', 'step_loop', 'seconds'))} s / "
                  f"{fmt(get('throughput_breakdown', 'step_loop_per_step', 'seconds'))} s / "

@@ -29,55 +29,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-# A bare engine in its own process, one timed LLM.generate per "run" line on stdin (answered on
-# stdout as "BARE {json}"; vLLM logs there too): argv = engine kwargs (JSON), prompts (JSON), tokens.
-BARE = """
-import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-if __name__ == "__main__":
-    kwargs, prompts, tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(**kwargs)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
-    llm.generate(prompts[:8], sampling, use_tqdm=False)
-    print("BARE READY", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "run":
-            break
-        t = time.perf_counter()
-        llm.generate(prompts, sampling, use_tqdm=False)
-        print("BARE " + json.dumps({"seconds": time.perf_counter() - t}), flush=True)
-    llm.llm_engine.engine_core.shutdown()
-"""
-
-
-def start_bare(spec, prompts, tokens):
-    """The bare engine of ``--bare`` (``spec``: the fleet's ShardSpec), up and warm; returns
-    ``(process, run)`` where ``run()`` is the seconds of one more batch."""
-    import subprocess
-
-    script = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-bare-")) / "bare.py"  # vLLM spawns from a file's main
-    script.write_text(BARE)
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(spec.engine_kwargs), json.dumps(prompts), str(tokens)],
-                            env={**os.environ, **spec.engine_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-
-    def answer(prefix: str) -> str:
-        for line in proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):]
-        raise RuntimeError(f"the bare engine exited {proc.wait()}")
-
-    def run() -> float:
-        proc.stdin.write("run\n")
-        proc.stdin.flush()
-        return json.loads(answer("BARE "))["seconds"]
-
-    answer("BARE READY")
-    return proc, run
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=256)
@@ -87,6 +38,7 @@ def main() -> None:
     p.add_argument("--bare", action="store_true", help="also LLM.generate in a plain process on the fleet's engine config")
     args = p.parse_args()
 
+    from front_end import PlainEngine
     from gpu_bench import in_actor_throughput
     from nemo_gen import GenerationFleet
     from nemo_gen.settings import NemoGenSettings
@@ -103,7 +55,7 @@ def main() -> None:
     try:
         fleet.generate(prompts[:8], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)  # warm
         if args.bare:
-            bare = start_bare(fleet.resolved.shards[0], prompts, args.tokens)
+            bare = PlainEngine(fleet.resolved.shards[0], prompts, args.tokens, work)
         for _ in range(args.rounds):
             t = time.perf_counter()
             fleet.generate(prompts, temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
@@ -112,12 +64,12 @@ def main() -> None:
             times["actor_call"] = inside.pop("actor_call")["driver_wall_s"]
             times.update({k: v["seconds"] for k, v in inside.items()})
             if bare is not None:
-                times["bare_llm_generate"] = bare[1]()
+                times["bare_llm_generate"] = bare.ask("run")["wall_s"]
             for k, v in times.items():
                 best[k] = min(best.get(k, v), v)
     finally:
         if bare is not None:
-            bare[0].communicate(timeout=120)  # the end of its stdin: the bare engine stops
+            bare.close()
         fleet.shutdown()
     ratios = {k: best[k] / best["llm_generate"] for k in ("step_loop", "step_loop_per_step")}
     for k, v in best.items():

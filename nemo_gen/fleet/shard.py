@@ -270,6 +270,7 @@ class ShardActor:
         rpc = {"init": "init_weight_transfer_engine", "start": "start_weight_update",
                "start_draft": "start_draft_weight_update", "update": "update_weights",
                "finish": "finish_weight_update", "shutdown": "shutdown_weight_transfer_engine"}
+        entered = time.perf_counter()
         update = chunk_of(step, payload)
         if update is not None and needs_whole(update, self._layout):
             return {LAYOUT_UNKNOWN: True}
@@ -290,7 +291,11 @@ class ShardActor:
             self._layout = update.get("layout") if update is not None else None
             self.weight_version = payload["version"]
             await self._end_sync(payload["version"])
-            return {"actor_s": time.perf_counter() - t0, "engine_rpc_s": t2 - t1, "worker_s": max(workers)}
+            # entered_at / left_at: this host's monotonic clock (perf_counter is system-wide on
+            # Linux), so a caller on the same host can split its wait into the call's two legs.
+            left = time.perf_counter()
+            return {"actor_s": left - t0, "engine_rpc_s": t2 - t1, "worker_s": max(workers),
+                    "entered_at": entered, "left_at": left}
         elif step in ("start", "start_draft"):
             await self._begin_sync(payload)
             try:

@@ -1,0 +1,240 @@
+"""Where a ``vllm.LLM``'s own process spends a batch: its front end, side by side in a shard
+actor and in a plain process, with the garbage collector's share.
+
+vLLM's sync engine is two processes: the EngineCore schedules and runs the model, the process
+that holds the ``LLM`` (a shard actor, or a bare script) turns each step's outputs into request
+state (detokenizing, logprob objects). They run in parallel, so a batch takes the longer of the
+two per step: on a GPU, where a decode step of a small model takes milliseconds, the front end
+can be the bound. ``FrontEndClock`` splits a batch's wall time in that process into
+
+- ``proc_s``: vLLM's ``OutputProcessor.process_outputs`` (the front end's own work),
+- ``wait_s``: waiting for the EngineCore's next outputs (``get_output``),
+- ``gc_s`` / ``gc_full``: seconds in the garbage collector, and its full (oldest-generation)
+  collections, wherever in this process they fell.
+
+Used by ``gpu_bare_vllm.py`` and ``gpu_bench.py`` (GPU) and, as a CPU benchmark, by this file's
+``main``: a one-shard CPU fleet and a plain process on the fleet shard's own engine arguments,
+their batches interleaved; the plain process runs first as vLLM leaves it, then with its heap
+frozen as the shard actor's is (``nemo_gen.fleet.engine._freeze_heap``).
+
+Run: ``.venv/bin/python bench/front_end.py [--prompts 512] [--tokens 64] [--rounds 3] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KEYS = ("wall_s", "proc_s", "wait_s", "gc_s", "gc_full", "steps", "frozen")
+
+
+class FrontEndClock:
+    """Timers on one ``vllm.LLM``'s front end (its output processor and its wait for the
+    EngineCore) and on this process's garbage collector. ``reset`` before a batch, ``read``
+    after it. Benchmark use only: it wraps two of vLLM's internal methods."""
+
+    def __init__(self, llm):
+        engine = llm.llm_engine
+        self._acc: dict[str, float] = {}
+        self.reset()
+        processor, core = engine.output_processor, engine.engine_core
+        process, get = processor.process_outputs, core.get_output
+        acc = self._acc
+
+        def timed_process(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return process(*args, **kwargs)
+            finally:
+                acc["proc_s"] += time.perf_counter() - t
+                acc["steps"] += 1
+
+        def timed_get(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return get(*args, **kwargs)
+            finally:
+                acc["wait_s"] += time.perf_counter() - t
+
+        processor.process_outputs, core.get_output = timed_process, timed_get
+        started: list[float] = []
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                acc["gc_s"] += time.perf_counter() - started.pop()
+                acc["gc_full"] += info.get("generation") == 2
+
+        gc.callbacks.append(on_gc)
+
+    def reset(self) -> None:
+        self._acc.update(proc_s=0.0, wait_s=0.0, gc_s=0.0, gc_full=0, steps=0)
+        self._t0 = time.perf_counter()
+
+    def read(self) -> dict:
+        return {"wall_s": time.perf_counter() - self._t0, **self._acc, "frozen": gc.get_freeze_count()}
+
+
+def clock_of(llm) -> FrontEndClock:
+    """The clock on ``llm`` (installed on first use)."""
+    clock = getattr(llm, "_nemo_gen_front_end", None)
+    if clock is None:
+        clock = llm._nemo_gen_front_end = FrontEndClock(llm)
+    return clock
+
+
+def medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in KEYS if runs and k in runs[0]}
+
+
+# A plain process holding an LLM on the given engine arguments: one timed batch per "run" line on
+# stdin, answered "FE {json}" on stdout; "freeze" freezes its heap (vLLM's freeze_gc_heap).
+PLAIN = """
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from front_end import clock_of
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    kwargs, prompts, tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(**kwargs)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+    llm.generate(prompts[:8], sampling, use_tqdm=False)
+    clock = clock_of(llm)
+    print("FE READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "freeze":
+            from vllm.utils.gc_utils import freeze_gc_heap
+            freeze_gc_heap()
+            print("FE {}", flush=True)
+            continue
+        if line.strip() != "run":
+            break
+        clock.reset()
+        llm.generate(prompts, sampling, use_tqdm=False)
+        print("FE " + json.dumps(clock.read()), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+"""
+
+
+class PlainEngine:
+    """``PLAIN`` started on a fleet shard's own engine arguments and environment (``spec``: its
+    ``ShardSpec``), up and warm: the same engine outside Ray and nemo_gen."""
+
+    def __init__(self, spec, prompts: list[list[int]], tokens: int, work: Path):
+        script = work / "plain.py"  # vLLM spawns its EngineCore from a file's __main__
+        script.write_text(PLAIN)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), json.dumps(spec.engine_kwargs), json.dumps(prompts), str(tokens),
+             str(Path(__file__).resolve().parent)],
+            env={**os.environ, **spec.engine_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True)
+        self._answer("FE READY")
+
+    def _answer(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise RuntimeError(f"the plain engine exited {self.proc.wait()}")
+
+    def ask(self, line: str) -> dict:
+        """``run``: one timed batch, the clock's reading; ``freeze``: freeze its heap."""
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._answer("FE "))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.communicate(timeout=120)  # the end of its stdin: the engine stops
+
+
+def in_actor_batch(handle, prompts: list[list[int]], tokens: int) -> dict:
+    """One ``LLM.generate`` of ``prompts`` on a shard's own engine, inside its actor, with the
+    front-end clock: what the plain process runs, in the actor's process."""
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor cannot import bench/
+
+    def fn(actor, prompts, tokens):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = actor.engine
+        clock = clock_of(engine._llm)
+        sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+        engine._rpc_active += 1  # the fleet's probes answer "skipped" instead of starting a batch
+        try:
+            while engine._lock.locked():
+                time.sleep(0.01)
+            clock.reset()
+            engine._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+            return clock.read()
+        finally:
+            engine._rpc_active -= 1
+
+    return ray.get(handle.actor.__ray_call__.remote(fn, prompts, tokens), timeout=600)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from nemo_gen import GenerationFleet
+    from nemo_gen.settings import NemoGenSettings
+    from nemo_gen.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-front-end-"))
+    settings = NemoGenSettings.load(overrides={
+        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": "bench-front-end",
+        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
+    prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    fleet = GenerationFleet.launch(settings)
+    plain = None
+    runs: dict[str, list[dict]] = {"actor": [], "plain": [], "plain_frozen": []}
+    try:
+        plain = PlainEngine(fleet.resolved.shards[0], prompts, args.tokens, work)
+        in_actor_batch(fleet.shards[0], prompts[:8], args.tokens)  # warm
+        for phase in ("plain", "plain_frozen"):
+            if phase == "plain_frozen":
+                plain.ask("freeze")
+            for i in range(args.rounds):
+                for arm in (("actor", phase) if i % 2 == 0 else (phase, "actor")):
+                    runs[arm].append(in_actor_batch(fleet.shards[0], prompts, args.tokens) if arm == "actor"
+                                     else plain.ask("run"))
+    finally:
+        if plain is not None:
+            plain.close()
+        fleet.shutdown()
+    summary = {arm: medians(r) for arm, r in runs.items()}
+    print(f"{'median of ' + str(args.rounds):<22}" + "".join(f"{k:>10}" for k in KEYS))
+    for arm, m in summary.items():
+        print(f"{arm:<22}" + "".join(f"{m.get(k, float('nan')):>10.3g}" for k in KEYS))
+    a, b = summary["actor"], summary["plain"]
+    print(f"\nGC's share of a batch: shard actor (heap frozen) {a['gc_s'] / a['wall_s']:.1%}, plain process "
+          f"{b['gc_s'] / b['wall_s']:.1%}; front-end work (proc_s) actor / plain: {a['proc_s'] / b['proc_s']:.2f}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"prompts": args.prompts, "tokens": args.tokens, "runs": runs,
+                                         "median": summary, "load_average": os.getloadavg()[0]}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
