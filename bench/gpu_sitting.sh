@@ -6,8 +6,9 @@
 #   bash .gpu-src/bench/gpu_sitting.sh bench    install, run bench/gpu_bench.py -> $OUT/gpu_bench.{json,md}, bench.log
 #                                               (BENCH_ARGS: more of its flags, e.g. "--bare-config fleet --interleave 7")
 #   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
-set -uo pipefail
 #   bash .gpu-src/bench/gpu_sitting.sh inflight install, run bench/refit_inflight.py --device gpu -> $OUT/refit_inflight.json
+# TESTS: which of tests/gpu the tests mode runs (default: all of it).
+set -uo pipefail
 root=$PWD
 export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 # The carried stack has no flashinfer-cubin (pack.py skips it): with FlashInfer's sampler every
@@ -20,7 +21,7 @@ case "${1:-}" in
     tail -2 "$OUT/install.log"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
     cd .gpu-src
-    timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider --timeout 300 \
+    timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest ${TESTS:-tests/gpu} -v -s -p no:cacheprovider --timeout 300 \
       > "$OUT/test_gpu.log" 2>&1
     rc=$?
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  |launch of|nemo_gen_ipc refit|SIGKILL" "$OUT/test_gpu.log" | tail -60
