@@ -308,11 +308,12 @@ def fleet_front_end(handle, reset: bool) -> dict | None:
     from ray import cloudpickle
 
     import front_end
+    from front_end import clock_of
 
     cloudpickle.register_pickle_by_value(front_end)  # the actor cannot import bench/
 
     def fn(actor, reset):
-        clock = front_end.clock_of(actor.engine._llm)
+        clock = clock_of(actor.engine._llm)
         if reset:
             clock.reset()
             return None
