@@ -436,6 +436,7 @@ def main() -> None:
 
         policy, handle = state["policy"], fleet.shards[0]
         before = greedy()
+        before_again = greedy()  # is greedy even repeatable here (batch shapes, a probe's request beside it)?
         client = fleet.weight_sync_client()
         engine = WeightTransferTrainerFactory.trainer_init(CudaIpcTrainerInitInfo(), client=client,
                                                            source=ModuleSource(policy))
@@ -515,7 +516,11 @@ def main() -> None:
         res["checkpoint"] = {"ok": report.ok, "wall_s": time.perf_counter() - t, "stage_s": report.stage_seconds,
                              "load_s": report.load_seconds, "bytes": report.bytes}
         res["checkpoint"]["gbps"] = report.bytes / res["checkpoint"]["wall_s"] / 1e9
-        res["tokens_after_checkpoint_refit_equal"] = greedy() == before
+        after_checkpoint = greedy()
+        res["tokens_after_checkpoint_refit_equal"] = after_checkpoint == before
+        res["greedy_repeatable"] = before_again == before
+        res["tokens"] = {"before": before, "before_again": before_again, "negated": flipped, "back": back,
+                         "after_checkpoint": after_checkpoint}
         return res
 
     def throughput(runs=2):
@@ -651,7 +656,7 @@ def main() -> None:
         try:
             for packed in (False, True):
                 client = ipc_fleet.weight_sync_client()
-                engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(packed=packed), client=client,
+                engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(packed=packed, rank=0), client=client,
                                                                    source=ModuleSource(state["policy"]))
                 try:
                     rounds = []

@@ -63,8 +63,13 @@ class NemoGenWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     def _drafter(self):
-        drafter = getattr(self.model_runner, "drafter", None)
-        return drafter if drafter is not None and getattr(drafter, "model", None) is not None else None
+        """The speculative drafter with its model: vLLM's V1 model runner (CPU) keeps it as
+        ``drafter``, its V2 runner (CUDA) as ``speculator``; None without a draft model."""
+        for attr in ("drafter", "speculator"):
+            drafter = getattr(self.model_runner, attr, None)
+            if drafter is not None and getattr(drafter, "model", None) is not None:
+                return drafter
+        return None
 
     def _shared_with_policy(self) -> list[str]:
         return shared_with_policy(self._drafter().model, self.model_runner.get_model())
