@@ -65,9 +65,10 @@ def _freeze_heap() -> None:
     """Exempt every object alive now (the imports of vLLM, torch, Ray: ~660k here) from the
     garbage collector's scans, as vLLM's own API server does once it is up (``freeze_gc_heap``).
     The engine's output processing in this process allocates per request per step, so full
-    collections come every batch, and each one walked that whole heap: 0.6 s of a 4 s batch of
-    512 requests on a CPU engine (bench/front_end.py); frozen, 0.05 s. On a GPU engine that work
-    is on the batch's critical path. Objects made later are collected as usual."""
+    collections come every batch, and each one walked that whole heap: 0.7-0.9 s of a 4 s batch of
+    512 requests on a CPU engine, frozen 0.14-0.21 s (bench/front_end.py); on an H200, where this
+    process's output processing is what bounds a batch, 1.5 s of a bare vLLM's 4 s batch
+    (bench/results/2026-12-02-h200-b.md). Objects made later are collected as usual."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()
