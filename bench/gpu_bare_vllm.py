@@ -12,8 +12,9 @@ With ``serve`` the engine stays up after OUT.json is written: each ``run`` line 
 timed run of the same batch, answered on stdout as ``BARE {"seconds": ..., "tokens": ...,
 "front_end": ...}`` (vLLM's own log lines share stdout; ``front_end``: ``front_end.FrontEndClock``'s
 split of the run), until ``quit`` or the end of stdin. A ``freeze`` line freezes this process's
-heap (vLLM's ``freeze_gc_heap``, as a shard actor does once its engine is up), answered ``BARE {}``. The caller interleaves these with
-the fleet's runs, so that both are measured in the same minutes of the same GPU.
+heap (vLLM's ``freeze_gc_heap``, as a shard actor does once its engine is up), answered
+``BARE {}``. The caller interleaves these with the fleet's runs, so that both are measured in the
+same minutes of the same GPU.
 
 ``BARE_ENGINE_KWARGS`` (a JSON file) replaces the engine arguments with those given (a fleet shard's
 own, nemo_gen's worker extension and weight-transfer engine included): the same engine, outside
