@@ -14,8 +14,8 @@ can be the bound. ``FrontEndClock`` splits a batch's wall time in that process i
 
 Used by ``gpu_bare_vllm.py`` and ``gpu_bench.py`` (GPU) and, as a CPU benchmark, by this file's
 ``main``: a one-shard CPU fleet and a plain process on the fleet shard's own engine arguments,
-their batches interleaved; the plain process runs first as vLLM leaves it, then with its heap
-frozen as the shard actor's is (``nemo_gen.fleet.engine._freeze_heap``).
+their batches interleaved; the plain process (``gpu_bare_vllm.py``'s ``serve``) runs first as vLLM
+leaves it, then with its heap frozen as the shard actor's is (``nemo_gen.fleet.engine._freeze_heap``).
 
 Run: ``.venv/bin/python bench/front_end.py [--prompts 512] [--tokens 64] [--rounds 3] [--json out.json]``.
 """
@@ -46,25 +46,22 @@ class FrontEndClock:
         self._acc: dict[str, float] = {}
         self.reset()
         processor, core = engine.output_processor, engine.engine_core
-        process, get = processor.process_outputs, core.get_output
         acc = self._acc
 
-        def timed_process(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return process(*args, **kwargs)
-            finally:
-                acc["proc_s"] += time.perf_counter() - t
-                acc["steps"] += 1
+        def timed(fn, key: str, count: str | None = None):
+            def wrapper(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    acc[key] += time.perf_counter() - t
+                    if count:
+                        acc[count] += 1
 
-        def timed_get(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return get(*args, **kwargs)
-            finally:
-                acc["wait_s"] += time.perf_counter() - t
+            return wrapper
 
-        processor.process_outputs, core.get_output = timed_process, timed_get
+        processor.process_outputs = timed(processor.process_outputs, "proc_s", count="steps")
+        core.get_output = timed(core.get_output, "wait_s")
         started: list[float] = []
 
         def on_gc(phase: str, info: dict) -> None:
@@ -96,53 +93,27 @@ def medians(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in KEYS if runs and k in runs[0]}
 
 
-# A plain process holding an LLM on the given engine arguments: one timed batch per "run" line on
-# stdin, answered "FE {json}" on stdout; "freeze" freezes its heap (vLLM's freeze_gc_heap).
-PLAIN = """
-import json, sys
-sys.path.insert(0, sys.argv[4])
-from front_end import clock_of
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-if __name__ == "__main__":
-    kwargs, prompts, tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(**kwargs)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
-    llm.generate(prompts[:8], sampling, use_tqdm=False)
-    clock = clock_of(llm)
-    print("FE READY", flush=True)
-    for line in sys.stdin:
-        if line.strip() == "freeze":
-            from vllm.utils.gc_utils import freeze_gc_heap
-            freeze_gc_heap()
-            print("FE {}", flush=True)
-            continue
-        if line.strip() != "run":
-            break
-        clock.reset()
-        llm.generate(prompts, sampling, use_tqdm=False)
-        print("FE " + json.dumps(clock.read()), flush=True)
-    llm.llm_engine.engine_core.shutdown()
-"""
-
-
 class PlainEngine:
-    """``PLAIN`` started on a fleet shard's own engine arguments and environment (``spec``: its
-    ``ShardSpec``), up and warm: the same engine outside Ray and nemo_gen."""
+    """``gpu_bare_vllm.py ... serve`` started on a fleet shard's own engine arguments and environment
+    (``spec``: its ``ShardSpec``; the script's ``BARE_ENGINE_KWARGS``), up and warm: the same
+    engine outside Ray and nemo_gen, timed by the same clock."""
 
     def __init__(self, spec, prompts: list[list[int]], tokens: int, work: Path):
-        script = work / "plain.py"  # vLLM spawns its EngineCore from a file's __main__
-        script.write_text(PLAIN)
+        (work / "plain-kwargs.json").write_text(json.dumps(spec.engine_kwargs))
+        (work / "plain-prompts.json").write_text(json.dumps(prompts))
+        kwargs = spec.engine_kwargs
+        # model, memory share and length are the script's plain-vLLM arguments: unused here
+        # (BARE_ENGINE_KWARGS replaces them), given for its argument list.
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), json.dumps(spec.engine_kwargs), json.dumps(prompts), str(tokens),
-             str(Path(__file__).resolve().parent)],
-            env={**os.environ, **spec.engine_env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True)
-        self._answer("FE READY")
+            [sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(work / "plain.json"),
+             kwargs["model"], "0", "0", str(work / "plain-prompts.json"), str(tokens),
+             kwargs.get("logprobs_mode", "processed_logprobs"), "serve"],
+            env={**os.environ, **spec.engine_env, "BARE_ENGINE_KWARGS": str(work / "plain-kwargs.json")},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._answer("BARE READY")
 
     def _answer(self, prefix: str) -> str:
-        for line in self.proc.stdout:
+        for line in self.proc.stdout:  # vLLM's own log lines share its stdout
             if line.startswith(prefix):
                 return line[len(prefix):]
         raise RuntimeError(f"the plain engine exited {self.proc.wait()}")
@@ -151,20 +122,43 @@ class PlainEngine:
         """``run``: one timed batch, the clock's reading; ``freeze``: freeze its heap."""
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        return json.loads(self._answer("FE "))
+        return json.loads(self._answer("BARE ")).get("front_end", {})
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.communicate(timeout=120)  # the end of its stdin: the engine stops
 
 
+def _by_value() -> None:
+    """Functions of this module sent to a shard actor travel by value: the actor cannot import
+    bench/."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def actor_clock(handle, reset: bool) -> dict | None:
+    """The clock on a shard's engine, inside its actor: installed and reset (``reset``), or read."""
+    import ray
+
+    _by_value()
+
+    def fn(actor, reset):
+        clock = clock_of(actor.engine._llm)
+        if reset:
+            clock.reset()
+            return None
+        return clock.read()
+
+    return ray.get(handle.actor.__ray_call__.remote(fn, reset), timeout=60)
+
+
 def in_actor_batch(handle, prompts: list[list[int]], tokens: int) -> dict:
     """One ``LLM.generate`` of ``prompts`` on a shard's own engine, inside its actor, with the
     front-end clock: what the plain process runs, in the actor's process."""
     import ray
-    from ray import cloudpickle
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor cannot import bench/
+    _by_value()
 
     def fn(actor, prompts, tokens):
         from vllm import SamplingParams

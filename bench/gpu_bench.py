@@ -301,27 +301,6 @@ def interleaved_throughput(fleet_run, bare_run, rounds: int, deadline_s: float) 
     return out
 
 
-def fleet_front_end(handle, reset: bool) -> dict | None:
-    """The front-end clock (``front_end.FrontEndClock``) on a shard's engine, inside its actor:
-    installed and reset (``reset``), or read."""
-    import ray
-    from ray import cloudpickle
-
-    import front_end
-    from front_end import clock_of
-
-    cloudpickle.register_pickle_by_value(front_end)  # the actor cannot import bench/
-
-    def fn(actor, reset):
-        clock = clock_of(actor.engine._llm)
-        if reset:
-            clock.reset()
-            return None
-        return clock.read()
-
-    return ray.get(handle.actor.__ray_call__.remote(fn, reset), timeout=60)
-
-
 def call_worker(handle, method: str, *args):
     """A worker-extension method on a running shard's engine (sync engine: through the actor's
     ``__ray_call__``; benchmark use only)."""
@@ -569,6 +548,8 @@ def main() -> None:
 
     @step("bare_vllm", out, args.deadline_s, 240)
     def _():
+        from front_end import actor_clock
+
         prompts_file = work / "prompts.json"
         prompts_file.write_text(json.dumps(tok_prompts))
         res_file, bare_log = work / "bare.json", out / "bare_vllm.log"
@@ -603,9 +584,9 @@ def main() -> None:
                 return json.loads(answer("BARE "))
 
             def fleet_run() -> dict:  # the engine is warm (fleet_throughput): the clock sees this batch only
-                fleet_front_end(fleet.shards[0], reset=True)
+                actor_clock(fleet.shards[0], reset=True)
                 res = throughput(runs=1, warm=False)
-                return {**res, "front_end": fleet_front_end(fleet.shards[0], reset=False)}
+                return {**res, "front_end": actor_clock(fleet.shards[0], reset=False)}
 
             try:
                 answer("BARE READY")
