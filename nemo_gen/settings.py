@@ -377,8 +377,9 @@ class RefitSettings(_Section):
         description="vLLM weight-transfer backend the engines start with (weight_transfer_config), "
         "used by trainers that drive fleet.weight_sync_client(): 'nemo_gen_shm' (shared memory, any "
         "device), 'nemo_gen_ipc' (CUDA IPC from a trainer on the engines' GPU, handles shared once), "
-        "or vLLM's own 'ipc' / 'nccl' (trainer on other GPUs); any backend registered in the installed "
-        "vLLM's weight-transfer factory is accepted.",
+        "or vLLM's own 'ipc' (trainer on the engines' GPU; its engines start with "
+        "VLLM_ALLOW_INSECURE_SERIALIZATION=1, which its handles need) / 'nccl' (trainer on other GPUs); any "
+        "backend registered in the installed vLLM's weight-transfer factory is accepted.",
     )
     draft: bool = Field(
         False,

@@ -20,6 +20,15 @@ WORKER_EXTENSION = "nemo_gen.refit.worker_entry.NemoGenWorkerExtension"
 # The nice value the raylet starts a worker process at (Ray's default: 15).
 RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
+# vLLM's own ``ipc`` weight-transfer backend hands the update RPC its CUDA IPC handles as
+# they are (tuples holding torch classes and dtypes). The engine's msgpack channel between the
+# shard actor and its EngineCore refuses those unless vLLM may fall back to pickle: every refit
+# failed with "Object of type <class 'torch._C._TensorMeta'> is not serializable" on the H200
+# (2026-12-02) until this was set. vLLM's HTTP refit routes need the same switch for the same
+# handles. The channel is the engine's own (one host, one user); no other backend needs it.
+ALLOW_PICKLE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+PICKLED_HANDLE_BACKENDS = frozenset({"ipc"})
+
 _DTYPES = {"auto", "float32", "bfloat16", "float16", "half", "float"}
 
 
@@ -105,13 +114,16 @@ def engine_env(
     cpu_kvcache_space_gb: float,
     cpu_cores: list[int] | None = None,
     niceness: int | None = None,
+    weight_transfer_backend: str | None = None,
 ) -> dict[str, str]:
     """Environment for one shard's processes.
 
     On CPU each rank gets ``omp_threads`` OpenMP threads; with ``cpu_cores`` given, ranks are
     pinned (VLLM_CPU_OMP_THREADS_BIND, ``|`` between ranks) so two engines never share a core.
     ``niceness``: the nice value Ray starts the shard actor at (its engine's processes inherit
-    it); None leaves Ray's default for workers (15).
+    it); None leaves Ray's default for workers (15). ``weight_transfer_backend``: the engine's
+    (``transfer_backend(engine_kwargs)``); vLLM's ``ipc`` gets ALLOW_PICKLE, and a
+    ``vllm_cfg.env_vars`` entry that turns it off is refused.
     """
     vc = gen_cfg.get("vllm_cfg", {})
     env: dict[str, str] = {}
@@ -136,9 +148,35 @@ def engine_env(
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(_core_list(r) for r in ranks)
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if weight_transfer_backend in PICKLED_HANDLE_BACKENDS:
+        env[ALLOW_PICKLE] = "1"
     for key, value in (vc.get("env_vars") or {}).items():
         env[str(key)] = str(value)
+    if weight_transfer_backend in PICKLED_HANDLE_BACKENDS and not _vllm_flag_on(env[ALLOW_PICKLE]):
+        raise ConfigError(
+            f"refit.backend {weight_transfer_backend!r} sends CUDA IPC handles that the engine can only take "
+            f"with {ALLOW_PICKLE}=1 (got {env[ALLOW_PICKLE]!r}): drop it from env_vars or use refit.backend "
+            "'nemo_gen_ipc'",
+            field=f"generation.vllm_cfg.env_vars.{ALLOW_PICKLE}",
+        )
     return env
+
+
+def _vllm_flag_on(value: str) -> bool:
+    # as vllm.envs reads its 0/1 flags: bool(int(...))
+    try:
+        return bool(int(value))
+    except ValueError:
+        return False
+
+
+def transfer_backend(kwargs: Mapping[str, Any]) -> str | None:
+    """The weight-transfer backend an engine built from ``engine_kwargs(...)`` starts with
+    (``vllm_kwargs`` may have replaced the one refit.backend gave)."""
+    config = kwargs.get("weight_transfer_config")
+    if isinstance(config, Mapping):
+        return config.get("backend")
+    return getattr(config, "backend", None)
 
 
 def _fmt_gb(value: float) -> str:

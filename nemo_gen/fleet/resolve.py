@@ -129,6 +129,7 @@ def resolve_generation(
                 cpu_kvcache_space_gb=settings.fleet.cpu_kvcache_space_gb,
                 cpu_cores=cores[shard.shard] if cores else None,
                 niceness=settings.fleet.engine_niceness,
+                weight_transfer_backend=engine_args.transfer_backend(kwargs),
             ),
             async_engine=bool(vc.get("async_engine")),
             device=device,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gen.core.engine_args import engine_env, engine_kwargs
+from nemo_gen.core.engine_args import engine_env, engine_kwargs, transfer_backend
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
 
@@ -292,3 +292,51 @@ def test_niceness_is_rays_worker_niceness_when_given(device):
     env = engine_env(cfg, device=device, omp_threads=1, cpu_kvcache_space_gb=1.0, niceness=0)
     assert env["RAY_worker_niceness"] == "0"
     assert "RAY_worker_niceness" not in _env(device)  # not given: Ray's own default stands
+
+
+def test_vllms_ipc_backend_lets_the_engine_take_its_pickled_cuda_handles():
+    # Without it every refit through vLLM's ipc failed in the engine's msgpack channel (H200).
+    assert _env("gpu").get("VLLM_ALLOW_INSECURE_SERIALIZATION") is None
+    for backend in ("nemo_gen_ipc", "nemo_gen_shm", "nccl"):
+        env = engine_env(_cfg(), device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0,
+                         weight_transfer_backend=backend)
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env, backend
+    env = engine_env(_cfg(), device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0, weight_transfer_backend="ipc")
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+
+
+@pytest.mark.parametrize("value", ["0", "", "no"])
+def test_an_env_var_that_turns_the_ipc_backends_pickling_off_is_refused_by_name(value):
+    cfg = _cfg(env_vars={"VLLM_ALLOW_INSECURE_SERIALIZATION": value})
+    with pytest.raises(ConfigError) as err:
+        engine_env(cfg, device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0, weight_transfer_backend="ipc")
+    assert err.value.field == "generation.vllm_cfg.env_vars.VLLM_ALLOW_INSECURE_SERIALIZATION"
+    assert "'ipc'" in str(err.value) and "nemo_gen_ipc" in str(err.value)
+    # the same entry with another backend is the user's own business
+    assert engine_env(cfg, device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0,
+                      weight_transfer_backend="nemo_gen_ipc")["VLLM_ALLOW_INSECURE_SERIALIZATION"] == value
+
+
+def test_the_transfer_backend_is_the_one_the_engine_starts_with():
+    kw = engine_kwargs({}, model_dir="m", tokenizer_dir="t", device="gpu", weight_transfer_backend="ipc")
+    assert transfer_backend(kw) == "ipc"
+    kw = engine_kwargs({"vllm_kwargs": {"weight_transfer_config": {"backend": "nccl"}}}, model_dir="m",
+                       tokenizer_dir="t", device="gpu", weight_transfer_backend="ipc")
+    assert transfer_backend(kw) == "nccl"
+    assert transfer_backend(engine_kwargs({}, model_dir="m", tokenizer_dir="t", device="gpu")) is None
+
+
+def test_a_gpu_fleet_on_vllms_ipc_backend_starts_its_engines_able_to_take_the_handles(make_settings):
+    from nemo_gen.core.placement import ClusterResources
+    from nemo_gen.fleet.resolve import resolve_generation
+
+    gpu = ClusterResources.from_nodes([{"GPU": 2, "CPU": 8}])
+    resolved = resolve_generation(make_settings(fleet__device="gpu", refit__backend="ipc"), gpu)
+    assert resolved.shards[0].engine_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    resolved = resolve_generation(make_settings(fleet__device="gpu", refit__backend="nemo_gen_ipc"), gpu)
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in resolved.shards[0].engine_env
+    with pytest.raises(ConfigError) as err:
+        resolve_generation(make_settings(**{"fleet__device": "gpu", "refit__backend": "ipc",
+                                            "generation__vllm_cfg__env_vars": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "0"}}),
+                           gpu)
+    assert err.value.field == "generation.vllm_cfg.env_vars.VLLM_ALLOW_INSECURE_SERIALIZATION"
