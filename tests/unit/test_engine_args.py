@@ -340,3 +340,29 @@ def test_a_gpu_fleet_on_vllms_ipc_backend_starts_its_engines_able_to_take_the_ha
                                             "generation__vllm_cfg__env_vars": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "0"}}),
                            gpu)
     assert err.value.field == "generation.vllm_cfg.env_vars.VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+def test_vllms_engine_rpc_carries_ipc_handles_only_with_pickling_allowed(monkeypatch):
+    """The premise of ALLOW_PICKLE, on vLLM's own codec (what the shard actor's RPC into its
+    EngineCore encodes with): an ipc update's handle arguments hold torch classes and dtypes,
+    refused as they were on the H200, and carried with the variable on."""
+    import torch
+    from vllm import envs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from nemo_gen.core.engine_args import ALLOW_PICKLE
+
+    envs.disable_envs_cache()  # read the variable at each use, as a fresh engine process does
+    # the shape of torch.multiprocessing.reductions.reduce_tensor's CUDA args (rebuild_cuda_tensor)
+    handle_args = (torch.Tensor, (4, 2), (2, 1), 0, torch.bfloat16, 0, b"handle", 16, 0, True)
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 2]],
+              "ipc_handles": [{"GPU-0": handle_args}]}
+    monkeypatch.delenv(ALLOW_PICKLE, raising=False)
+    with pytest.raises(TypeError, match="not serializable"):
+        MsgpackEncoder().encode(("update_weights", (update,)))
+    monkeypatch.setenv(ALLOW_PICKLE, "1")
+    frames = MsgpackEncoder().encode(("update_weights", (update,)))
+    method, (back,) = MsgpackDecoder().decode(frames)
+    assert method == "update_weights"
+    args = back["ipc_handles"][0]["GPU-0"]
+    assert args[0] is torch.Tensor and args[4] is torch.bfloat16 and args[6] == b"handle"
