@@ -4,7 +4,8 @@ Ray workers must talk to a real Prefect API: in Prefect's ephemeral mode every R
 would start its own temporary server on one SQLite file ("database is locked"). So, in order:
 ``prefect.api_url`` from settings, else ``PREFECT_API_URL`` from the environment, else a
 ``prefect server start`` of our own — bound to 127.0.0.1, analytics off, its database under
-``<home>/prefect`` — stopped by PID when the command ends.
+``<home>/prefect``, with ``nemo_gen.prefect_server``'s fix for Prefect 3.7's SQLite automations
+deadlock — stopped by PID when the command ends.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
     url = f"http://{host}:{port}/api"
     log_file = home / "server.log"
     env = {**os.environ, **server_env(home), **SERVER_ONLY_ENV}
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
+    # `prefect server start`, with the fix for Prefect 3.7's SQLite automations deadlock
+    cmd = [sys.executable, "-m", "nemo_gen.prefect_server", "server", "start", "--host", host, "--port", str(port),
+           "--analytics-off"]
     with open(log_file, "ab") as out:
         # Own process group: the server's children go with it, and Ctrl-C in the terminal
         # reaches us first so we stop it in order.

@@ -4,6 +4,7 @@ machine), and the Prefect test harness."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -69,9 +70,36 @@ def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
     # Heartbeats add ~1 s to every flow run in tests; the env var cannot express None.
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), _harness_server_fixed():
         with prefect_test_harness(server_startup_timeout=120):
             yield
+
+
+@contextlib.contextmanager
+def _harness_server_fixed():
+    """Prefect's test harness serves ``prefect.server.api.server:create_app`` in a subprocess; it
+    gets ``nemo_gen.prefect_server.create_app`` (the same app, with the fix for Prefect 3.7's SQLite
+    automations deadlock that nemo-gen's own server runs), or its server can hang for good when
+    ``nemo-gen deploy`` re-creates the crash automation (a clean clone's CI, 2026-12-02)."""
+    import subprocess
+    from unittest import mock
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from nemo_gen.prefect_server import APP_FACTORY, PREFECT_APP_FACTORY
+
+    real_popen, launch = subprocess.Popen, SubprocessASGIServer._run_uvicorn_command
+
+    def popen(args, **kwargs):
+        assert PREFECT_APP_FACTORY in args, args  # Prefect changed how its harness starts the server
+        return real_popen([APP_FACTORY if a == PREFECT_APP_FACTORY else a for a in args], **kwargs)
+
+    def fixed_launch(self):
+        with mock.patch("prefect.server.api.server.subprocess.Popen", popen):
+            return launch(self)
+
+    with mock.patch.object(SubprocessASGIServer, "_run_uvicorn_command", fixed_launch):
+        yield
 
 
 @pytest.fixture

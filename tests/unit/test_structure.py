@@ -27,6 +27,8 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/refit/worker_ext.py", "torch._foreach_copy_"),
     # an op's schema, the only place that says which arguments an op writes (dispatch modes read it).
     ("nemo_gen/refit/worker_ext.py", "func._schema"),
+    # Prefect 3.7's automations listener, replaced by 3.8's (PrefectHQ/prefect#23055, a server deadlock).
+    ("nemo_gen/prefect_server.py", "automations._notify"),
 }
 
 
