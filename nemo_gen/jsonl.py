@@ -110,7 +110,9 @@ def result_row(line: PromptLine | None, result: GenerationResult | None, error: 
         row.update(result.to_json())
         row.pop("index", None)
     else:
-        row.update({"prompt": None, "text": None, "error": error})
+        # No result: a malformed line (``error`` says why) or a line that was never generated.
+        # Never ``error: None`` here: every reader (``read_finished``, a resume) takes that as done.
+        row.update({"prompt": None, "text": None, "error": error or "not generated"})
     return row
 
 

@@ -127,6 +127,9 @@ def generate_lines(
     finally:
         if writer is not None:
             writer.close()
+    missing = [lines[i].line for i in todo if out[i] is None]
+    if missing:  # never hand write_outputs a "finished" run with holes in it
+        raise InfraError(f"{len(missing)} lines were not generated (the first: input line {missing[0]})")
     return LineResults(out, frozenset(resumed))
 
 
@@ -163,14 +166,19 @@ def _run(coro) -> Any:
             for task in asyncio.all_tasks(loop):
                 task.cancel()
 
-    with asyncio.Runner() as runner:
-        runner.get_loop().set_exception_handler(handler)
-        try:
-            return runner.run(coro)
-        except asyncio.CancelledError:
-            if landed:
-                raise landed[0] from None
-            raise
+    try:
+        with asyncio.Runner() as runner:
+            runner.get_loop().set_exception_handler(handler)
+            try:
+                return runner.run(coro)
+            except asyncio.CancelledError:
+                if landed:
+                    raise landed[0] from None
+                raise
+    finally:
+        # A signal that lands while the loop is being made leaves ``coro`` never started: closed,
+        # it prints no "coroutine ... was never awaited" warning after the interrupted line.
+        coro.close()
 
 
 class _Progress:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,8 +50,10 @@ def _ok_lines(path: Path) -> dict[int, dict]:
 
 
 class _Run:
-    def __init__(self, tmp: Path, tiny: Path, extra: list[str], batch_size: int = 2):
-        # Two lines in flight: slow enough that a signal sent after a few lines lands mid-run.
+    def __init__(self, tmp: Path, tiny: Path, extra: list[str], batch_size: int = 2, max_new_tokens: int = 64):
+        # Two lines in flight, 64 tokens each: a signal sent after a few lines lands mid-run, with
+        # the rest tens of seconds of work (at 16 tokens a clean clone's CI once saw the poll
+        # below miss the whole run: all 400 lines were in before it looked again).
         self.marker = uuid.uuid4().hex
         self.err = tmp / f"err-{self.marker[:6]}.txt"
         env = {**os.environ, "NEMO_GEN_TEST_MARKER": self.marker}
@@ -59,19 +62,26 @@ class _Run:
                "--output", str(tmp / "samples.jsonl"), "--json", "--config", str(EVAL),
                "--set", f"home={tmp / 'home'}", "--set", f"model.path={tiny}", "--set", "fleet.num_shards=1",
                "--set", "fleet.name=interrupt-test", "--set", f"run.batch_size={batch_size}",
-               "--set", "generation.max_new_tokens=16", "--set", "generation.vllm_cfg.max_model_len=128", *extra]
+               "--set", f"generation.max_new_tokens={max_new_tokens}", "--set", "generation.vllm_cfg.max_model_len=128", *extra]
         with open(self.err, "w") as err:
             # A session of its own: a Ctrl-C to "its terminal" is a SIGINT to this process group.
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                                          cwd=tmp, start_new_session=True)
 
     def wait_for_lines(self, path: Path, at_least: int, timeout: float = 420) -> int:
+        """Wait until ``path`` holds ``at_least`` finished lines while the run is still generating.
+        A run that finished every line before this poll saw it cannot be interrupted mid-run: the
+        signal would land in its shutdown (exit 130, "N of N lines are in") and prove nothing."""
         deadline = time.monotonic() + timeout
+        last = time.monotonic()
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"exited early ({self.proc.returncode}): {self.err.read_text()[-2000:]}"
             n = len(_ok_lines(path))
             if n >= at_least:
+                assert n < N, (f"the run had generated all {N} lines before the poll saw {at_least} (its last "
+                               f"poll {time.monotonic() - last:.1f}s earlier): the signal cannot land mid-run")
                 return n
+            last = time.monotonic()
             time.sleep(0.2)
         raise AssertionError(f"fewer than {at_least} lines after {timeout}s: {self.err.read_text()[-2000:]}")
 
@@ -86,6 +96,8 @@ def _assert_one_line_interrupted(stderr: str, signame: str) -> None:
     assert len(said) == 1 and said[0].startswith(f"nemo-gen: interrupted by {signame}"), stderr[-3000:]
     assert stderr.rstrip().splitlines()[-1] == said[0]
     assert "--resume continues" in said[0]
+    kept = int(re.search(r"; (\d+) of (\d+) lines are in ", said[0]).group(1))
+    assert kept < N, f"interrupted after the last line was written, not mid-run: {said[0]}"
 
 
 def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_path):
@@ -135,9 +147,9 @@ def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_p
     assert len(second) + 10 <= len(before) <= len(third) < N
     assert all(third[line] == row for line, row in before.items())  # kept as they were written
 
-    # 4. Plain path, resumed to the end. Nothing is interrupted now: 32 lines in flight finish the
-    # rest sooner (the batch size is not part of what a resume keeps).
-    run = _Run(tmp_path, tiny_model_dir, ["--resume", "--no-prefect"], batch_size=32)
+    # 4. Plain path, resumed to the end. Nothing is interrupted now: 32 lines in flight of 16 tokens
+    # finish the rest sooner (neither the batch size nor the sampling is part of what a resume keeps).
+    run = _Run(tmp_path, tiny_model_dir, ["--resume", "--no-prefect"], batch_size=32, max_new_tokens=16)
     code, stdout, err = run.finish(timeout=600)
     assert code == 0, err[-3000:]
     summary = json.loads(stdout)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from nemo_gen.core.results import GenerationResult
-from nemo_gen.errors import DataError, InputFileError
+from nemo_gen.errors import DataError, InfraError, InputFileError
 from nemo_gen.jsonl import PromptLine, read_prompts, result_row, write_jsonl
 from nemo_gen.pipeline import load_prompts, summarize, write_outputs
 from nemo_gen.settings import NemoGenSettings
@@ -340,6 +340,16 @@ def test_result_row_for_a_bad_line():
     assert row == {"line": 4, "id": "x", "prompt": None, "text": None, "error": "not valid JSON"}
 
 
+def test_a_line_with_no_result_is_never_written_as_finished(tmp_path):
+    # no result and no error of its own: a line that was never generated. A row with error None
+    # would be taken for a finished line by every reader, a resume included.
+    line = PromptLine(line=4, prompt="p", record={"prompt": "p"})
+    assert result_row(line, None)["error"] == "not generated"
+    out = tmp_path / "o.jsonl"
+    write_jsonl(out, [result_row(line, None)])
+    assert read_finished(out, [line]) == {}
+
+
 def test_result_row_for_a_failed_request():
     line = PromptLine(line=2, prompt="p", record={"prompt": "p"})
     row = result_row(line, _result(0, error="RequestError: too long", shard=None))
@@ -475,6 +485,22 @@ def test_each_batch_is_in_the_output_as_soon_as_it_finishes(tmp_path):
     write_outputs(lines, results, out)  # the end of the job: one row per line, in input order
     assert [r["line"] for r in _rows(out)] == [1, 2, 3, 4, 5]
     assert [r["text"] for r in _rows(out)] == ["P1", "P2", None, "P4", "P5"]
+
+
+class _ShortFleet(_Fleet):
+    """Answers one prompt fewer than it was asked (a fleet bug), as a list of the right length."""
+
+    def generate(self, prompts, **sampling):
+        results = super().generate(prompts, **sampling)
+        return results[:-1] + [None]
+
+
+def test_a_run_that_left_lines_ungenerated_fails_naming_the_first(tmp_path):
+    out = tmp_path / "o.jsonl"
+    lines = _prompts(tmp_path, 4)
+    with pytest.raises(InfraError, match=r"2 lines were not generated \(the first: input line 2\)"):
+        generate_lines(_ShortFleet(out), lines, batch_size=2)
+    assert sorted(r["line"] for r in _rows(out) if r["error"] is None) == [1, 3]  # what finished is kept
 
 
 def test_an_interrupted_run_keeps_its_finished_lines_and_resumes_from_them(tmp_path):
