@@ -236,18 +236,30 @@ async def ensure_work_pool(name: str) -> bool:
 
 async def ensure_crash_automation(deployment_ids: list[UUID], reruns: int) -> UUID | None:
     """(Re)create the automation: a Crashed run of one of these deployments goes back to
-    AwaitingRetry, at most ``reruns`` times per run."""
-    from prefect.automations import Automation, EventTrigger, Posture
+    AwaitingRetry, at most ``reruns`` times per run. One already as wanted is left as it is: each
+    write is a commit the server must survive (Prefect 3.7 on SQLite can hang there,
+    ``nemo_gen.prefect_server``), and a deploy run again changes nothing."""
     from prefect.client.orchestration import get_client
+
+    wanted = _crash_automation(deployment_ids, reruns) if reruns > 0 else None  # 0: crashed runs stay Crashed
+    async with get_client() as client:
+        existing = await client.read_automations_by_name(AUTOMATION)
+        if wanted is not None and len(existing) == 1 and _same_automation(existing[0], wanted):
+            return existing[0].id
+        for old in existing:
+            await client.delete_automation(old.id)
+    if wanted is None:
+        return None
+    created = await wanted.acreate()
+    return created.id
+
+
+def _crash_automation(deployment_ids: list[UUID], reruns: int):
+    from prefect.automations import Automation, EventTrigger, Posture
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
 
-    async with get_client() as client:
-        for old in await client.read_automations_by_name(AUTOMATION):
-            await client.delete_automation(old.id)
-    if reruns == 0:  # prefect.crash_reruns=0: crashed runs stay Crashed
-        return None
-    automation = Automation(
+    return Automation(
         name=AUTOMATION,
         description="Re-runs a crashed nemo-gen flow run (same run, same parameters), "
         f"at most {reruns} times. Created by `nemo-gen deploy`.",
@@ -273,5 +285,17 @@ async def ensure_crash_automation(deployment_ids: list[UUID], reruns: int) -> UU
             )
         ],
     )
-    created = await automation.acreate()
-    return created.id
+
+
+def _same_automation(registered, wanted) -> bool:
+    """Whether the server's automation says what ``wanted`` says (ids, which each side makes
+    its own — the automation's, its trigger's — aside)."""
+    def meaning(value):
+        if isinstance(value, dict):
+            return {k: meaning(v) for k, v in value.items() if k not in ("id", "created", "updated")}
+        if isinstance(value, list):
+            return [meaning(v) for v in value]
+        return value
+
+    fields = set(type(wanted).model_fields)
+    return meaning(registered.model_dump(include=fields)) == meaning(wanted.model_dump(include=fields))

@@ -165,3 +165,23 @@ def test_a_bad_schedule_is_refused_by_name(prefect_harness, tmp_path, schedule, 
     with pytest.raises(ConfigError) as info:
         deploy(_settings("pool-bad-schedule"), bad)
     assert "schedules[0]" in str(info.value) and says in str(info.value)
+
+
+def test_deploying_again_leaves_the_crash_automation_as_it_is_and_a_change_replaces_it(prefect_harness):
+    async def automations():
+        from prefect.client.orchestration import get_client
+
+        from flows.deploy import AUTOMATION
+
+        async with get_client() as client:
+            return await client.read_automations_by_name(AUTOMATION)
+
+    pool = f"pool-{uuid.uuid4().hex[:8]}"
+    deploy(_settings(pool), SPEC)
+    (first,) = asyncio.run(automations())
+    deploy(_settings(pool), SPEC)  # the same deployments, the same reruns: nothing to write
+    assert [a.id for a in asyncio.run(automations())] == [first.id]
+    deploy(NemoGenSettings.load(overrides={"prefect.work_pool": pool, "prefect.crash_reruns": 3}), SPEC)
+    (changed,) = asyncio.run(automations())
+    assert changed.id != first.id and changed.trigger.match.model_dump()["prefect.run-count"] == ["1", "2", "3"]
+    assert changed.trigger.match_related == first.trigger.match_related
