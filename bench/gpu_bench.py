@@ -423,7 +423,10 @@ def main() -> None:
         # share the first prefill depends on timing, and on a random model whose top logits nearly
         # tie, another batch shape's bf16 rounding can flip a greedy token. Its second sitting of
         # 2026-12-02, engines now at nice 0, gave other tokens with the same weights.
-        return [fleet.generate([p], temperature=0, max_new_tokens=16, ignore_eos=True)[0].token_ids for p in probe]
+        return greedy_of(fleet)
+
+    def greedy_of(some_fleet):
+        return [some_fleet.generate([p], temperature=0, max_new_tokens=16, ignore_eos=True)[0].token_ids for p in probe]
 
     @step("refit", out, args.deadline_s, 60)
     def _():
@@ -655,6 +658,29 @@ def main() -> None:
         ipc_fleet = GenerationFleet.launch(ipc_settings)
         res = {"launch_s": time.monotonic() - t}
         try:
+            # Does vLLM's layerwise reload, fed by its ipc trainer, put the weights where the CUDA
+            # graphs read them? Its engine starts from the checkpoint = the policy: the main fleet's
+            # tokens; negated weights must change them, the first ones bring them back.
+            policy = state["policy"]
+            first = greedy_of(ipc_fleet)
+            res["tokens_at_launch_equal_the_main_fleets"] = first == RESULT["steps"].get("refit", {}).get(
+                "tokens", {}).get("before")
+            client = ipc_fleet.weight_sync_client()
+            engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(packed=False, rank=0), client=client,
+                                                               source=ModuleSource(policy))
+            try:
+                tokens = {}
+                for what in ("negated", "back"):
+                    with torch.no_grad():
+                        for p in policy.parameters():
+                            p.mul_(-1.0)
+                    engine.send_weights()
+                    tokens[what] = (client.report.ok, greedy_of(ipc_fleet))
+            finally:
+                engine.shutdown()
+            res["tokens"] = {"launch": first, **{k: v[1] for k, v in tokens.items()}}
+            res["tokens_follow_the_weights"] = bool(all(ok for ok, _ in tokens.values())
+                                                    and tokens["negated"][1] != first and tokens["back"][1] == first)
             for packed in (False, True):
                 client = ipc_fleet.weight_sync_client()
                 engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(packed=packed, rank=0), client=client,
@@ -724,6 +750,9 @@ def write_markdown(out: Path) -> None:
         rows.append((f"refit vLLM ipc ({packed}) through the fleet: end to end",
                      f"{fmt(get('vllm_ipc_refit', packed, 'wall_s'))} s = {fmt(get('vllm_ipc_refit', packed, 'fraction_of_copy'))} of copy; "
                      f"nemo_gen_ipc is {fmt(get('vllm_ipc_refit', f'ours_speedup_over_{packed}'))}x faster"))
+    rows.append(("vLLM ipc: tokens follow the refit weights (negated, then back) / at launch = the main fleet's",
+                 f"{fmt(get('vllm_ipc_refit', 'tokens_follow_the_weights'))} / "
+                 f"{fmt(get('vllm_ipc_refit', 'tokens_at_launch_equal_the_main_fleets'))}"))
     rows.append(("refit from checkpoint (disk -> shm -> GPU)",
                  f"{fmt(get('refit', 'checkpoint', 'wall_s'))} s, {fmt(get('refit', 'checkpoint', 'gbps'))} GB/s"))
     rows.append(("tokens follow the refit weights (CUDA graphs)", fmt(get('refit', 'tokens_follow_the_weights'))))
