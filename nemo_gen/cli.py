@@ -206,7 +206,8 @@ def _deploy(args: argparse.Namespace) -> int:
     settings = NemoGenSettings.load(args.config, args.overrides)
     if not (settings.prefect.api_url or os.environ.get("PREFECT_API_URL")):
         raise ConfigError("nemo-gen deploy registers with a running Prefect server: start one "
-                          "(`prefect server start`) and set PREFECT_API_URL", field="prefect.api_url")
+                          "(`python -m nemo_gen.prefect_server server start`: `prefect server start` with "
+                          "Prefect 3.7's SQLite automations fix) and set PREFECT_API_URL", field="prefect.api_url")
     _quiet()
     from nemo_gen.prefect_api import prefect_api
 

@@ -11,7 +11,8 @@ loop instead; we cannot take 3.8 (it needs fastapi >= 0.139, vLLM 0.32 pins < 0.
 ``fix_automation_listener`` installs 3.8's listener into the 3.7 server.
 
 ``python -m nemo_gen.prefect_server server start ...`` is ``prefect server start ...`` with the
-fix (the managed server of ``nemo_gen.prefect_api`` runs it); ``create_app`` is Prefect's app
+fix (the managed server of ``nemo_gen.prefect_api`` runs it; in the foreground only: ``--background``
+is refused, as Prefect starts that server in a new process the fix never reaches); ``create_app`` is Prefect's app
 factory with the fix, for ``uvicorn --factory``. On PostgreSQL or a fixed Prefect it changes
 nothing.
 """
@@ -91,9 +92,16 @@ def create_app(*args: Any, **kwargs: Any):
     return prefect_create_app(*args, **kwargs)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """``prefect <args>`` (e.g. ``server start --port 4200``) in a process with the fix installed;
     Prefect's CLI reads the arguments from ``sys.argv`` itself."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if needs_fix() and args[:2] == ["server", "start"] and {"--background", "-b"} & set(args):
+        # Prefect serves a background server from a new uvicorn process, which this fix never reaches.
+        sys.exit("nemo_gen.prefect_server: --background starts Prefect's server in a process of its own, "
+                 "without the fix; run it in the foreground (a service, or `&` in a shell)")
     fix_automation_listener()
     from prefect.cli import app
 

@@ -284,5 +284,5 @@ def test_deploy_without_a_prefect_api_exits_2_and_starts_no_server(monkeypatch, 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     err = _fails_before_starting(["deploy"])
-    assert "prefect.api_url" in err and "prefect server start" in err and "PREFECT_API_URL" in err
+    assert "prefect.api_url" in err and "python -m nemo_gen.prefect_server server start" in err and "PREFECT_API_URL" in err
     assert not (tmp_path / "prefect-home").exists()  # no managed server was started for it
