@@ -92,12 +92,12 @@ def create_app(*args: Any, **kwargs: Any):
     return prefect_create_app(*args, **kwargs)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     """``prefect <args>`` (e.g. ``server start --port 4200``) in a process with the fix installed;
     Prefect's CLI reads the arguments from ``sys.argv`` itself."""
     import sys
 
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:]
     if needs_fix() and args[:2] == ["server", "start"] and {"--background", "-b"} & set(args):
         # Prefect serves a background server from a new uvicorn process, which this fix never reaches.
         sys.exit("nemo_gen.prefect_server: --background starts Prefect's server in a process of its own, "
