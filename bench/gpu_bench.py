@@ -417,16 +417,18 @@ def main() -> None:
     tok_prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
     probe = tok_prompts[:4]
 
-    def greedy():
+    def greedy(of=fleet):
         # One prompt per request, one request at a time (as tests/gpu compares): a batch of four
         # is not one fixed shape. The EngineCore schedules as requests arrive, so how many of them
         # share the first prefill depends on timing, and on a random model whose top logits nearly
         # tie, another batch shape's bf16 rounding can flip a greedy token. Its second sitting of
         # 2026-12-02, engines now at nice 0, gave other tokens with the same weights.
-        return greedy_of(fleet)
+        return [of.generate([p], temperature=0, max_new_tokens=16, ignore_eos=True)[0].token_ids for p in probe]
 
-    def greedy_of(some_fleet):
-        return [some_fleet.generate([p], temperature=0, max_new_tokens=16, ignore_eos=True)[0].token_ids for p in probe]
+    def negate(module):  # other weights of the same layout: -w for every tensor; twice is the identity
+        with torch.no_grad():
+            for p in module.parameters():
+                p.mul_(-1.0)
 
     @step("refit", out, args.deadline_s, 60)
     def _():
@@ -495,14 +497,10 @@ def main() -> None:
 
             # the engine holds what it was sent (digests) and serves it (tokens): other weights,
             # loaded by a fresh recording, then the first ones again, by a replay
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.mul_(-1.0)
+            negate(policy)
             engine.send_weights()
             flipped, flipped_digests = greedy(), digests()
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.mul_(-1.0)
+            negate(policy)
             engine.send_weights()
             back, back_digests = greedy(), digests()
             res["digests_negated"], res["digests_restored"] = flipped_digests, back_digests
@@ -662,7 +660,7 @@ def main() -> None:
             # graphs read them? Its engine starts from the checkpoint = the policy: the main fleet's
             # tokens; negated weights must change them, the first ones bring them back.
             policy = state["policy"]
-            first = greedy_of(ipc_fleet)
+            first = greedy(ipc_fleet)
             res["tokens_at_launch_equal_the_main_fleets"] = first == RESULT["steps"].get("refit", {}).get(
                 "tokens", {}).get("before")
             client = ipc_fleet.weight_sync_client()
@@ -671,11 +669,9 @@ def main() -> None:
             try:
                 tokens = {}
                 for what in ("negated", "back"):
-                    with torch.no_grad():
-                        for p in policy.parameters():
-                            p.mul_(-1.0)
+                    negate(policy)
                     engine.send_weights()
-                    tokens[what] = (client.report.ok, greedy_of(ipc_fleet))
+                    tokens[what] = (client.report.ok, greedy(ipc_fleet))
             finally:
                 engine.shutdown()
             res["tokens"] = {"launch": first, **{k: v[1] for k, v in tokens.items()}}

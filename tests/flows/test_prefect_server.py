@@ -6,7 +6,9 @@ them; without it — the Prefect this project pins — the first commit never re
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,9 +59,14 @@ def test_without_it_the_pinned_prefect_hangs_on_the_commit(tmp_path):
 @pytest.mark.skipif(not needs_fix(), reason="this Prefect has the fix of its own (3.8+)")
 @pytest.mark.parametrize("flag", ["--background", "-b"])
 def test_a_background_server_which_the_fix_cannot_reach_is_refused(tmp_path, flag):
-    out = subprocess.run([sys.executable, "-m", "nemo_gen.prefect_server", "server", "start", flag],
-                         cwd=ROOT, env={**os.environ, "PREFECT_HOME": str(tmp_path)},
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1, out
-    assert "--background" in out.stderr and "foreground" in out.stderr
-    assert not list(tmp_path.glob("*.pid"))  # no server was started
+    try:
+        out = subprocess.run([sys.executable, "-m", "nemo_gen.prefect_server", "server", "start", flag],
+                             cwd=ROOT, env={**os.environ, "PREFECT_HOME": str(tmp_path)},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out
+        assert "--background" in out.stderr and "foreground" in out.stderr
+        assert not list(tmp_path.glob("*.pid"))  # no server was started
+    finally:  # only if the refusal broke: stop the background server it started, by its PID file
+        for pid_file in tmp_path.glob("*.pid"):
+            with contextlib.suppress(ValueError, ProcessLookupError):
+                os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
