@@ -409,7 +409,8 @@ def main() -> None:
         info = state["fleet"].shards[0].info
         state["launch_s"] = launch_s
         return {"launch_s": launch_s, "engine_start_s": info.get("load_s"),
-                "ray_and_actor_s": launch_s - (info.get("load_s") or 0.0), **breakdown(text)}
+                "ray_and_actor_s": launch_s - (info.get("load_s") or 0.0),
+                "engine_core_start": info.get("engine_core_start"), **breakdown(text)}
 
     fleet = state.get("fleet")
     if fleet is None:

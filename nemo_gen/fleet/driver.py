@@ -315,7 +315,7 @@ def launch_shard(spec: ShardSpec) -> ShardHandle:
     try:
         actor = ShardActor.options(**options).remote(
             spec.index, spec.engine_kwargs, spec.async_engine, spec.weight_version,
-            None if spec.spare else spec.index, spec.fleet,
+            None if spec.spare else spec.index, spec.fleet, spec.engine_core_start,
         )
         info = ray.get(actor.start.remote(), timeout=spec.engine_start_timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -678,11 +678,16 @@ class Engine:
         return out
 
     def child_pids(self) -> list[int]:
-        """PIDs of the processes vLLM forked for this engine (EngineCore, workers)."""
+        """PIDs of the processes vLLM started for this engine (EngineCore, workers), not the
+        helpers that start them (``engine_start.helper_pids``)."""
+        from nemo_gen.fleet.engine_start import helper_pids
+
         try:
-            return sorted(p.pid for p in psutil.Process(os.getpid()).children(recursive=True))
+            children = psutil.Process(os.getpid()).children(recursive=True)
         except psutil.Error:
             return []
+        helpers = helper_pids()
+        return sorted(p.pid for p in children if p.pid not in helpers)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop the engine's processes now, rather than whenever garbage collection runs: vLLM

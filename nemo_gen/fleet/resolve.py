@@ -136,6 +136,7 @@ def resolve_generation(
             weight_version=version,
             placement_timeout_s=settings.fleet.placement_timeout_s,
             engine_start_timeout_s=settings.fleet.engine_start_timeout_s,
+            engine_core_start=settings.fleet.engine_core_start,
         )
         for shard in plan.shards
     )

@@ -44,6 +44,7 @@ class ShardSpec:
     name: str | None = None
     spare: bool = False  # a warm spare: loaded and refit, but serves no slot until promoted
     node_hint: str | None = None  # preferred node (hex ID) when the cluster has several
+    engine_core_start: str = "forkserver"  # fleet.engine_core_start
 
     @property
     def actor_name(self) -> str:
@@ -81,7 +82,15 @@ class ShardActor:
         weight_version: int | None,
         slot: int | None = None,
         fleet: str = "",
+        engine_core_start: str = "forkserver",
     ):
+        from nemo_gen.fleet import engine_start
+
+        # First thing: the server imports vLLM for the EngineCore while this actor imports its own.
+        if engine_core_start == "forkserver":
+            engine_start.start_server()
+        self._engine_core_start = engine_core_start
+        self.engine_core_started_with: str | None = None  # what was used: a NUMA-bound engine is spawned
         self.index = index
         self.slot = slot  # the fleet position it serves; None while a spare
         self.fleet = fleet
@@ -100,6 +109,7 @@ class ShardActor:
         import asyncio
 
         from nemo_gen.fleet.engine import Engine
+        from nemo_gen.fleet.engine_start import engine_core_context
         from nemo_gen.fleet.gpu_memory import engine_start_lock
 
         if self.engine is None:
@@ -107,7 +117,9 @@ class ShardActor:
             # device's free memory (no-op on CPU).
             lock = await asyncio.to_thread(engine_start_lock().acquire)
             try:
-                self.engine = await Engine.start(self._kwargs, self._async, self.weight_version)
+                with engine_core_context(self._engine_core_start, self._kwargs) as method:
+                    self.engine_core_started_with = method
+                    self.engine = await Engine.start(self._kwargs, self._async, self.weight_version)
             finally:
                 lock.release()
             self._engine_pids = self.engine.child_pids()
@@ -168,6 +180,7 @@ class ShardActor:
             "dtype": engine.dtype if engine else None,
             "load_s": engine.load_s if engine else None,
             "async_engine": self._async,
+            "engine_core_start": self.engine_core_started_with,
             # What the engine is doing: a batch running, and its steps so far.
             "generating": bool(engine and engine.generating),
             "batch_steps": engine.batch_steps if engine else 0,
@@ -355,11 +368,15 @@ class ShardActor:
     def shutdown(self, grace_s: float) -> list[int]:
         """Stop the engine's processes (``grace_s`` to exit before vLLM kills them); returns the
         PIDs that were running, for the caller to check."""
+        from nemo_gen.fleet.engine_start import stop_server
+
         if self.engine is None:
+            stop_server()
             return []
         pids = self.engine.child_pids()
         self.engine.shutdown(grace_s)
         self.engine = None
+        stop_server()
         return pids
 
 

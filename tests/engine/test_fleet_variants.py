@@ -26,7 +26,8 @@ def _pids(fleet):
 @pytest.fixture(scope="module")
 def async_and_train(ray_cluster, make_settings):
     """Two one-shard fleets started side by side: an async-engine one (eval) and a training
-    one (dummy weights, waiting for its first refit)."""
+    one (dummy weights, waiting for its first refit), whose EngineCore is spawned as vLLM does
+    in a Ray actor (fleet.engine_core_start=spawn; the default forks it from a forkserver)."""
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(
             GenerationFleet.launch,
@@ -34,7 +35,7 @@ def async_and_train(ray_cluster, make_settings):
         )
         t = pool.submit(
             GenerationFleet.launch, make_settings(fleet__name="train", fleet__num_shards=1, fleet__mode="train",
-                                                   fleet__engine_niceness=5)
+                                                   fleet__engine_niceness=5, fleet__engine_core_start="spawn")
         )
         fleets = {"async": a.result(), "train": t.result()}
     yield fleets
@@ -99,6 +100,25 @@ def test_shard_processes_run_at_their_niceness_with_the_heap_frozen(async_and_tr
         assert frozen > 10_000, (name, frozen)  # vLLM, torch and Ray's objects: ~660k on CPU
 
 
+def test_the_engine_core_is_forked_by_the_shards_forkserver_or_spawned_as_set(async_and_train):
+    """forkserver (the default): the EngineCore's parent is the server the actor started, not the
+    actor, and the server is none of the engine's processes (its exit is not the engine's).
+    spawn: the actor's own child."""
+    for name, method in (("async", "forkserver"), ("train", "spawn")):
+        fleet = async_and_train[name]
+        (status,) = fleet.status()
+        assert fleet.settings.fleet.engine_core_start == method
+        assert fleet.shards[0].info["engine_core_start"] == method, name
+        engine = set(status.engine_pids)
+        (core,) = [p for p in engine if psutil.Process(p).ppid() not in engine]  # the EngineCore
+        parent = psutil.Process(core).parent()
+        if method == "spawn":
+            assert parent.pid == status.actor_pid, name
+        else:
+            assert parent.pid != status.actor_pid and parent.ppid() == status.actor_pid, name
+            assert parent.pid not in engine
+
+
 def test_tensor_parallel_2_shard_matches_tp1_greedy(ray_cluster, make_settings, async_and_train):
     reference = async_and_train["async"].generate(PROMPTS, temperature=0)
     settings = make_settings(fleet__name="tp2", fleet__num_shards=1, generation__vllm_cfg__tensor_parallel_size=2)
@@ -110,6 +130,9 @@ def test_tensor_parallel_2_shard_matches_tp1_greedy(ray_cluster, make_settings, 
         assert len(spec.bundles) == 2
         results = fleet.generate(PROMPTS, temperature=0)
         pids = _pids(fleet)
+        actor = fleet.status()[0].actor_pid
+        helpers = [c.pid for c in psutil.Process(actor).children(recursive=True) if c.pid not in pids]
+        assert helpers  # the forkserver (and multiprocessing's resource tracker) go with the shard too
         assert len(fleet.status()[0].engine_pids) >= 3  # EngineCore + one worker per rank
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
-    assert wait_gone(pids, 30) == []
+    assert wait_gone(pids + helpers, 30) == []

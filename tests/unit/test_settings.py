@@ -535,6 +535,17 @@ def test_engine_niceness_is_a_nice_value_a_worker_can_take():
         assert err.field == "fleet.engine_niceness", err
 
 
+def test_engine_core_start_is_forkserver_or_spawn_and_reaches_every_shard(make_settings):
+    from nemo_gen.fleet.resolve import resolve_generation
+
+    assert NemoGenSettings.load().fleet.engine_core_start == "forkserver"
+    resolved = resolve_generation(make_settings(fleet__engine_core_start="spawn", fleet__spares=1), cluster=None)
+    assert [s.engine_core_start for s in resolve_generation(make_settings(), cluster=None).shards] == ["forkserver"] * 2
+    assert [s.engine_core_start for s in (*resolved.shards, *resolved.spares)] == ["spawn"] * 3
+    err = _raises_config_error(overrides=["fleet.engine_core_start=fork"])
+    assert err.field == "fleet.engine_core_start" and "fork" in str(err), err
+
+
 def test_refit_backend_must_be_registered():
     for backend in ("nemo_gen_shm", "nemo_gen_ipc", "ipc", "nccl"):
         assert NemoGenSettings.load(overrides=[f"refit.backend={backend}"]).refit.backend == backend

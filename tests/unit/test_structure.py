@@ -27,6 +27,13 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/refit/worker_ext.py", "torch._foreach_copy_"),
     # an op's schema, the only place that says which arguments an op writes (dispatch modes read it).
     ("nemo_gen/refit/worker_ext.py", "func._schema"),
+    # multiprocessing's forkserver and resource tracker: their PIDs and the server's stop (a shard
+    # starts its EngineCore from that server, and must tell it from the engine's processes).
+    ("nemo_gen/fleet/engine_start.py", "forkserver._forkserver"),
+    ("nemo_gen/fleet/engine_start.py", "resource_tracker._resource_tracker"),
+    ("nemo_gen/fleet/engine_start.py", "_SERVER._forkserver_pid"),
+    ("nemo_gen/fleet/engine_start.py", "_SERVER._stop"),
+    ("nemo_gen/fleet/engine_start.py", "_TRACKER._pid"),
     # Prefect 3.7's automations listener, replaced by 3.8's (PrefectHQ/prefect#23055, a server deadlock).
     ("nemo_gen/prefect_server.py", "automations._notify"),
 }

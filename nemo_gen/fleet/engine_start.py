@@ -1,0 +1,151 @@
+"""How a shard actor starts its vLLM EngineCore process (``fleet.engine_core_start``).
+
+vLLM starts the EngineCore with ``spawn`` whenever it runs inside a Ray actor, because forking a
+process with Ray's threads is unsafe (``vllm.utils.system_utils._maybe_force_spawn``). A spawned
+child is a fresh interpreter, so it imports vLLM and torch a second time. That is 21 s of a 134 s
+launch on the H200 (2026-12-03) and ~11 s on a 2-core CPU machine, paid again by every restart.
+A bare ``vllm.LLM`` forks instead, and its child starts with everything imported.
+
+``forkserver`` (the default) gets the shard the same start. The actor starts a multiprocessing
+forkserver first thing: a fresh, single-threaded interpreter. While the actor imports vLLM for
+itself, the server imports the EngineCore's modules (``nemo_gen.fleet.engine_preload``). When
+vLLM starts the EngineCore, the server forks it, already imported. Nothing is forked from the
+actor.
+
+The server's children would miss what vLLM sets around ``Process.start()``, and this module
+supplies it:
+- vLLM's own ``get_mp_context()`` still runs first, for its side effects on the environment (the
+  Ray address, ``VLLM_WORKER_MULTIPROC_METHOD`` for the EngineCore's own workers);
+- the environment at ``start()``, which vLLM changes around that call
+  (``OMP_NUM_THREADS`` for a uniprocess GPU engine), is carried to the child and set before
+  the EngineCore runs. torch's thread count is set to match, since a spawned child would have
+  read it at import;
+- NUMA binding (``numa_bind``) wraps the executable of a spawned child, which a fork cannot do:
+  such engines are started with ``spawn``.
+
+Owns: this process's forkserver (``start_server``, ``stop_server``, ``helper_pids``) and the
+patch of vLLM's EngineCore start, which is in place only inside ``engine_core_context``. No
+Ray or vLLM import at module level: the child imports this module to unpickle its process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, resource_tracker
+from typing import Any, Iterator
+
+from nemo_gen.fleet import processes
+
+log = logging.getLogger(__name__)
+
+METHODS = ("forkserver", "spawn")
+PRELOAD = "nemo_gen.fleet.engine_preload"
+
+
+class EngineCoreProcess(mp_context.ForkServerProcess):
+    """A forkserver child that runs with the environment of the moment ``start()`` was called,
+    as a spawned child would have."""
+
+    def start(self) -> None:
+        self._start_environ = dict(os.environ)
+        super().start()
+
+    def run(self) -> None:
+        apply_environ(self._start_environ)
+        super().run()
+
+
+class EngineCoreContext(mp_context.ForkServerContext):
+    Process = EngineCoreProcess
+
+
+CONTEXT = EngineCoreContext()
+
+
+def apply_environ(environ: dict[str, str]) -> None:
+    """Make ``os.environ`` exactly ``environ``. Where ``OMP_NUM_THREADS`` differs from what
+    torch was imported with, torch's thread count follows it."""
+    threads = environ.get("OMP_NUM_THREADS")
+    changed = threads != os.environ.get("OMP_NUM_THREADS")
+    os.environ.clear()
+    os.environ.update(environ)
+    if changed and threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+# multiprocessing's own forkserver and resource tracker of this process: the forkserver Popen
+# connects to that one server, so it is the one started here. Their PIDs and the server's stop
+# have no public form.
+_SERVER = forkserver._forkserver
+_TRACKER = resource_tracker._resource_tracker
+
+
+def start_server(preload: list[str] | None = None) -> int:
+    """Start this process's forkserver, which imports ``preload`` (default: the EngineCore's
+    modules) at once; this returns without waiting for it. Returns its PID."""
+    forkserver.set_forkserver_preload([PRELOAD] if preload is None else preload)
+    forkserver.ensure_running()
+    return _SERVER._forkserver_pid
+
+
+def server_pid() -> int | None:
+    """The forkserver's PID while it runs, else None. (It is not reaped here: multiprocessing
+    reaps it, and would fail on a PID reaped behind its back.)"""
+    pid = _SERVER._forkserver_pid
+    if pid is None or not processes.alive(pid):
+        return None
+    return pid
+
+
+def helper_pids() -> set[int]:
+    """This process's children that are not an engine's: the forkserver and multiprocessing's
+    resource tracker. Neither's exit is the engine's, and neither holds what an engine holds."""
+    return {p for p in (_SERVER._forkserver_pid, _TRACKER._pid) if p is not None}
+
+
+def stop_server() -> None:
+    """Stop the forkserver, if one was started. The EngineCore it forked is not touched. The
+    server is killed rather than asked: one still importing its preload would not look at its
+    pipe until the import is done, and it has nothing to finish."""
+    pid = _SERVER._forkserver_pid
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    _SERVER._stop()  # closes its pipe and reaps it
+
+
+@contextlib.contextmanager
+def engine_core_context(method: str, engine_kwargs: dict[str, Any], module: Any = None) -> Iterator[str]:
+    """While an engine starts inside it, vLLM starts the EngineCore with ``method``. Yields the
+    method that is used: ``spawn`` when asked, when the engine binds NUMA nodes, or when this
+    process has no forkserver running. ``module``: where vLLM's ``get_mp_context`` is looked up
+    (default: ``vllm.v1.engine.utils``, whose ``CoreEngineProcManager`` starts the EngineCore)."""
+    if method not in METHODS:
+        raise ValueError(f"fleet.engine_core_start must be one of {METHODS}, not {method!r}")
+    if method == "spawn" or engine_kwargs.get("numa_bind") or server_pid() is None:
+        if method != "spawn":
+            log.warning("the EngineCore starts with spawn: %s", "numa_bind is set" if engine_kwargs.get("numa_bind")
+                        else "this shard's forkserver is not running")
+        yield "spawn"
+        return
+    if module is None:
+        import vllm.v1.engine.utils as module
+    engine_utils = module
+    vllm_context = engine_utils.get_mp_context
+
+    def get_mp_context() -> multiprocessing.context.BaseContext:
+        vllm_context()  # its environment: the Ray address, the workers' start method
+        return CONTEXT
+
+    engine_utils.get_mp_context = get_mp_context
+    try:
+        yield "forkserver"
+    finally:
+        engine_utils.get_mp_context = vllm_context
