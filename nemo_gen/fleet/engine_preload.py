@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import time
 
@@ -37,4 +36,4 @@ if _torch is not None and _torch.cuda.is_initialized():
     # A forked child could not use CUDA. The server exits before it forks anything; the shard
     # then finds no server and spawns its EngineCore (engine_start.engine_core_context).
     log.error("importing vLLM initialised CUDA in the shard's forkserver: the server exits, the EngineCore is spawned")
-    os._exit(3)
+    raise SystemExit(3)  # out of the server's preload, before its loop: it forks nothing
