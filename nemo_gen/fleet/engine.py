@@ -145,8 +145,11 @@ class Engine:
         self.dtype = str(self._model_config().dtype).removeprefix("torch.")
 
     @classmethod
-    async def start(cls, kwargs: dict[str, Any], async_engine: bool, version: int | None) -> "Engine":
-        t0 = time.monotonic()
+    async def start(cls, kwargs: dict[str, Any], async_engine: bool, version: int | None,
+                    started: float | None = None) -> "Engine":
+        """``started``: when the caller began starting it (``time.monotonic()``), if before this
+        call: ``load_s`` counts from there (the shard imports vLLM before it calls this)."""
+        t0 = time.monotonic() if started is None else started
         if async_engine:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

@@ -69,12 +69,24 @@ CONTEXT = EngineCoreContext()
 
 
 def apply_environ(environ: dict[str, str]) -> None:
-    """Make ``os.environ`` exactly ``environ``. Where ``OMP_NUM_THREADS`` differs from what
-    torch was imported with, torch's thread count follows it."""
+    """Make ``os.environ`` equal ``environ``, changing only what differs. Where
+    ``OMP_NUM_THREADS`` differs from what torch was imported with, torch's thread count follows.
+
+    vLLM names its processes with setproctitle (``VLLM::EngineCore``, what ``ps`` and operators
+    see). setproctitle finds the memory it may rewrite from where the environment was at the
+    process's start, and silently gives up once the environment has been rebuilt: it is set up
+    before anything changes, and only what differs is changed."""
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.getproctitle()  # sets it up while the environment is still in place
     threads = environ.get("OMP_NUM_THREADS")
     changed = threads != os.environ.get("OMP_NUM_THREADS")
-    os.environ.clear()
-    os.environ.update(environ)
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     if changed and threads and threads.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
 

@@ -7,6 +7,7 @@ takes to start one (``ShardSpec``) and how the driver refers to a running one
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.refit import chunk_of, needs_whole
 from nemo_gen.core.results import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 # A weight-sync answer: the update was a layout's short form, and this engine's workers do not
 # hold that layout's views; nothing was touched, the client sends the whole update.
@@ -88,7 +91,10 @@ class ShardActor:
 
         # First thing: the server imports vLLM for the EngineCore while this actor imports its own.
         if engine_core_start == "forkserver":
-            engine_start.start_server()
+            try:
+                engine_start.start_server()
+            except OSError as exc:  # no server: the EngineCore is spawned (engine_core_context says so)
+                log.warning("the shard's forkserver did not start: %s", exc)
         self._engine_core_start = engine_core_start
         self.engine_core_started_with: str | None = None  # what was used: a NUMA-bound engine is spawned
         self.index = index
@@ -117,9 +123,10 @@ class ShardActor:
             # device's free memory (no-op on CPU).
             lock = await asyncio.to_thread(engine_start_lock().acquire)
             try:
+                started = time.monotonic()  # load_s includes the vLLM import the context makes
                 with engine_core_context(self._engine_core_start, self._kwargs) as method:
                     self.engine_core_started_with = method
-                    self.engine = await Engine.start(self._kwargs, self._async, self.weight_version)
+                    self.engine = await Engine.start(self._kwargs, self._async, self.weight_version, started)
             finally:
                 lock.release()
             self._engine_pids = self.engine.child_pids()

@@ -111,6 +111,7 @@ def test_the_engine_core_is_forked_by_the_shards_forkserver_or_spawned_as_set(as
         assert fleet.shards[0].info["engine_core_start"] == method, name
         engine = set(status.engine_pids)
         (core,) = [p for p in engine if psutil.Process(p).ppid() not in engine]  # the EngineCore
+        assert "EngineCore" in psutil.Process(core).name(), name  # named as vLLM names it (ps, operators)
         parent = psutil.Process(core).parent()
         if method == "spawn":
             assert parent.pid == status.actor_pid, name

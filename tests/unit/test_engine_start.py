@@ -21,12 +21,16 @@ from nemo_gen.fleet import engine_start
 
 def _child_report(path: str) -> None:
     """Target run in the forkserver's child: what it sees."""
+    import setproctitle
     import torch
 
+    setproctitle.setproctitle("VLLM::EngineCore")  # what vLLM names it, once the environment is applied
+    with open("/proc/self/comm") as comm:
+        name = comm.read().strip()
     with open(path, "w") as f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid(), "late": os.environ.get("NEMO_GEN_LATE"),
                    "gone": os.environ.get("NEMO_GEN_GONE"), "omp": os.environ.get("OMP_NUM_THREADS"),
-                   "threads": torch.get_num_threads(), "preloaded": "json" in sys.modules}, f)
+                   "threads": torch.get_num_threads(), "preloaded": "json" in sys.modules, "name": name}, f)
 
 
 # The driver of each test runs in a fresh interpreter: a forkserver belongs to the process that
@@ -69,6 +73,7 @@ def test_a_child_is_forked_by_the_server_with_the_environment_of_its_start(tmp_p
     assert report["exitcode"] == 0
     assert report["ppid"] == report["server"]  # forked by the server, not by the process that asked
     assert report["preloaded"]
+    assert report["name"] == "VLLM::EngineCor"  # named as vLLM names it (the kernel keeps 15 characters)
     assert report["late"] == "set after the server started"
     assert report["gone"] is None  # removed after the server started: removed in the child too
     # torch was imported by the server with 2 threads; the child runs with what start() had
