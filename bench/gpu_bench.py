@@ -446,13 +446,16 @@ def main() -> None:
                                                            source=ModuleSource(policy))
         res: dict = {"bytes": state["nbytes"], "copy_gbps": state["copy_gbps"]}
         try:
-            # "auto": the direct path and the one-call update (what a trainer gets); "three_steps":
-            # the same load driven as vLLM's start / update / finish; "reload_weights": vLLM's
-            # layerwise reload on the running engine
-            for path, steps_of in (("auto", False), ("three_steps", True), ("reload_weights", False)):
-                load_path = "auto" if path == "three_steps" else path
+            # "auto": the direct path and the one-call update (what a trainer gets), over the shard's
+            # direct line (refit.control_channel); "auto_over_ray": the same over a Ray actor call;
+            # "three_steps": the same load driven as vLLM's start / update / finish; "reload_weights":
+            # vLLM's layerwise reload on the running engine
+            for path, steps_of in (("auto", False), ("auto_over_ray", False), ("three_steps", True),
+                                   ("reload_weights", False)):
+                load_path = "auto" if path in ("three_steps", "auto_over_ray") else path
                 res[f"path_{path}"] = call_worker(handle, "nemo_gen_set_load_path", load_path)[0]
                 engine.client = vllm_steps_only(client) if steps_of else client
+                fleet.driver.channels = path != "auto_over_ray"
                 rounds = []
                 for i in range(args.refit_rounds):
                     steps = timed_steps(client)
@@ -488,6 +491,10 @@ def main() -> None:
                                    # one-call only: seconds in the shard actor / its RPC into the engine / the worker
                                    "shard_s": next(iter(client.timings.values()), None)})
                 res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])
+            fleet.driver.channels = True
+            res["direct_calls"] = ray.get(handle.actor.info.remote(), timeout=60)["direct_calls"]
+            if res["auto"].get("wall_s") and res["auto_over_ray"].get("wall_s"):
+                res["ray_over_direct_line"] = res["auto_over_ray"]["wall_s"] / res["auto"]["wall_s"]
             engine.client = client
             call_worker(handle, "nemo_gen_set_load_path", None)
 
@@ -510,6 +517,7 @@ def main() -> None:
             res["tokens_change_with_other_weights"] = flipped != before
             res["tokens_follow_the_weights"] = bool(flipped != before and back == before)
         finally:
+            fleet.driver.channels = True
             engine.shutdown()
         t = time.perf_counter()
         report = fleet.refit(str(model_dir))
@@ -719,7 +727,10 @@ def write_markdown(out: Path) -> None:
 
     rows.append(("model", f"{fmt(get('model', 'bytes') and get('model', 'bytes') / 1e9)} GB bf16 random Llama"))
     rows.append(("device copy bandwidth", f"{fmt(get('copy_bandwidth', 'gbps'))} GB/s"))
-    for path in ("auto", "three_steps", "reload_weights"):
+    rows.append(("refit nemo_gen_ipc, auto: over Ray / over the direct line (refit.control_channel)",
+                 f"{fmt(get('refit', 'ray_over_direct_line'))}x ({fmt(get('refit', 'direct_calls'))} calls came "
+                 "over the line)"))
+    for path in ("auto", "auto_over_ray", "three_steps", "reload_weights"):
         rows.append((f"refit nemo_gen_ipc, {path} ({get('refit', f'path_{path}')}): end to end",
                      f"{fmt(get('refit', path, 'wall_s'))} s = {fmt(get('refit', path, 'fraction_of_copy'))} of copy "
                      f"(first, opening handles: {fmt(get('refit', path, 'first_wall_s'))} s)"))

@@ -68,4 +68,4 @@ def shard_driver(settings: NemoGenSettings):
     """The Ray driver for a fleet of these settings."""
     from nemo_gen.fleet.driver import ShardDriver
 
-    return ShardDriver(driver_timeouts(settings))
+    return ShardDriver(driver_timeouts(settings), channels=settings.refit.control_channel)

@@ -110,6 +110,7 @@ class ShardActor:
         self._sync_was: tuple[int | None, str | None] = (weight_version, None)  # before a weight-sync start
         self._sync_in_flight: dict[str, Any] = {}  # the in-flight settings of that session
         self._layout: Any = None  # the layout number of the last update its workers loaded (nemo_gen_ipc)
+        self._channel: Any = None  # its direct line for weight_sync (control_channel.ChannelServer), once asked
 
     async def start(self) -> dict[str, Any]:
         import asyncio
@@ -188,6 +189,7 @@ class ShardActor:
             "load_s": engine.load_s if engine else None,
             "async_engine": self._async,
             "engine_core_start": self.engine_core_started_with,
+            "direct_calls": self._channel.calls if self._channel else 0,  # weight_sync calls over its direct line
             # What the engine is doing: a batch running, and its steps so far.
             "generating": bool(engine and engine.generating),
             "batch_steps": engine.batch_steps if engine else 0,
@@ -275,6 +277,17 @@ class ShardActor:
         self.weight_version = version
         self.weight_source = source
         return time.perf_counter() - t0
+
+    async def control_channel(self) -> dict[str, Any]:
+        """Where a driver on this node reaches ``weight_sync`` without Ray (``address``, ``key``;
+        ``nemo_gen.fleet.control_channel``), and this node's IP, to tell whether it is its own."""
+        import asyncio
+
+        from nemo_gen.fleet.control_channel import ChannelServer
+
+        if self._channel is None:
+            self._channel = ChannelServer(self.weight_sync, asyncio.get_running_loop())
+        return {"address": self._channel.address, "key": self._channel.key, "node_ip": get_node_ip_address()}
 
     async def weight_sync(self, step: str, payload: Any = None, timeout_s: float = 600.0) -> dict[str, float] | None:
         """One step of vLLM's weight-sync protocol on this engine's workers, with the shard's
@@ -377,6 +390,9 @@ class ShardActor:
         PIDs that were running, for the caller to check."""
         from nemo_gen.fleet.engine_start import stop_server
 
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self.engine is None:
             stop_server()
             return []

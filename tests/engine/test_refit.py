@@ -167,11 +167,20 @@ def _trainer(fleet, model_dir, tmp_path, mutate=None):
     return client, engine
 
 
+def _direct_calls(fleet) -> list[int]:
+    return [ray.get(h.actor.info.remote(), timeout=30)["direct_calls"] for h in fleet.shards]
+
+
+@pytest.mark.parametrize("transport", ["direct line", "Ray"])
 @pytest.mark.parametrize("protocol", ["one call", "three steps"])
 def test_a_vllm_trainer_engine_refits_the_fleet_through_its_weight_sync_client(fleets, tiny_model_dir, model_b, tmp_path,
-                                                                              protocol):
+                                                                              protocol, transport):
+    """Over each shard's direct line (refit.control_channel, the default: the shards run on the
+    driver's node), and over Ray calls."""
     fleet, fresh = fleets["main"], fleets["fresh_b"]
     before, original = fleet.weight_version, greedy(fleet)
+    fleet.driver.channels = transport == "direct line"
+    calls = _direct_calls(fleet)
     client, engine = _trainer(fleet, model_b, tmp_path)
     if protocol == "three steps":
         from nemo_gen.refit.vllm_backend import vllm_steps_only
@@ -181,6 +190,11 @@ def test_a_vllm_trainer_engine_refits_the_fleet_through_its_weight_sync_client(f
         engine.send_weights()
     finally:
         engine.shutdown()
+        fleet.driver.channels = True
+    steps = 2 if protocol == "one call" else 4  # init + apply, or init + start + update + finish
+    assert _direct_calls(fleet) == [n + (steps if transport == "direct line" else 0) for n in calls]
+    if transport == "direct line":
+        assert fleet.driver.lines() == {h.name for h in fleet.shards}
     report = client.report
     assert report.ok and report.version == before + 1 == fleet.weight_version
     assert [s.shard for s in report.shards] == [0, 1]

@@ -546,6 +546,16 @@ def test_engine_core_start_is_forkserver_or_spawn_and_reaches_every_shard(make_s
     assert err.field == "fleet.engine_core_start" and "fork" in str(err), err
 
 
+def test_refit_control_channel_reaches_the_driver():
+    from nemo_gen import policies
+
+    assert NemoGenSettings.load().refit.control_channel is True
+    assert policies.shard_driver(NemoGenSettings.load()).channels is True
+    assert policies.shard_driver(NemoGenSettings.load(overrides=["refit.control_channel=false"])).channels is False
+    err = _raises_config_error(overrides=["refit.control_channel=sometimes"])
+    assert err.field == "refit.control_channel", err
+
+
 def test_refit_backend_must_be_registered():
     for backend in ("nemo_gen_shm", "nemo_gen_ipc", "ipc", "nccl"):
         assert NemoGenSettings.load(overrides=[f"refit.backend={backend}"]).refit.backend == backend
