@@ -21,7 +21,9 @@ supplies it:
   the EngineCore runs. torch's thread count is set to match, since a spawned child would have
   read it at import;
 - NUMA binding (``numa_bind``) wraps the executable of a spawned child, which a fork cannot do:
-  such engines are started with ``spawn``.
+  such engines are started with ``spawn``;
+- fate: Ray ends a dead worker's own children, and the EngineCore is the server's, not the
+  actor's. It dies with the server, which leaves with the actor (``share_the_shards_fate``).
 
 Owns: this process's forkserver (``start_server``, ``stop_server``, ``helper_pids``) and the
 patch of vLLM's EngineCore start, which is in place only inside ``engine_core_context``. No
@@ -31,6 +33,7 @@ Ray or vLLM import at module level: the child imports this module to unpickle it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -40,17 +43,19 @@ from multiprocessing import context as mp_context
 from multiprocessing import forkserver, resource_tracker
 from typing import Any, Iterator
 
+from nemo_gen.environment import REAPING_FLAG
 from nemo_gen.fleet import processes
 
 log = logging.getLogger(__name__)
 
 METHODS = ("forkserver", "spawn")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PRELOAD = "nemo_gen.fleet.engine_preload"
 
 
 class EngineCoreProcess(mp_context.ForkServerProcess):
     """A forkserver child that runs with the environment of the moment ``start()`` was called,
-    as a spawned child would have."""
+    as a spawned child would have, and that goes when the shard goes (``share_the_shards_fate``)."""
 
     def start(self) -> None:
         self._start_environ = dict(os.environ)
@@ -58,7 +63,31 @@ class EngineCoreProcess(mp_context.ForkServerProcess):
 
     def run(self) -> None:
         apply_environ(self._start_environ)
+        share_the_shards_fate()
         super().run()
+
+
+def share_the_shards_fate() -> None:
+    """In the server's child: die with the server, which dies with the shard actor.
+
+    A spawned EngineCore is the actor's own child, and Ray ends a dead worker's children with it
+    (a nemo-gen command SIGKILLed with its engines up left nothing running). This one is the
+    server's child, so Ray never sees it: it outlived its actor, with its GPU memory. So it drops
+    its copy of the server's "alive" pipe, and the server leaves when the actor's end closes. It
+    then asks to be SIGKILLed when its parent, the server, is gone. Not when the operator keeps a
+    dead shard's processes for debugging (``RAY_process_group_cleanup_enabled=0``): those stay,
+    as a spawned EngineCore would, and the fleet reports them as orphans."""
+    alive_fd, _SERVER._forkserver_alive_fd = _SERVER._forkserver_alive_fd, None
+    if alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+    if os.environ.get(REAPING_FLAG) == "0" or not sys.platform.startswith("linux"):
+        return
+    server = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server:  # the server left before the request was in place
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class EngineCoreContext(mp_context.ForkServerContext):

@@ -6,17 +6,19 @@ tests/engine/test_fleet_variants.py, where an EngineCore starts through it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import psutil
 import pytest
 
-from nemo_gen.fleet import engine_start
+from nemo_gen.fleet import engine_start, processes
 
 
 def _child_report(path: str) -> None:
@@ -82,28 +84,43 @@ def test_a_child_is_forked_by_the_server_with_the_environment_of_its_start(tmp_p
     assert report["after_stop"] is None and not report["server_alive_after_stop"]
 
 
-def test_stopping_the_server_leaves_its_children_running(tmp_path):
-    """A shard stops its server after its engine: the EngineCore is never the server's to end."""
-    script = textwrap.dedent("""
-        import sys, time
-        from nemo_gen.fleet import engine_start
-        engine_start.start_server(preload=[])
-        proc = engine_start.CONTEXT.Process(target=time.sleep, args=(30,))
-        proc.start()
+_ORPHANING = textwrap.dedent("""
+    import sys, time
+    from nemo_gen.fleet import engine_start
+    engine_start.start_server(preload=[])
+    proc = engine_start.CONTEXT.Process(target=time.sleep, args=(30,))
+    proc.start()
+    time.sleep(1)  # the child has set itself up
+    open(sys.argv[1], "w").write(str(proc.pid))
+    if sys.argv[2] == "stop":
         engine_start.stop_server()
-        open(sys.argv[1], "w").write(str(proc.pid))
-    """)
+    else:  # this process, the shard actor's stand-in, is SIGKILLed: nothing of its own runs after
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+@pytest.mark.parametrize("how", ["stop", "killed"])
+@pytest.mark.parametrize("cleanup", ["1", "0"])
+def test_the_servers_children_go_with_it_unless_the_operator_keeps_them(tmp_path, how, cleanup):
+    """A forked EngineCore is not the actor's child, so Ray does not end it with the actor: it
+    dies with the server, which leaves with the actor (or is stopped). With Ray's process-group
+    cleanup off (RAY_process_group_cleanup_enabled=0) an operator keeps a dead shard's processes,
+    and a spawned EngineCore would stay: so does this one."""
     # Output to a file, not a pipe: the child keeps what it inherits, and a pipe would hold this
     # call until the child exits.
+    env = {**os.environ, "RAY_process_group_cleanup_enabled": cleanup}
     with open(tmp_path / "stderr", "w") as err:
-        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "pid")], stdin=subprocess.DEVNULL,
-                             stdout=err, stderr=err, timeout=60)
-    assert out.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
-    child = psutil.Process(int((tmp_path / "pid").read_text()))
+        out = subprocess.run([sys.executable, "-c", _ORPHANING, str(tmp_path / "pid"), how], stdin=subprocess.DEVNULL,
+                             stdout=err, stderr=err, timeout=60, env=env)
+    assert out.returncode == (0 if how == "stop" else -9), (tmp_path / "stderr").read_text()[-3000:]
+    pid = int((tmp_path / "pid").read_text())
     try:
-        assert child.status() != psutil.STATUS_ZOMBIE
+        time.sleep(2)  # what would end it has happened by now
+        assert processes.alive(pid) == (cleanup == "0")
     finally:
-        child.kill()  # started by this test: stopped here by PID
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()  # started by this test: stopped here by PID
 
 
 def test_apply_environ_replaces_the_environment(monkeypatch):

@@ -34,6 +34,7 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/fleet/engine_start.py", "_SERVER._forkserver_pid"),
     ("nemo_gen/fleet/engine_start.py", "_SERVER._stop"),
     ("nemo_gen/fleet/engine_start.py", "_TRACKER._pid"),
+    ("nemo_gen/fleet/engine_start.py", "_SERVER._forkserver_alive_fd"),
     # Prefect 3.7's automations listener, replaced by 3.8's (PrefectHQ/prefect#23055, a server deadlock).
     ("nemo_gen/prefect_server.py", "automations._notify"),
 }
