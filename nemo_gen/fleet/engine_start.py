@@ -151,9 +151,10 @@ def helper_pids() -> set[int]:
 
 
 def stop_server() -> None:
-    """Stop the forkserver, if one was started. The EngineCore it forked is not touched. The
-    server is killed rather than asked: one still importing its preload would not look at its
-    pipe until the import is done, and it has nothing to finish."""
+    """Stop the forkserver, if one was started: after the engine has stopped, since the
+    EngineCore it forked dies with it (``share_the_shards_fate``). The server is killed rather
+    than asked: one still importing its preload would not look at its pipe until the import is
+    done, and it has nothing to finish."""
     pid = _SERVER._forkserver_pid
     if pid is None:
         return
