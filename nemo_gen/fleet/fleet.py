@@ -107,8 +107,10 @@ class GenerationFleet:
         try:
             resolved = resolve_generation(settings, cluster_resources())
             started = driver.launch_all(resolved.shards + resolved.spares, progress)
+            # Its first call waits for a new actor's process to start, as a shard's placement does:
+            # on a loaded node that outlasted the control deadline (10 s) in CI.
             record = create_record(settings.fleet.name, settings.ray.namespace, 0 if settings.is_eval() else None,
-                                   settings.fleet.control_timeout_s)
+                                   settings.fleet.placement_timeout_s + settings.fleet.control_timeout_s)
         except BaseException:
             if conn.owned:
                 shutdown_ray(conn)
