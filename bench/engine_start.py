@@ -1,38 +1,71 @@
-"""One-shard CPU fleet launched with each fleet.engine_core_start, timed, alternating.
+"""Launch time of a one-shard CPU fleet with each ``fleet.engine_core_start``, alternating.
 
-Run: ``.venv/bin/python bench/engine_start.py forkserver,spawn,forkserver,spawn``. Prints, for each
-launch, its wall time, the engine's load time (``load_s``), the method the shard used, the
-EngineCore's parent (the forkserver, or the actor itself when spawned) and the greedy tokens (the
-same for both). On 2026-12-03, on this 2-core machine, it gave a launch of 37.5 s (forkserver, the
-first and cold), 34.5 s (spawn), 26.3 s (forkserver) and 33.4 s (spawn); load_s was 23.0 / 33.1 /
-15.9 / 31.7 s. Results go to /tmp/fs/out.json.
+For each launch it prints the wall time, the engine's load time (``load_s``), the method the
+shard used, each engine process's parent (the EngineCore's: the forkserver, or the actor itself
+when spawned) and the greedy tokens, which are the same for both methods.
+
+Run: ``.venv/bin/python bench/engine_start.py [--order forkserver,spawn,forkserver,spawn] [--json out.json]``.
+On 2026-12-03, on a 2-core machine, it gave launches of 37.5 s (forkserver, the first and cold),
+34.5 s (spawn), 26.3 s (forkserver) and 33.4 s (spawn); load_s was 23.0 / 33.1 / 15.9 / 31.7 s.
 """
-import sys, time, json, psutil, ray
-from nemo_gen import GenerationFleet
-from nemo_gen.settings import NemoGenSettings
-from nemo_gen.tiny_model import make_tiny_model
-from nemo_gen.environment import configure_environment
+
+from __future__ import annotations
+
+import argparse
+import json
 import os
-os.makedirs("/tmp/fs", exist_ok=True)
-model = make_tiny_model("/tmp/fs/tiny")
-configure_environment(NemoGenSettings.load())
-ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="fs", log_to_driver=False)
-order = sys.argv[1].split(",")
-out = []
-for i, method in enumerate(order):
-    s = NemoGenSettings.load(overrides={"home": "/tmp/fs/home", "model.path": str(model), "fleet.device": "cpu",
-        "ray.namespace": "fs", "fleet.name": f"fs{i}", "fleet.num_shards": 1, "generation.max_new_tokens": 8,
-        "generation.vllm_cfg.max_model_len": 256, "fleet.engine_core_start": method})
-    t0 = time.monotonic()
-    fleet = GenerationFleet.launch(s)
-    dt = time.monotonic() - t0
-    st = fleet.status()[0]
-    parents = {p: psutil.Process(p).ppid() for p in st.engine_pids}
-    r = fleet.generate(["Hello there"], temperature=0)
-    info = fleet.shards[0].info
-    out.append({"method": method, "launch_s": round(dt, 1), "used": info.get("engine_core_start"), "actor": st.actor_pid,
-                "parents": parents, "tokens": r[0].token_ids, "load_s": info.get("load_s")})
-    print(out[-1], flush=True)
-    fleet.shutdown()
-json.dump(out, open("/tmp/fs/out.json", "w"))
-ray.shutdown()
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--order", default="forkserver,spawn,forkserver,spawn")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    import psutil
+    import ray
+
+    from nemo_gen import GenerationFleet
+    from nemo_gen.environment import configure_environment
+    from nemo_gen.settings import NemoGenSettings
+    from nemo_gen.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="nemo-gen-engine-start-"))
+    model = make_tiny_model(work / "tiny")
+    configure_environment(NemoGenSettings.load())
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="engine-start", log_to_driver=False)
+    out = []
+    try:
+        for i, method in enumerate(args.order.split(",")):
+            settings = NemoGenSettings.load(overrides={
+                "home": str(work / "home"), "model.path": str(model), "fleet.device": "cpu",
+                "ray.namespace": "engine-start", "fleet.name": f"engine-start-{i}", "fleet.num_shards": 1,
+                "generation.max_new_tokens": 8, "generation.vllm_cfg.max_model_len": 256,
+                "fleet.engine_core_start": method})
+            t0 = time.monotonic()
+            fleet = GenerationFleet.launch(settings)
+            launch_s = time.monotonic() - t0
+            try:
+                status = fleet.status()[0]
+                parents = {pid: psutil.Process(pid).ppid() for pid in status.engine_pids}
+                (result,) = fleet.generate(["Hello there"], temperature=0)
+                info = fleet.shards[0].info
+                out.append({"method": method, "launch_s": round(launch_s, 1), "used": info.get("engine_core_start"),
+                            "actor": status.actor_pid, "parents": parents, "tokens": result.token_ids,
+                            "load_s": info.get("load_s")})
+                print(out[-1], flush=True)
+            finally:
+                fleet.shutdown()
+    finally:
+        ray.shutdown()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

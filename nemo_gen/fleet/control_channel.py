@@ -34,8 +34,8 @@ from typing import Any, Awaitable, Callable
 
 
 def describe(exc: BaseException) -> str:
-    """``Type: last line``: what the Ray path reports for an exception the actor raised
-    (``driver.root_cause`` of the task error)."""
+    """``Type: last line`` of an exception the actor raised: how the line answers a failed call,
+    and how the Ray path reports one (``driver.root_cause`` describes the task error's cause)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[-1] if text else ''}"
 

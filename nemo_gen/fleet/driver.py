@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_gen.core.retry import is_retriable
 from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardDiedError
-from nemo_gen.fleet.control_channel import Channel, ChannelBroken
+from nemo_gen.fleet.control_channel import Channel, ChannelBroken, describe
 from nemo_gen.fleet.shard import ShardActor, ShardHandle, ShardSpec, slot_from_name
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,9 @@ class Stream:
 
 
 def root_cause(exc: BaseException) -> str:
-    """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame)."""
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+    """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame):
+    the same form a shard's direct line answers in (``control_channel.describe``)."""
+    return describe(getattr(exc, "cause", None) or exc)
 
 
 def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:

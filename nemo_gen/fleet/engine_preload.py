@@ -5,8 +5,8 @@ CPU machine, ~21 s with CUDA's libraries on the H200). On a GPU this is no more 
 ``vllm.LLM`` has imported when it forks its EngineCore, and nothing here initialises CUDA (a
 forked child could not use it: should a later vLLM do so, the server exits and the
 EngineCore is spawned). On the H200 with vLLM 0.32 every test of tests/gpu passed with
-EngineCores forked after this preload (2026-12-03). The CPU worker's module is imported too: that is safe there
-and saves its ~0.6 s.
+EngineCores forked after this preload (2026-12-03). The CPU worker's module is imported too:
+that is safe there and saves its ~0.6 s.
 
 It never fails. A module that cannot be imported here is imported by the EngineCore itself,
 which is what happens under spawn, and the reason is logged.
