@@ -284,7 +284,9 @@ def interleaved_throughput(fleet_run, bare_run, rounds: int, deadline_s: float) 
     are up on the GPU. Each ``*_run`` returns ``{"seconds", "tokens", "front_end"}`` (the bare one
     asks the process ``gpu_bare_vllm.py ... serve`` for a run; ``front_end``: where its engine's
     own process spent the run, ``front_end.FrontEndClock``). Stops early at the deadline. The
-    ratio is of the medians (the same batch on both: tokens are equal)."""
+    ratio is of the medians (the same batch on both: tokens are equal); ``paired_fleet_over_bare``
+    is the median of each round's own ratio, which a host that slows down over the rounds (seen on
+    the lent H200: both arms 40 % slower by the last round) does not tilt."""
     import statistics
 
     from front_end import medians
@@ -300,8 +302,18 @@ def interleaved_throughput(fleet_run, bare_run, rounds: int, deadline_s: float) 
         med = {arm: statistics.median(r["seconds"] for r in v) for arm, v in runs.items()}
         out.update(median_s=med, throughput_fleet_over_bare=med["bare"] / med["fleet"],
                    best_fleet_over_bare=min(out["seconds"]["bare"]) / min(out["seconds"]["fleet"]),
+                   paired_fleet_over_bare=paired_ratio(out["seconds"]["fleet"], out["seconds"]["bare"]),
                    front_end={arm: medians([r["front_end"] for r in v if r.get("front_end")]) for arm, v in runs.items()})
     return out
+
+
+def paired_ratio(fleet_s: list[float], bare_s: list[float]) -> float | None:
+    """Median over rounds of bare / fleet seconds (throughput of the fleet over the bare engine),
+    each round's two runs taken back to back."""
+    import statistics
+
+    pairs = [b / f for f, b in zip(fleet_s, bare_s) if f > 0]
+    return statistics.median(pairs) if pairs else None
 
 
 def call_worker(handle, method: str, *args):
@@ -773,9 +785,10 @@ def write_markdown(out: Path) -> None:
     rows.append(("  bare import vllm / LLM()", f"{fmt(get('bare_vllm', 'bare', 'import_s'))} s / {fmt(get('bare_vllm', 'bare', 'llm_s'))} s"))
     rows.append(("throughput fleet / bare", f"{fmt(get('fleet_throughput', 'tokens_per_s'))} / "
                  f"{fmt(get('bare_vllm', 'bare', 'tokens_per_s'))} tok/s = {fmt(get('bare_vllm', 'throughput_fleet_over_bare'))}"))
-    rows.append(("throughput fleet / bare, interleaved (median / best; both engines up)",
+    rows.append(("throughput fleet / bare, interleaved (of medians / best / median of each round's; both engines up)",
                  f"{fmt(get('bare_vllm', 'interleaved', 'throughput_fleet_over_bare'))} / "
-                 f"{fmt(get('bare_vllm', 'interleaved', 'best_fleet_over_bare'))} "
+                 f"{fmt(get('bare_vllm', 'interleaved', 'best_fleet_over_bare'))} / "
+                 f"{fmt(get('bare_vllm', 'interleaved', 'paired_fleet_over_bare'))} "
                  f"(fleet {fmt(get('bare_vllm', 'interleaved', 'median_s', 'fleet'))} s, "
                  f"bare {fmt(get('bare_vllm', 'interleaved', 'median_s', 'bare'))} s)"))
     for key, what in (("interleaved", "as vLLM leaves it"), ("interleaved_bare_frozen", "its heap frozen too")):
@@ -783,9 +796,11 @@ def write_markdown(out: Path) -> None:
         rows.append((f"  engine process of each (bare {what}), medians: front end / waiting for the EngineCore / GC (full collections)",
                      "; ".join(f"{arm} {fmt(m.get('proc_s'))} / {fmt(m.get('wait_s'))} / {fmt(m.get('gc_s'))} s "
                                f"({fmt(m.get('gc_full'))})" for arm, m in fe.items()) or "-"))
-    rows.append(("throughput fleet / bare, interleaved, the bare engine's heap frozen too (median / best)",
+    rows.append(("throughput fleet / bare, interleaved, the bare engine's heap frozen too (of medians / best / "
+                 "median of each round's)",
                  f"{fmt(get('bare_vllm', 'interleaved_bare_frozen', 'throughput_fleet_over_bare'))} / "
-                 f"{fmt(get('bare_vllm', 'interleaved_bare_frozen', 'best_fleet_over_bare'))} "
+                 f"{fmt(get('bare_vllm', 'interleaved_bare_frozen', 'best_fleet_over_bare'))} / "
+                 f"{fmt(get('bare_vllm', 'interleaved_bare_frozen', 'paired_fleet_over_bare'))} "
                  f"(fleet {fmt(get('bare_vllm', 'interleaved_bare_frozen', 'median_s', 'fleet'))} s, "
                  f"bare {fmt(get('bare_vllm', 'interleaved_bare_frozen', 'median_s', 'bare'))} s)"))
     rows.append(("  the same batch in the shard actor: nemo_gen's step loop (final outputs / every step's) / vLLM's LLM.generate",
