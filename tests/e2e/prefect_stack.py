@@ -141,7 +141,10 @@ class Stack:
                 if "server start" in line:  # prefect's own, or nemo_gen.prefect_server's
                     self.wait_healthy(proc, f"line-{i}.log")
                 continue
+            started = time.monotonic()
             out = self.run(line)
+            # in the test's captured output: which line a slow or failed run spent its time on
+            print(f"{time.monotonic() - started:6.1f}s  {line}", flush=True)
             assert out.returncode == 0, f"{line}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}\n{self.why(out)}"
             check_after(line, out)
 
