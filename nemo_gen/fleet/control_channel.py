@@ -41,9 +41,18 @@ def describe(exc: BaseException) -> str:
 
 
 class ChannelServer:
-    """A shard actor's socket: one thread accepts, one thread per connection serves it. Each
-    call is ``handler(*args)`` run on ``loop`` (the actor's); the answer is ``(True, value)`` or
-    ``(False, "Type: message")``."""
+    """A shard actor's socket. A thread accepts (the handshake blocks), and each connection is then
+    read on ``loop`` itself (the actor's): a call runs there as ``handler(*args)``, and its answer,
+    ``(True, value)`` or ``(False, "Type: message")``, is written from there. So a call costs the
+    socket and no hand-off between threads either way. (Served by a thread per connection, the
+    call waited for the loop to wake it and the answer for that thread to wake: on the H200 the
+    two legs took 0.21 and 0.49 ms.)
+
+    One call at a time on a connection: it is not read again until its call has been answered,
+    as the driver never sends a second call before the first one's answer. ``close`` stops new
+    connections and closes the idle ones; a call in flight, or sent before it, is answered first.
+    A call is read whole on the loop: its sender is the authenticated driver, and a driver that
+    dies mid-message closes the socket, which ends the read."""
 
     def __init__(self, handler: Callable[..., Awaitable[Any]], loop: asyncio.AbstractEventLoop):
         self._handler, self._loop = handler, loop
@@ -52,6 +61,8 @@ class ChannelServer:
         self.address = os.path.join(self._dir, "socket")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
         self._closed = False
+        self._lines: set[Connection] = set()  # the loop's: every open connection
+        self._busy: dict[Connection, asyncio.Task] = {}  # the loop's: connections with a call in flight
         self.calls = 0  # calls served so far (the shard's info says how many came this way)
         threading.Thread(target=self._accept, name="nemo-gen-channel", daemon=True).start()
 
@@ -63,30 +74,80 @@ class ChannelServer:
                 continue  # a client without the key, or one that left during the handshake
             except OSError:
                 return  # the listener was closed
-            threading.Thread(target=self._serve, args=(conn,), name="nemo-gen-channel-conn", daemon=True).start()
+            try:
+                self._loop.call_soon_threadsafe(self._attach, conn)
+            except RuntimeError:  # the loop is closed: the actor is gone
+                conn.close()
+                return
 
-    def _serve(self, conn: Connection) -> None:
-        with conn:
-            while True:
-                try:
-                    args = conn.recv()
-                except (EOFError, OSError):
-                    return  # the driver closed its end
-                self.calls += 1
-                future = asyncio.run_coroutine_threadsafe(self._handler(*args), self._loop)
-                try:
-                    answer = (True, future.result())
-                except BaseException as exc:  # noqa: BLE001 — every failure is the caller's to see
-                    answer = (False, describe(exc))
-                try:
-                    conn.send(answer)
-                except (OSError, ValueError):
-                    return  # the driver gave up on this call and dropped the line
+    # -- on the loop ------------------------------------------------------------------------------
+
+    def _attach(self, conn: Connection) -> None:
+        self._lines.add(conn)
+        self._loop.add_reader(conn.fileno(), self._receive, conn)
+        if self._closed:  # closed while this one was being accepted: served only if it has sent a call
+            self._close_idle()
+
+    def _receive(self, conn: Connection) -> None:
+        """A call arrived (or the driver closed its end)."""
+        self._loop.remove_reader(conn.fileno())  # one call at a time: read again once answered
+        try:
+            args = conn.recv()
+        except (EOFError, OSError):
+            self._detach(conn)
+            return
+        self.calls += 1
+        self._busy[conn] = self._loop.create_task(self._serve(conn, args))
+
+    async def _serve(self, conn: Connection, args: tuple) -> None:
+        cancelled = None
+        try:
+            answer = (True, await self._handler(*args))
+        except asyncio.CancelledError as exc:  # the loop is going down: the caller still hears of it
+            answer, cancelled = (False, describe(exc)), exc
+        except Exception as exc:  # noqa: BLE001 — every failure is the caller's to see
+            answer = (False, describe(exc))
+        self._busy.pop(conn, None)
+        try:
+            conn.send(answer)
+        except (OSError, ValueError):
+            self._detach(conn)  # the driver gave up on this call and dropped the line
+        else:
+            if self._closed:
+                self._detach(conn)
+            else:
+                self._loop.add_reader(conn.fileno(), self._receive, conn)
+        if cancelled is not None:
+            raise cancelled
+
+    def _detach(self, conn: Connection) -> None:
+        self._lines.discard(conn)
+        if not conn.closed:
+            self._loop.remove_reader(conn.fileno())
+            conn.close()
+
+    def _close_idle(self) -> None:
+        """Close every line with no call in flight and none waiting to be read (a call sent
+        before ``close`` is answered)."""
+        for conn in [c for c in self._lines if c not in self._busy]:
+            try:
+                waiting = conn.poll(0)
+            except (OSError, ValueError):
+                waiting = False
+            if not waiting:
+                self._detach(conn)
+
+    # ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        """From any thread."""
         self._closed = True
         self._listener.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            self._loop.call_soon_threadsafe(self._close_idle)
+        except RuntimeError:
+            pass  # the loop is closed, and its connections with the process
 
 
 class ChannelBroken(Exception):

@@ -99,6 +99,49 @@ def test_a_line_whose_server_is_gone_is_broken(loop):
         line.close()
 
 
+def test_a_line_is_read_again_only_once_its_call_is_answered(loop):
+    """The driver sends one call at a time; should a second one come early, it waits for the
+    first one's answer instead of running beside it."""
+    events = []
+
+    async def handler(step, payload=None, timeout_s=1.0):
+        events.append(("start", step))
+        await asyncio.sleep(payload or 0)
+        events.append(("end", step))
+        return step
+
+    server = ChannelServer(handler, loop)
+    line = Channel(server.address, server.key)
+    try:
+        line.send(("first", 0.3))
+        line.send(("second", 0))
+        assert line.receive(10) == (True, "first") and line.receive(10) == (True, "second")
+        assert events == [("start", "first"), ("end", "first"), ("start", "second"), ("end", "second")]
+        assert server.calls == 2
+    finally:
+        line.close()
+        server.close()
+
+
+def test_close_answers_what_was_sent_and_closes_the_idle_lines(loop):
+    server = ChannelServer(_handler, loop)
+    idle, busy = Channel(server.address, server.key), Channel(server.address, server.key)
+    try:
+        busy.send(("slow", 0.3))
+        time.sleep(0.05)  # both lines are the loop's by now
+        server.close()
+        assert busy.receive(10)[0]  # the call in flight is answered
+        with pytest.raises(ChannelBroken):  # then its line is closed, like the idle one
+            busy.send(("apply",))
+            busy.receive(5)
+        with pytest.raises(ChannelBroken):
+            idle.send(("apply",))
+            idle.receive(5)
+    finally:
+        idle.close()
+        busy.close()
+
+
 def _serve_in_a_process(queue) -> None:
     """A stand-in shard actor: its line served from its own process, until it is killed."""
     loop = asyncio.new_event_loop()
