@@ -72,7 +72,7 @@ class GenerationFleet:
             for handle in shards:
                 self.health.mark_loaded(handle.index)
         self.weights = FleetWeights(version, source, s.refit.staging_dir, s.fleet.name,
-                                    RecordWriter(record, s.fleet.control_timeout_s))
+                                    RecordWriter(record, s.fleet.control_timeout_s, key=(s.ray.namespace, s.fleet.name)))
         self.background = Background(s.fleet.name)
         self.monitor: FleetMonitor | None = None
         gen_cfg = resolved.generation_config

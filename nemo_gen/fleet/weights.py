@@ -111,6 +111,6 @@ class FleetWeights:
     def close(self) -> None:
         """Wait until the record holds this process's writes; remove the staging file this
         process wrote (the shards read it only during a refit)."""
-        self._record.flush()
+        self._record.close()
         if self._staging is not None:
             self._staging.close()
