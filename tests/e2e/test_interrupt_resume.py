@@ -50,10 +50,13 @@ def _ok_lines(path: Path) -> dict[int, dict]:
 
 
 class _Run:
-    def __init__(self, tmp: Path, tiny: Path, extra: list[str], batch_size: int = 2, max_new_tokens: int = 64):
-        # Two lines in flight, 64 tokens each: a signal sent after a few lines lands mid-run, with
-        # the rest tens of seconds of work (at 16 tokens a clean clone's CI once saw the poll
-        # below miss the whole run: all 400 lines were in before it looked again).
+    def __init__(self, tmp: Path, tiny: Path, extra: list[str], batch_size: int = 2, max_new_tokens: int = 160):
+        # Two lines in flight, 160 tokens each: a signal sent after a few lines lands mid-run, with
+        # the rest ~2 minutes of work. At 16 tokens a clean clone's CI once saw the poll below
+        # miss the whole run (all 400 lines were in before it looked again); at 64 (~50 s for the
+        # whole run) it twice saw 400 of 400 lines reported after a signal sent when the poll had
+        # seen fewer (2026-12-03, the other CI worker busy): ``interrupt`` now says how many were
+        # on disk when the signal went.
         self.marker = uuid.uuid4().hex
         self.err = tmp / f"err-{self.marker[:6]}.txt"
         env = {**os.environ, "NEMO_GEN_TEST_MARKER": self.marker}
@@ -62,7 +65,7 @@ class _Run:
                "--output", str(tmp / "samples.jsonl"), "--json", "--config", str(EVAL),
                "--set", f"home={tmp / 'home'}", "--set", f"model.path={tiny}", "--set", "fleet.num_shards=1",
                "--set", "fleet.name=interrupt-test", "--set", f"run.batch_size={batch_size}",
-               "--set", f"generation.max_new_tokens={max_new_tokens}", "--set", "generation.vllm_cfg.max_model_len=128", *extra]
+               "--set", f"generation.max_new_tokens={max_new_tokens}", "--set", "generation.vllm_cfg.max_model_len=256", *extra]
         with open(self.err, "w") as err:
             # A session of its own: a Ctrl-C to "its terminal" is a SIGINT to this process group.
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -85,19 +88,26 @@ class _Run:
             time.sleep(0.2)
         raise AssertionError(f"fewer than {at_least} lines after {timeout}s: {self.err.read_text()[-2000:]}")
 
+    def interrupt(self, path: Path, signum: int, group: bool = False) -> None:
+        """Send ``signum`` to the command (``group``: to its process group, as a Ctrl-C does),
+        noting how many lines were on disk just before."""
+        self.at_signal, self.signalled = len(_ok_lines(path)), time.monotonic()
+        (os.killpg if group else os.kill)(self.proc.pid, signum)
+
     def finish(self, timeout: float = 180) -> tuple[int, str, str]:
         out, _ = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out, self.err.read_text()
 
 
-def _assert_one_line_interrupted(stderr: str, signame: str) -> None:
+def _assert_one_line_interrupted(stderr: str, signame: str, run: _Run) -> None:
     assert "Traceback" not in stderr and "*** SIG" not in stderr and "PC: @" not in stderr, stderr[-3000:]
     said = [line for line in stderr.splitlines() if "interrupted" in line]
     assert len(said) == 1 and said[0].startswith(f"nemo-gen: interrupted by {signame}"), stderr[-3000:]
     assert stderr.rstrip().splitlines()[-1] == said[0]
     assert "--resume continues" in said[0]
     kept = int(re.search(r"; (\d+) of (\d+) lines are in ", said[0]).group(1))
-    assert kept < N, f"interrupted after the last line was written, not mid-run: {said[0]}"
+    assert kept < N, (f"interrupted after the last line was written, not mid-run: {said[0]} ({run.at_signal} "
+                      f"lines were on disk when the signal was sent)")
 
 
 def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_path):
@@ -109,10 +119,10 @@ def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_p
     # 1. Prefect path (its own Prefect server), SIGTERM mid-generation.
     run = _Run(tmp_path, tiny_model_dir, [])
     run.wait_for_lines(out, 10)
-    run.proc.send_signal(signal.SIGTERM)
+    run.interrupt(out, signal.SIGTERM)
     code, _, err = run.finish()
     assert code == 143, err[-3000:]
-    _assert_one_line_interrupted(err, "SIGTERM")
+    _assert_one_line_interrupted(err, "SIGTERM", run)
     assert wait_gone(_marked(run.marker), 60) == []  # engines, Ray, the Prefect server: all gone
     first = _ok_lines(out)
     assert 10 <= len(first) < N
@@ -121,10 +131,10 @@ def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_p
     # 2. Plain path, resumed, then Ctrl-C (SIGINT to the process group) mid-generation.
     run = _Run(tmp_path, tiny_model_dir, ["--resume", "--no-prefect"])
     run.wait_for_lines(out, len(first) + 10)
-    os.killpg(run.proc.pid, signal.SIGINT)
+    run.interrupt(out, signal.SIGINT, group=True)
     code, _, err = run.finish()
     assert code == 130, err[-3000:]
-    _assert_one_line_interrupted(err, "SIGINT")
+    _assert_one_line_interrupted(err, "SIGINT", run)
     assert wait_gone(_marked(run.marker), 60) == []
     second = _ok_lines(out)
     assert len(second) < N
