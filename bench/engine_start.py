@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,24 +28,16 @@ def main() -> None:
 
     import psutil
     import ray
+    from local_cpu import LocalCpu
 
     from nemo_gen import GenerationFleet
-    from nemo_gen.environment import configure_environment
-    from nemo_gen.settings import NemoGenSettings
-    from nemo_gen.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-engine-start-"))
-    model = make_tiny_model(work / "tiny")
-    configure_environment(NemoGenSettings.load())
-    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="engine-start", log_to_driver=False)
+    local = LocalCpu("engine-start")
     out = []
     try:
         for i, method in enumerate(args.order.split(",")):
-            settings = NemoGenSettings.load(overrides={
-                "home": str(work / "home"), "model.path": str(model), "fleet.device": "cpu",
-                "ray.namespace": "engine-start", "fleet.name": f"engine-start-{i}", "fleet.num_shards": 1,
-                "generation.max_new_tokens": 8, "generation.vllm_cfg.max_model_len": 256,
-                "fleet.engine_core_start": method})
+            settings = local.settings(**{"fleet.name": f"engine-start-{i}", "fleet.num_shards": 1,
+                                         "generation.max_new_tokens": 8, "fleet.engine_core_start": method})
             t0 = time.monotonic()
             fleet = GenerationFleet.launch(settings)
             launch_s = time.monotonic() - t0

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,26 +41,19 @@ def main() -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from nemo_gen import GenerationFleet
-    from nemo_gen.environment import configure_environment
-    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
-    from nemo_gen.settings import NemoGenSettings
-    from nemo_gen.tiny_model import make_tiny_model
+    from local_cpu import LocalCpu
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-refit-call-"))
-    model = make_tiny_model(work / "tiny")
-    configure_environment(NemoGenSettings.load())
-    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="refit-call", log_to_driver=False)
-    settings = NemoGenSettings.load(overrides={
-        "home": str(work / "home"), "model.path": str(model), "fleet.device": "cpu", "ray.namespace": "refit-call",
-        "fleet.name": "refit-call", "fleet.num_shards": args.shards, "generation.vllm_cfg.max_model_len": 256,
-    })
+    from nemo_gen import GenerationFleet
+    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+
+    local = LocalCpu("refit-call")
+    settings = local.settings(**{"fleet.num_shards": args.shards})
     fleet = GenerationFleet.launch(settings)
     try:
-        policy = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        policy = AutoModelForCausalLM.from_pretrained(str(local.model), dtype=torch.float32)
         client = fleet.weight_sync_client()
         engine = WeightTransferTrainerFactory.trainer_init(
-            SharedMemoryTrainerInitInfo(staging_dir=str(work)), client=client, source=ModuleSource(policy))
+            SharedMemoryTrainerInitInfo(staging_dir=str(local.work)), client=client, source=ModuleSource(policy))
         staged = {}
 
         class Capture:  # stage once through the trainer engine, keep the one chunk it sends
