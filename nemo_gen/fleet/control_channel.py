@@ -62,7 +62,8 @@ class ChannelServer:
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
         self._closed = False
         self._lines: set[Connection] = set()  # the loop's: every open connection
-        self._busy: dict[Connection, asyncio.Task] = {}  # the loop's: connections with a call in flight
+        # the loop's: connections with a call in flight, and its task (asyncio keeps tasks only weakly)
+        self._busy: dict[Connection, asyncio.Task] = {}
         self.calls = 0  # calls served so far (the shard's info says how many came this way)
         threading.Thread(target=self._accept, name="nemo-gen-channel", daemon=True).start()
 
