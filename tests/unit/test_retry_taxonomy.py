@@ -57,6 +57,15 @@ from nemo_gen.core.retry import classify
 
 pkg, skip, read_only, vendored = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 root = os.path.dirname(importlib.util.find_spec(pkg).origin)
+if pkg == "vllm":
+    # vLLM's CPU platform loads its kernels from the build this CPU runs (_C_AVX2 without AVX-512),
+    # which registers torch's "_C" op library; a module that imports vllm._C itself (the ROCm
+    # platform) would then register it a second time, and torch aborts the process. Load the
+    # platform's kernels first and stand in for vllm._C when another build holds them.
+    import types
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+    sys.modules.setdefault("vllm._C", types.ModuleType("vllm._C"))
 
 def under(name, prefixes):
     return any(name == p or name.startswith(p + ".") for p in prefixes)
