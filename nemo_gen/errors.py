@@ -2,10 +2,14 @@
 
     NemoGenError
     ├── InfraError                 retriable: the machine or a process failed, the input was fine
-    │   ├── ShardDiedError         a shard's actor or engine process is gone
+    │   ├── ShardDiedError         dead: a shard's actor or engine process is gone
+    │   ├── ShardBusy              busy: one shard refused admission (its queue is full)
+    │   ├── FleetBusy              busy: no shard admits the request now (HTTP 503 + Retry-After)
     │   ├── ShardUnavailableError  no shard can take the request right now (NoHealthyShards)
     │   ├── EngineStartError       an engine failed to come up (timeout, crash while loading)
     │   └── FleetExhausted         fewer serving shards than health.min_healthy_shards
+    ├── RequestTimeout             slow: one request's deadline passed (HTTP 504); also a
+    │                              TimeoutError. Its shard is not at fault and serves on.
     ├── ShardRetired               not retriable: a shard spent health.max_restart_attempts_per_shard
     ├── StaleShard                 not retriable: a replacement is up but nothing can bring it to
     │                              the fleet's weight version before the next refit
@@ -15,8 +19,10 @@
         ├── RequestError           one generation request is invalid (too long, bad sampling)
         └── InputFileError         a prompts file is unreadable or a line is malformed
 
-Adapters (ray, vllm, prefect) translate their own exceptions into these in one place each;
-``nemo_gen.core.retry.is_retriable`` classifies both these and raw Ray exceptions.
+Only *dead* condemns a shard; *busy* is retried elsewhere and *slow* fails the one request
+(``nemo_gen.core.retry``: the fault model). Adapters (ray, vllm, prefect) translate their own
+exceptions into these in one place each; ``nemo_gen.core.retry.kind_of`` classifies both
+these and raw Ray and vLLM exceptions.
 """
 
 from __future__ import annotations
@@ -37,6 +43,34 @@ class ShardDiedError(InfraError):
         self.shard = shard
         self.detail = detail
         super().__init__(f"shard {shard} died" + (f": {detail}" if detail else ""))
+
+
+class ShardBusy(InfraError):
+    """A shard refused a request for now (vLLM's queue is full, HTTP 429/503, Ray's
+    pending-call limit): it is alive and serving, the request goes to another shard."""
+
+    def __init__(self, shard: int, detail: str = ""):
+        self.shard = shard
+        self.detail = detail
+        super().__init__(f"shard {shard} is busy" + (f": {detail}" if detail else ""))
+
+
+class FleetBusy(InfraError):
+    """The fleet admits no more requests now: its pending bound (``fleet.max_pending_requests``)
+    is reached, or every shard tried refused the request. Retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class RequestTimeout(NemoGenError, TimeoutError):
+    """One request's deadline passed (``timeout_s``, ``fleet.request_timeout_s``; a stream's
+    between two tokens). The request was aborted on its engine; the shard serves on."""
+
+    def __init__(self, message: str, shard: int | None = None):
+        self.shard = shard
+        super().__init__(message)
 
 
 class ShardUnavailableError(InfraError):

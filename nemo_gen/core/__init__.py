@@ -1,7 +1,7 @@
 """The pure core of nemo_gen: decisions, with no I/O.
 
-Owns the fleet ledger (shard states, serving set, least-loaded selection), the infra/data
-failure taxonomy, retry backoff and placement planning. Everything here imports only the
+Owns the fleet ledger (shard states, serving set, least-loaded selection), the fault model
+(dead / busy / slow / data), retry backoff and placement planning. Everything here imports only the
 standard library and ``nemo_gen.errors`` — never ray, vllm, prefect, torch or transformers
 (``tests/unit/test_core_purity.py`` enforces it) — so it is tested in milliseconds and the
 adapters that do touch those systems stay thin.
@@ -24,7 +24,7 @@ from nemo_gen.core.placement import (
     check_fits,
     plan_fleet_placement,
 )
-from nemo_gen.core.retry import classify, describe, is_retriable
+from nemo_gen.core.retry import classify, condemns, describe, is_retriable, kind_of
 
 __all__ = [
     "BackoffPolicy",
@@ -40,7 +40,9 @@ __all__ = [
     "ShardState",
     "check_fits",
     "classify",
+    "condemns",
     "describe",
     "is_retriable",
+    "kind_of",
     "plan_fleet_placement",
 ]

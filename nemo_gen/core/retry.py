@@ -1,29 +1,37 @@
-"""The infra/data failure taxonomy: which exceptions are worth retrying elsewhere or later.
+"""The fault model: what kind of trouble an exception is, and so what the fleet does about it.
 
-A failure is one of two things, and the split drives every retry budget in nemo_gen:
+Four kinds, each with its own evidence and its own answer:
 
-- **infra** — the machine, a process or the network failed; the input was fine. A dead
-  shard, a Ray node lost, a timeout, a dropped connection. Retrying on another shard (or
-  after a backoff) is expected to succeed.
+- **dead** — the shard cannot serve: its actor, engine process or node is gone, the
+  connection to it broke, a control call it must answer at once went unanswered. The shard
+  is condemned (DEAD), reaped and restarted; its requests go to another shard.
+- **busy** — the shard refused admission for now: vLLM's queue is full
+  (``max_num_queued_reqs`` / ``max_num_queued_tokens``: ``QueueOverflowError``, 503), an
+  HTTP 429 or 503, Ray's ``PendingCallsLimitExceeded``. The shard is healthy; the request is
+  retried on another shard with backoff, a bounded number of times, then ``FleetBusy``.
+- **slow** — a deadline passed while the engine still made progress (``RequestTimeout``,
+  an HTTP 408 or 504). That one request fails and is aborted on its engine; the shard serves on.
 - **data** — deterministic: the same input fails the same way on any shard (bad settings,
   a prompt longer than ``max_model_len``). Retrying only burns time, so it is surfaced.
 
-Anything not recognised as infra is data: an unknown exception is more likely a bug than a
-blip, and retrying it would hide it.
+Only *dead* condemns a shard. Anything not recognised is data: an unknown exception is more
+likely a bug than a blip, and retrying it would hide it. The older two-way split
+(``classify``: infra/data) is kept for retry budgets: dead, busy and slow are infra.
 
 Ray's exceptions are recognised by the *names* in the exception's MRO, never by importing
 ``ray``, so this module (and everything in ``nemo_gen.core``) stays importable without Ray.
 Ray's ``RayTaskError`` wraps the exception a remote task raised; its ``.cause`` (and any
-``__cause__`` chain) is followed, bounded, so the classification is that of the real error.
+``__cause__`` chain) is followed, bounded, so the kind is that of the real error.
 """
 
 from __future__ import annotations
 
 from typing import Final, Literal
 
-from nemo_gen.errors import DataError, InfraError
+from nemo_gen.errors import DataError, FleetBusy, InfraError, RequestTimeout, ShardBusy
 
 FailureClass = Literal["infra", "data"]
+FailureKind = Literal["dead", "busy", "slow", "data"]
 
 # Ray exceptions that mean a worker, node, object or the control plane went away — never
 # the input. Matched by class name anywhere in the MRO, so subclasses Ray adds under these
@@ -55,8 +63,14 @@ RAY_INFRA_NAMES: Final[frozenset[str]] = frozenset(
         # down or its node went away): a new placement on a retry can succeed.
         "TaskPlacementGroupRemoved",
         "ActorPlacementGroupRemoved",
-        "PendingCallsLimitExceeded",  # back-pressure: the actor's call queue is full for now
     }
+)
+
+# Admission refused for now by a live shard: never its death. Ray's back-pressure (the actor's
+# call queue is full) and vLLM's full request queue (QueueOverflowError and MaxQueuedTokensError
+# are GracefulHTTPErrors with http_status 503, matched by status below; named here too).
+BUSY_NAMES: Final[frozenset[str]] = frozenset(
+    {"PendingCallsLimitExceeded", "QueueOverflowError", "MaxQueuedTokensError"}
 )
 
 # vLLM's own. vllm.exceptions splits its errors into VLLMClientError (the request: 4xx) and
@@ -96,9 +110,19 @@ _STDLIB_INFRA_TYPES: Final[tuple[type[BaseException], ...]] = (
 _MAX_CAUSE_DEPTH: Final[int] = 8
 
 
+def http_status_kind(status: int) -> FailureKind:
+    """429 and 503: busy (come back later); 408 and 504: slow (a deadline passed); any other
+    5xx: the endpoint is unwell (dead); any other 4xx describes the request (data)."""
+    if status in (429, 503):
+        return "busy"
+    if status in (408, 504):
+        return "slow"
+    return "dead" if status >= 500 else "data"
+
+
 def http_status_is_infra(status: int) -> bool:
-    """5xx, 408 and 429 mean the endpoint is unwell; any other 4xx describes the request."""
-    return status >= 500 or status in (408, 429)
+    """5xx, 408 and 429 mean the endpoint is unwell or busy; any other 4xx describes the request."""
+    return http_status_kind(status) != "data"
 
 
 # Exceptions that carry an HTTP status and are classified by it: the attribute per class name.
@@ -118,20 +142,26 @@ def _http_status(exc: BaseException) -> int | None:
     return None
 
 
-def _single_is_infra(exc: BaseException) -> bool:
-    """Whether this one exception, ignoring what it wraps, is an infra failure."""
+def _single_kind(exc: BaseException) -> FailureKind | None:
+    """The kind of this one exception, ignoring what it wraps; None: not recognised."""
+    if isinstance(exc, (ShardBusy, FleetBusy)):
+        return "busy"
+    if isinstance(exc, RequestTimeout):
+        return "slow"
     if isinstance(exc, InfraError):
-        return True
+        return "dead"
     if isinstance(exc, DataError):
-        return False
+        return "data"
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & BUSY_NAMES:
+        return "busy"
     status = _http_status(exc)
     if status is not None:
-        return http_status_is_infra(status)
-    names = {cls.__name__ for cls in type(exc).__mro__}
+        return http_status_kind(status)
     if names & RAY_INFRA_NAMES or names & TRANSPORT_INFRA_NAMES or names & ENGINE_INFRA_NAMES:
-        return True
+        return "dead"
     # ValueError, TypeError, KeyError and everything else unknown fall through to data.
-    return isinstance(exc, _STDLIB_INFRA_TYPES)
+    return "dead" if isinstance(exc, _STDLIB_INFRA_TYPES) else None
 
 
 def _wrapped(exc: BaseException) -> list[BaseException]:
@@ -145,12 +175,12 @@ def _wrapped(exc: BaseException) -> list[BaseException]:
     return inner
 
 
-def classify(exc: BaseException) -> FailureClass:
-    """``"infra"`` if retrying ``exc`` elsewhere or later may succeed, else ``"data"``.
+def kind_of(exc: BaseException) -> FailureKind:
+    """``"dead"``, ``"busy"``, ``"slow"`` or ``"data"``: see the module doc.
 
-    An explicit ``DataError`` at the top wins: a caller that knows the input is bad has
-    said so. Otherwise the exception and what it wraps are searched (breadth first,
-    bounded) and the first infra failure found makes the whole thing infra.
+    An explicit ``DataError`` at the top wins: a caller that knows the input is bad has said
+    so. Otherwise the exception and what it wraps are searched (breadth first, bounded) and
+    the first one recognised gives the kind; none recognised: data.
     """
     if isinstance(exc, DataError):
         return "data"
@@ -161,15 +191,27 @@ def classify(exc: BaseException) -> FailureClass:
         if id(current) in seen or depth > _MAX_CAUSE_DEPTH:
             continue
         seen.add(id(current))
-        if _single_is_infra(current):
-            return "infra"
+        kind = _single_kind(current)
+        if kind is not None and kind != "data":
+            return kind
         pending.extend((inner, depth + 1) for inner in _wrapped(current))
     return "data"
+
+
+def classify(exc: BaseException) -> FailureClass:
+    """``"infra"`` if retrying ``exc`` elsewhere or later may succeed (dead, busy, slow),
+    else ``"data"``."""
+    return "data" if kind_of(exc) == "data" else "infra"
 
 
 def is_retriable(exc: BaseException) -> bool:
     """True for infra failures (retry on another shard or after backoff), False for data."""
     return classify(exc) == "infra"
+
+
+def condemns(exc: BaseException) -> bool:
+    """Whether ``exc`` is evidence that its shard is dead (the only kind that condemns one)."""
+    return kind_of(exc) == "dead"
 
 
 def describe(exc: BaseException) -> str:

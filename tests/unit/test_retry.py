@@ -170,3 +170,49 @@ def test_recovery_outcomes_that_another_attempt_cannot_fix_are_not_retried():
     assert is_retriable(EngineStartError(1, "killed while loading"))
     assert not is_retriable(ShardRetired("shard 1 retired after 5 restart attempt(s)"))
     assert not is_retriable(StaleShard("no source for weight version 3"))
+
+
+# ---- the fault model: dead / busy / slow / data, and only dead condemns ----------------------
+
+
+def test_admission_refused_is_busy_not_dead() -> None:
+    """vLLM's full queue (503), Ray's pending-call limit and an HTTP 429/503 say "come back
+    later" about a live shard: busy, never a reason to condemn it (they were read as a dead
+    shard, so one overloaded shard's requests overflowed the next and the fleet cascaded)."""
+    from ray.exceptions import PendingCallsLimitExceeded
+    from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError
+
+    from nemo_gen.core.retry import condemns, kind_of
+    from nemo_gen.errors import FleetBusy, ShardBusy
+
+    for exc in (QueueOverflowError(), MaxQueuedTokensError(), PendingCallsLimitExceeded("full"),
+                ShardBusy(1, "queue full"), FleetBusy("no shard admits it"),
+                task_error(QueueOverflowError())):  # as ray.get raises it from a shard actor
+        assert kind_of(exc) == "busy", exc
+        assert not condemns(exc)
+        assert is_retriable(exc)  # another shard, or later, may take it
+
+
+def test_a_passed_deadline_is_slow_and_a_lost_process_is_dead() -> None:
+    from nemo_gen.core.retry import condemns, kind_of
+    from nemo_gen.errors import RequestTimeout
+
+    assert kind_of(RequestTimeout("deadline passed", shard=0)) == "slow"
+    assert not condemns(RequestTimeout("deadline passed"))
+    assert isinstance(RequestTimeout("x"), TimeoutError)  # asyncio.wait_for-style handlers catch it
+    for exc in (ActorDiedError(), ShardDiedError(0, "gone"), ConnectionResetError(), task_error(ActorDiedError())):
+        assert kind_of(exc) == "dead" and condemns(exc)
+    for exc in (ValueError("bad"), RequestError("too long"), RayError("generic")):
+        assert kind_of(exc) == "data" and not condemns(exc)
+
+
+@pytest.mark.parametrize("status,kind", [(429, "busy"), (503, "busy"), (408, "slow"), (504, "slow"),
+                                         (500, "dead"), (502, "dead"), (400, "data"), (404, "data"),
+                                         (409, "data")])
+def test_http_statuses_by_kind(status: int, kind: str) -> None:
+    from vllm.exceptions import GracefulHTTPError
+
+    from nemo_gen.core.retry import http_status_kind, kind_of
+
+    assert http_status_kind(status) == kind
+    assert kind_of(GracefulHTTPError("x", status)) == kind

@@ -1,8 +1,9 @@
-"""The retry taxonomy against every exception class the installed Ray and vLLM define.
+"""The fault model (dead / busy / slow / data) against every exception class the installed Ray
+and vLLM define.
 
 Each library is walked in a fresh interpreter: every ``.py`` module under the package is
 imported, and every ``BaseException`` subclass defined there is classified by
-``nemo_gen.core.retry.classify`` (an instance made with no arguments when the class allows
+``nemo_gen.core.retry.kind_of`` (an instance made with no arguments when the class allows
 it, else an uninitialised one — the taxonomy reads the class, and the HTTP status a
 no-argument constructor sets). A module that cannot be imported here (a GPU-only or
 optional dependency) is read with ``ast`` instead: its exception classes are rebuilt on
@@ -10,7 +11,7 @@ their real bases and classified the same way, so nothing defined in the wheel is
 
 ``EXPECTED`` holds a verdict, with its reason, for every class found. The test fails when
 the walk finds a class without a verdict (a new Ray or vLLM release added one: decide it,
-and if it is infra, name it in ``nemo_gen/core/retry.py``), when ``classify`` disagrees with
+and if it is not data, name it in ``nemo_gen/core/retry.py``), when ``kind_of`` disagrees with
 a verdict, when a verdict names a class that no longer exists, and when ``retry.py`` names
 a Ray or vLLM class that does not exist (``PlacementGroupSchedulingError`` did, in a list of
 infra names, while Ray 2.60's ``TaskPlacementGroupRemoved`` and
@@ -35,7 +36,7 @@ import pytest
 
 from nemo_gen.core import retry
 
-INFRA, DATA = "infra", "data"
+DEAD, BUSY, DATA = "dead", "busy", "data"
 
 SKIP = {
     "ray": [
@@ -53,7 +54,7 @@ _WALKER = r'''
 import ast, builtins, contextlib, importlib, inspect, io, json, os, sys, warnings
 warnings.simplefilter("ignore")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-from nemo_gen.core.retry import classify
+from nemo_gen.core.retry import kind_of
 
 pkg, skip, read_only, vendored = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 root = os.path.dirname(importlib.util.find_spec(pkg).origin)
@@ -147,9 +148,9 @@ def instance(cls):
 verdicts = {}
 for qual, cls in sorted(found.items()):
     try:
-        verdicts[qual] = classify(instance(cls))
+        verdicts[qual] = kind_of(instance(cls))
     except Exception as exc:
-        verdicts[qual] = f"classify raised {type(exc).__name__}: {exc}"
+        verdicts[qual] = f"kind_of raised {type(exc).__name__}: {exc}"
 defined = sorted({c.__name__ for c in found.values()} | {n for n in dir(builtins)})
 print("WALK " + json.dumps({"modules": len(modules), "failed": failed, "verdicts": verdicts,
                             "unresolved": unresolved, "names": defined}), flush=True)
@@ -176,37 +177,37 @@ def walked(request):
 # Every exception class the walk finds, with its verdict. Why, group by group.
 EXPECTED: dict[str, str] = {
     # ---- ray.exceptions: a worker, actor, node, object or the control plane went away ----
-    "ray.exceptions.RayActorError": INFRA,
-    "ray.exceptions.ActorDiedError": INFRA,
-    "ray.exceptions.ActorUnavailableError": INFRA,
-    "ray.exceptions.ActorUnschedulableError": INFRA,  # e.g. its node-affinity target died
-    "ray.exceptions.ActorPlacementGroupRemoved": INFRA,  # a new placement can succeed
-    "ray.exceptions.TaskPlacementGroupRemoved": INFRA,
-    "ray.exceptions.TaskUnschedulableError": INFRA,
-    "ray.exceptions.WorkerCrashedError": INFRA,
-    "ray.exceptions.NodeDiedError": INFRA,
-    "ray.exceptions.LocalRayletDiedError": INFRA,
-    "ray.exceptions.GetTimeoutError": INFRA,
-    "ray.exceptions.RpcError": INFRA,
-    "ray.exceptions.PendingCallsLimitExceeded": INFRA,  # back-pressure, for now
-    "ray.exceptions.OutOfMemoryError": INFRA,
-    "ray.exceptions.OutOfDiskError": INFRA,
-    "ray.exceptions.ObjectStoreFullError": INFRA,
+    "ray.exceptions.RayActorError": DEAD,
+    "ray.exceptions.ActorDiedError": DEAD,
+    "ray.exceptions.ActorUnavailableError": DEAD,
+    "ray.exceptions.ActorUnschedulableError": DEAD,  # e.g. its node-affinity target died
+    "ray.exceptions.ActorPlacementGroupRemoved": DEAD,  # a new placement can succeed
+    "ray.exceptions.TaskPlacementGroupRemoved": DEAD,
+    "ray.exceptions.TaskUnschedulableError": DEAD,
+    "ray.exceptions.WorkerCrashedError": DEAD,
+    "ray.exceptions.NodeDiedError": DEAD,
+    "ray.exceptions.LocalRayletDiedError": DEAD,
+    "ray.exceptions.GetTimeoutError": DEAD,
+    "ray.exceptions.RpcError": DEAD,
+    "ray.exceptions.PendingCallsLimitExceeded": BUSY,  # back-pressure: the call queue is full for now
+    "ray.exceptions.OutOfMemoryError": DEAD,
+    "ray.exceptions.OutOfDiskError": DEAD,
+    "ray.exceptions.ObjectStoreFullError": DEAD,
     # An object's copies are gone; re-running the task that made it makes it again.
-    "ray.exceptions.ObjectLostError": INFRA,
-    "ray.exceptions.OwnerDiedError": INFRA,
-    "ray.exceptions.ObjectFetchTimedOutError": INFRA,
-    "ray.exceptions.ObjectFreedError": INFRA,
-    "ray.exceptions.ObjectReconstructionFailedError": INFRA,
-    "ray.exceptions.ReferenceCountingAssertionError": INFRA,
+    "ray.exceptions.ObjectLostError": DEAD,
+    "ray.exceptions.OwnerDiedError": DEAD,
+    "ray.exceptions.ObjectFetchTimedOutError": DEAD,
+    "ray.exceptions.ObjectFreedError": DEAD,
+    "ray.exceptions.ObjectReconstructionFailedError": DEAD,
+    "ray.exceptions.ReferenceCountingAssertionError": DEAD,
     # Ray's own machinery failed (compiled-graph channels, direct transport, replay).
-    "ray.exceptions.RaySystemError": INFRA,
-    "ray.exceptions.RayChannelError": INFRA,
-    "ray.exceptions.RayChannelTimeoutError": INFRA,
-    "ray.exceptions.RayCgraphCapacityExceeded": INFRA,
-    "ray.exceptions.RayDirectTransportError": INFRA,
-    "ray.exceptions.StreamingGeneratorReplayInconsistentError": INFRA,
-    "ray._private.memory_monitor.RayOutOfMemoryError": INFRA,
+    "ray.exceptions.RaySystemError": DEAD,
+    "ray.exceptions.RayChannelError": DEAD,
+    "ray.exceptions.RayChannelTimeoutError": DEAD,
+    "ray.exceptions.RayCgraphCapacityExceeded": DEAD,
+    "ray.exceptions.RayDirectTransportError": DEAD,
+    "ray.exceptions.StreamingGeneratorReplayInconsistentError": DEAD,
+    "ray._private.memory_monitor.RayOutOfMemoryError": DEAD,
     # ---- ray.exceptions: the same call fails the same way again ----
     "ray.exceptions.RayError": DATA,  # the bare base says nothing: unknown is data
     "ray.exceptions.RayTaskError": DATA,  # a wrapper: classified by its cause (test_retry.py)
@@ -266,13 +267,13 @@ EXPECTED: dict[str, str] = {
     "ray.experimental.sandbox.http.app._ApiError": DATA,
     "ray.experimental.sandbox.http.app._SchedulingTimeout": DATA,
     # ---- vllm.exceptions: VLLMServerError (5xx) is the server, VLLMClientError (4xx) the request ----
-    "vllm.exceptions.VLLMServerError": INFRA,
-    "vllm.exceptions.GenerationError": INFRA,  # finish_reason said internal server error
-    "vllm.exceptions.RetryableRequestError": INFRA,  # "safe for clients to retry"
-    "vllm.v1.engine.exceptions.EngineDeadError": INFRA,  # the EngineCore process died
-    "vllm.v1.engine.exceptions.EngineGenerateError": INFRA,
-    "vllm.exceptions.QueueOverflowError": INFRA,  # 503: "retry on a different instance"
-    "vllm.exceptions.MaxQueuedTokensError": INFRA,  # 503, the same
+    "vllm.exceptions.VLLMServerError": DEAD,
+    "vllm.exceptions.GenerationError": DEAD,  # finish_reason said internal server error
+    "vllm.exceptions.RetryableRequestError": DEAD,  # "safe for clients to retry"
+    "vllm.v1.engine.exceptions.EngineDeadError": DEAD,  # the EngineCore process died
+    "vllm.v1.engine.exceptions.EngineGenerateError": DEAD,
+    "vllm.exceptions.QueueOverflowError": BUSY,  # 503: "retry on a different instance"
+    "vllm.exceptions.MaxQueuedTokensError": BUSY,  # 503, the same
     "vllm.exceptions.ProfilerAlreadyActiveError": DATA,  # 409
     "vllm.exceptions.GracefulHTTPError": DATA,  # classified by the status it carries; none here
     "vllm.exceptions.VLLMError": DATA,
@@ -317,14 +318,14 @@ EXPECTED: dict[str, str] = {
 }
 
 
-def test_every_exception_class_has_a_verdict_and_classify_agrees(walked):
+def test_every_exception_class_has_a_verdict_and_kind_of_agrees(walked):
     package, report = walked
     verdicts = report["verdicts"]
     assert report["modules"] > 100 and len(verdicts) > 20  # the walk really covered the package
     assert report["unresolved"] == {}, "exception classes whose bases cannot be resolved here"
     unclassified = sorted(set(verdicts) - set(EXPECTED))
     assert unclassified == [], f"{package} defines exception classes with no verdict in EXPECTED"
-    wrong = {q: {"classify": v, "expected": EXPECTED[q]} for q, v in verdicts.items() if v != EXPECTED[q]}
+    wrong = {q: {"kind_of": v, "expected": EXPECTED[q]} for q, v in verdicts.items() if v != EXPECTED[q]}
     assert wrong == {}
     gone = sorted(q for q in EXPECTED if q.startswith(package + ".") and q not in verdicts)
     assert gone == [], f"verdicts for classes {package} no longer defines"
@@ -335,7 +336,7 @@ def test_every_name_retry_matches_on_is_one_the_libraries_define(walked):
     package, report = walked
     names = set(report["names"])
     theirs = {
-        "ray": retry.RAY_INFRA_NAMES,
-        "vllm": retry.ENGINE_INFRA_NAMES | {"GracefulHTTPError"},
+        "ray": retry.RAY_INFRA_NAMES | (retry.BUSY_NAMES & {"PendingCallsLimitExceeded"}),
+        "vllm": retry.ENGINE_INFRA_NAMES | {"GracefulHTTPError"} | (retry.BUSY_NAMES - {"PendingCallsLimitExceeded"}),
     }[package]
     assert sorted(theirs - names) == []
