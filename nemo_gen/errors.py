@@ -44,6 +44,9 @@ class ShardDiedError(InfraError):
         self.detail = detail
         super().__init__(f"shard {shard} died" + (f": {detail}" if detail else ""))
 
+    def __reduce__(self):  # crosses Ray and processes with its fields, not its message
+        return type(self), (self.shard, self.detail)
+
 
 class ShardBusy(InfraError):
     """A shard refused a request for now (vLLM's queue is full, HTTP 429/503, Ray's
@@ -54,6 +57,9 @@ class ShardBusy(InfraError):
         self.detail = detail
         super().__init__(f"shard {shard} is busy" + (f": {detail}" if detail else ""))
 
+    def __reduce__(self):
+        return type(self), (self.shard, self.detail)
+
 
 class FleetBusy(InfraError):
     """The fleet admits no more requests now: its pending bound (``fleet.max_pending_requests``)
@@ -63,6 +69,9 @@ class FleetBusy(InfraError):
         self.retry_after_s = retry_after_s
         super().__init__(message)
 
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after_s)
+
 
 class RequestTimeout(NemoGenError, TimeoutError):
     """One request's deadline passed (``timeout_s``, ``fleet.request_timeout_s``; a stream's
@@ -71,6 +80,9 @@ class RequestTimeout(NemoGenError, TimeoutError):
     def __init__(self, message: str, shard: int | None = None):
         self.shard = shard
         super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.shard)
 
 
 class ShardUnavailableError(InfraError):

@@ -36,6 +36,16 @@ def backoff_policy(settings: NemoGenSettings) -> BackoffPolicy:
     )
 
 
+def request_limits(settings: NemoGenSettings):
+    """The fleet's request deadline, tries after a dead or busy shard, and pending bound (``fleet.*``)."""
+    from nemo_gen.core.attempts import RequestLimits, TryPolicy
+
+    f = settings.fleet
+    tries = TryPolicy(max_reroutes=f.max_reroutes, busy_retries=f.busy_retries, busy_backoff_s=f.busy_backoff_s,
+                      retry_after_s=float(settings.server.retry_after_s))
+    return RequestLimits(timeout_s=f.request_timeout_s, tries=tries, max_pending=f.max_pending_requests)
+
+
 IN_FLIGHT_MODES = ("drain", "abort", "keep")
 
 

@@ -330,7 +330,31 @@ class FleetSettings(_Section):
     placement_timeout_s: float = Field(
         30.0, gt=0, description="Deadline for the cluster to place a shard; then a PlacementError."
     )
-    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one generate call on a shard.")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Default deadline of one request: a generate call's prompts, a stream "
+        "between two of its tokens (a call's timeout_s= overrides it). Past it the request fails with "
+        "RequestTimeout (HTTP 504) and is aborted on its engine; its shard is not at fault and serves on. "
+        "Unset: no deadline, so a healthy shard finishes a generation of any length; a shard that stops "
+        "making progress is found by its probes (health.probe_*), not by a request's deadline.",
+    )
+    max_reroutes: int = Field(
+        2, ge=0, description="Times one request is sent again after the shard serving it died; past it "
+        "the request fails with ShardDiedError (in a batch: that prompt's result carries the error).",
+    )
+    busy_retries: int = Field(
+        3, ge=0, description="Times one request is offered to another shard after a shard refused it for "
+        "now (busy: vLLM's queue full, HTTP 429/503, Ray's pending-call limit), with fleet.busy_backoff_s "
+        "between tries; past it the request fails with FleetBusy (HTTP 503 + Retry-After). A busy shard "
+        "is never condemned.",
+    )
+    busy_backoff_s: float = Field(
+        0.1, ge=0, description="First wait before a busy request is offered again; doubles per try.",
+    )
+    max_pending_requests: int | None = Field(
+        None, ge=1, description="Requests (prompts; n samples of one prompt count once) the fleet holds "
+        "at once, across its shards. A call that would go past it fails at once with FleetBusy "
+        "(HTTP 503 + Retry-After) and nothing of it is sent. Unset: no bound.",
+    )
     control_timeout_s: float = Field(
         10.0, gt=0, description="Deadline for a control call on a shard actor (info, assign): a live "
         "actor answers at once, so silence this long means it is gone or wedged.",
@@ -557,6 +581,24 @@ class ServerSettings(_Section):
     allow_refit: bool = Field(
         False, description="Serve POST /nemo_gen/refit (a checkpoint directory on this machine, loaded into "
         "the fleet as fleet.refit does; guarded by api_key). Off: the route does not exist.",
+    )
+    max_in_flight: int = Field(
+        512, ge=1, description="Samples the server has in flight at once (a request of k prompts with n "
+        "samples each counts k x n); a request that would go past it is answered 503 with Retry-After at "
+        "once, before any of its work is done, and one larger than it alone is answered 400. /health and "
+        "/metrics are never held back by it.",
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="Seconds the Retry-After header of a 503 for load (server.max_in_flight, "
+        "FleetBusy) tells a client to wait.",
+    )
+    max_body_bytes: int = Field(
+        16 * 2**20, ge=1024, description="Largest request body the server reads; a larger one is answered "
+        "413 before it is read whole.",
+    )
+    max_prompt_chars: int = Field(
+        2**20, ge=1, description="Longest prompt, in characters (a chat: all its messages' content), the "
+        "server tokenizes; a longer one is answered 400 naming the field, before any tokenizing.",
     )
 
 

@@ -9,7 +9,13 @@ tested on real vLLM engines in tests/engine/.
     fleet = fake_fleet(settings, driver)
     driver.set_dead(fleet.handle(1).name)      # the watch fires, requests re-route
     driver.set_hung(name) / driver.set_slow(name, 0.5)
-    driver.set_token_s(name, 0.05)             # streams (generate_stream) send a token every 50 ms
+    driver.set_token_s(name, 0.05)             # a token every 50 ms (batches, awaitables, streams)
+    driver.set_busy(name, 2)                   # its next 2 generate calls are refused: vLLM's queue is full
+    driver.clock = fake_clock                  # the shards' time (token_s, probes' step ages)
+
+A shard generating with ``token_s`` makes its tokens one by one on ``driver.clock`` and stops
+when its call is cancelled (``tokens_made`` says how far each request got); its probes answer
+by the real engine's liveness rule (``nemo_gen.core.liveness``) from its last token's age.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures,
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.refit import chunk_of, needs_whole
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.batch import add_span
@@ -50,6 +57,12 @@ class FakeShard:
     generated: int = 0  # requests served
     streams: list["FakeStream"] = field(default_factory=list)  # every stream it was asked for
     watchers: list[Future] = field(default_factory=list)
+    busy: int = 0  # its next this-many generate calls are refused (vLLM's queue is full)
+    refused: int = 0  # generate calls it refused
+    running: int = 0  # requests it is generating now (token_s > 0)
+    tokens_made: dict[int, int] = field(default_factory=dict)  # request index -> tokens made so far
+    steps: int = 0  # tokens made while busy (the engine's steps since it became busy)
+    last_step_at: float = 0.0  # on the driver's clock
 
     def info(self) -> dict[str, Any]:
         return {"slot": self.slot, "weight_version": self.weight_version, "restarts": self.restarts,
@@ -67,8 +80,9 @@ class FakeDriver:
         self.launched: list[ShardSpec] = []
         self.launch_failures: list[BaseException | None] = []  # the next launches: raise this, or (None) start
         self.remote_calls: list[tuple[str, str, tuple]] = []  # (actor, method, args) of each fanned-out call
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-shard")
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="fake-shard")
         self._lock = threading.Lock()
+        self.clock = time.monotonic  # the shards' time: token_s, the probes' step ages
 
     # -- what a test does to shards ----------------------------------------------------------------
 
@@ -96,6 +110,10 @@ class FakeDriver:
 
     def set_token_s(self, name: str, seconds: float) -> None:
         self.shards[name].token_s = seconds
+
+    def set_busy(self, name: str, calls: int = 1_000_000) -> None:
+        """The shard refuses its next ``calls`` generate calls: vLLM's QueueOverflowError (503)."""
+        self.shards[name].busy = calls
 
     def shard(self, handle: ShardHandle) -> FakeShard:
         return self.shards[handle.name]
@@ -152,6 +170,22 @@ class FakeDriver:
     def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
         return [ShardHandle(index=s.slot, name=s.name, actor=None, placement_group=None, info=s.info())
                 for s in self.shards.values() if not s.dead and not s.stopped]
+
+    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, Any]:
+        """The real driver's shape: every ``info`` at once, one deadline for all of them."""
+        futures = {k: self._serve(self.shards[h.name], self.shards[h.name].info) for k, h in handles.items()}
+        wait_futures(list(futures.values()), timeout=self.timeouts.control_s)
+        out: dict[Any, Any] = {}
+        for key, future in futures.items():
+            handle = handles[key]
+            if not future.done():
+                out[key] = ShardDiedError(-1 if handle.index is None else handle.index,
+                                          f"info did not answer within {self.timeouts.control_s:g}s")
+            elif future.exception() is not None:
+                out[key] = future.exception()
+            else:
+                out[key] = handle.info = future.result()
+        return out
 
     def info(self, handle: ShardHandle) -> dict[str, Any]:
         shard = self.shards[handle.name]
@@ -226,9 +260,18 @@ class FakeDriver:
             return None
         raise AssertionError(f"the fake shard has no {method!r}")
 
-    def _generate(self, shard: FakeShard, batch: list, params: dict[str, Any]) -> dict[str, Any]:
+    def _generate(self, shard: FakeShard, batch: list, params: dict[str, Any],
+                  cancelled: threading.Event | None = None) -> dict[str, Any]:
+        if shard.busy > 0:
+            from vllm.exceptions import QueueOverflowError
+
+            shard.busy -= 1
+            shard.refused += 1
+            raise QueueOverflowError()
         n = params.get("max_new_tokens") or 4
         version = shard.weight_version
+        if shard.token_s:
+            self._make_tokens(shard, batch, n, cancelled or threading.Event())
         results = []
         for req in batch:
             samples = [{"token_ids": [fake_token(req, k, i) for i in range(n)], "text": "", "logprobs": [0.0] * n,
@@ -238,9 +281,38 @@ class FakeDriver:
         shard.generated += len(batch)
         return {"shard": shard.slot, "weight_version": version, "results": results, "seconds": 0.0}
 
+    def _make_tokens(self, shard: FakeShard, batch: list, n: int, cancelled: threading.Event) -> None:
+        """One token per ``token_s`` of ``self.clock`` for each request of the batch, as an engine
+        steps; a cancelled call stops at once (the engine aborts it), a dead shard fails."""
+        with self._lock:
+            if shard.running == 0:
+                shard.steps, shard.last_step_at = 0, self.clock()
+            shard.running += len(batch)
+        try:
+            next_at = self.clock() + shard.token_s
+            for i in range(n):
+                while self.clock() < next_at:
+                    if cancelled.is_set() or shard.dead or shard.stopped:
+                        break
+                    time.sleep(0.001)
+                if cancelled.is_set():
+                    raise CancelledByCaller()
+                if shard.dead or shard.stopped:
+                    raise ShardDiedError(-1 if shard.slot is None else shard.slot, f"ActorDiedError: {shard.dead or 'stopped'}")
+                for req in batch:
+                    shard.tokens_made[req.index] = i + 1
+                shard.steps += 1
+                shard.last_step_at = self.clock()
+                next_at += shard.token_s
+        finally:
+            with self._lock:
+                shard.running -= len(batch)
+
     def start_generate(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> Call:
-        shard = self.shards[handle.name]
-        return Call(handle, "generate", self._serve(shard, lambda: self._generate(shard, batch, params)))
+        shard, cancelled = self.shards[handle.name], threading.Event()
+        future = self._serve(shard, lambda: self._generate(shard, batch, params, cancelled))
+        future.cancelled_by_caller = cancelled  # type: ignore[attr-defined]
+        return Call(handle, "generate", future)
 
     def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
         shard = self.shards[handle.name]
@@ -252,7 +324,14 @@ class FakeDriver:
 
     def start_probe(self, handle: ShardHandle, sampling: dict[str, Any], tokens: list[int], timeout_s: float,
                     warmup_s: float) -> Call:
-        return Call(handle, "probe", self._serve(self.shards[handle.name], lambda: {"ok": True}))
+        shard = self.shards[handle.name]
+
+        def answer():  # the real engine's rule while it is busy; idle: its one real token
+            if shard.running:
+                return busy_answer(self.clock() - shard.last_step_at, shard.steps, timeout_s, warmup_s)
+            return {"ok": True}
+
+        return Call(handle, "probe", self._serve(shard, answer))
 
     def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
         calls = list(calls)
@@ -269,9 +348,10 @@ class FakeDriver:
 
     def cancel(self, call: Call) -> None:
         call.ref.cancel()
+        getattr(call.ref, "cancelled_by_caller", threading.Event()).set()
 
-    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "asyncio.Future":
-        return asyncio.wrap_future(self.start_generate(handle, batch, params).ref)
+    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "FakePending":
+        return FakePending(self.start_generate(handle, batch, params).ref)
 
     def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> "FakeStream":
         shard = self.shards[handle.name]
@@ -281,6 +361,22 @@ class FakeDriver:
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)
+
+
+class CancelledByCaller(Exception):
+    """What a fake shard's call ends with once its caller cancelled it (Ray's TaskCancelledError)."""
+
+
+class FakePending:
+    """The real ``driver.Pending``'s shape: ``future`` (asyncio), ``cancel()`` ends the call on the shard."""
+
+    def __init__(self, future: Future):
+        self._future = future
+        self.future = asyncio.wrap_future(future)
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        self._future.cancelled_by_caller.set()  # type: ignore[attr-defined]
 
 
 def fake_token(req: Any, k: int, i: int) -> int:
@@ -304,6 +400,12 @@ class FakeStream:
 
     async def next(self) -> dict[str, Any] | None:
         shard = self.shard
+        if self.sent == 0 and shard.busy > 0:
+            from vllm.exceptions import QueueOverflowError
+
+            shard.busy -= 1
+            shard.refused += 1
+            raise QueueOverflowError()
         await asyncio.sleep(shard.slow_s if self.sent == 0 else shard.token_s)
         while shard.hung.is_set() and not shard.dead and not self.cancelled:
             await asyncio.sleep(0.01)

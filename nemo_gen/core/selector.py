@@ -64,8 +64,9 @@ class HealthyShardSelector:
         self._size = 0  # leaves; tree[size + idx] is shard idx's leaf, tree[1] the root
         self._tree: list[int] = [_ABSENT, _ABSENT]
 
-    def next_shard(self) -> int:
-        """The serving shard with the smallest (in-flight, index); NoHealthyShards if none."""
+    def next_shard(self, avoid: int | None = None) -> int:
+        """The serving shard with the smallest (in-flight, index); NoHealthyShards if none.
+        ``avoid``: a shard that just refused a request (busy) — another one when there is one."""
         monitor = self.monitor
         with self._lock:
             if monitor is not self._synced:
@@ -75,7 +76,11 @@ class HealthyShardSelector:
                     self._follow(monitor)
                 key = self._tree[1]
                 if key < _ABSENT:
-                    return key & _INDEX_MASK
+                    best = key & _INDEX_MASK
+                    if best != avoid or len(self._serving) < 2:
+                        return best
+                    return min((i for i in self._serving if i != avoid),
+                               key=lambda idx: (self._inflight.get(idx, 0), idx))
                 serving: list[int] = []
         if not self._incremental:
             serving = monitor.serving_shards()
@@ -84,8 +89,9 @@ class HealthyShardSelector:
                 "no generation shard is eligible to serve; fleet state is "
                 f"{monitor.state_summary()}"
             )
+        others = [i for i in serving if i != avoid] or serving
         with self._lock:
-            return min(serving, key=lambda idx: (self._inflight.get(idx, 0), idx))
+            return min(others, key=lambda idx: (self._inflight.get(idx, 0), idx))
 
     def acquire(self, shard_idx: int) -> None:
         self.monitor.state_of(shard_idx)  # IndexError for an unknown shard

@@ -1,19 +1,23 @@
 """A direct line from the driver to a shard actor on its own host, for the calls of a refit.
 
-A Ray actor call costs ~1.2-1.5 ms each way on the H200 host. A colocated ``nemo_gen_ipc`` refit
-of a 4.46 GB model took 8.0 ms on 2026-12-03: the copy was 2.1 ms, the call reaching the actor 1.53 ms
-and its answer back 1.20 ms. That fixed cost, not the copy, keeps a refit of a mid-sized
-model far from copy speed. Here the shard actor serves its ``weight_sync`` on a Unix socket
-(``ChannelServer``), and the driver connects to it once (``Channel``). A call then costs a socket
-round trip, not Ray's task submission and reply.
+A Ray actor call costs a task submission and a reply each way, which at refit sizes where the
+copy itself takes a few milliseconds is most of the refit (bench/results/2026-12-03-h200.md).
+Here the shard actor serves its ``weight_sync`` on a Unix socket (``ChannelServer``), and the
+driver connects to it once (``Channel``). A call then costs a socket round trip.
 
 The rules:
 - same host only: the driver asks for the address over Ray, and uses it only when the actor
   runs on the driver's own node;
 - authenticated: multiprocessing's HMAC handshake, with a key the actor hands out over Ray; the
   socket sits in a directory only its owner can enter;
+- bounded: connecting and the handshake run under ``fleet.control_timeout_s`` on both sides,
+  and each connection's handshake runs on its own, so a peer that connects and says nothing
+  holds up no other;
 - one method: the server runs ``weight_sync`` on the actor's event loop, as Ray would run it, and
   nothing else;
+- every call is answered: a call that cannot be read is answered "unread" (it never ran; the
+  driver sends it over Ray, whose pickling carries more than this line's), an answer that
+  cannot be sent is answered as a data error (the call ran: it is not sent again);
 - Ray stays the judge. A line that cannot be used is dropped, and the call goes over Ray, whose
   answer says what happened to the actor. A call that outlives its deadline drops the line too:
   its late answer must not be read as the next call's.
@@ -27,26 +31,34 @@ import asyncio
 import os
 import secrets
 import shutil
+import socket
+import struct
 import tempfile
 import threading
-from multiprocessing.connection import AuthenticationError, Client, Connection, Listener
+from multiprocessing.connection import (AuthenticationError, Connection, Listener, answer_challenge,
+                                        deliver_challenge)
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Awaitable, Callable
+
+# The status of an answer to a call the server could not read (it never ran).
+UNREAD = "unread"
 
 
 def describe(exc: BaseException) -> str:
     """``Type: last line`` of an exception the actor raised: how the line answers a failed call,
-    and how the Ray path reports one (``driver.root_cause`` describes the task error's cause)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"
+    and how the Ray path reports one (``driver.root_cause`` describes the task error's cause).
+    Pydantic's closing pointer to its docs is no line worth keeping: the one before it says why."""
+    text = [line for line in str(exc).strip().splitlines()
+            if line.strip() and not line.strip().startswith("For further information visit")]
+    return f"{type(exc).__name__}: {text[-1].strip() if text else ''}"
 
 
 class ChannelServer:
-    """A shard actor's socket. A thread accepts (the handshake blocks), and each connection is then
-    read on ``loop`` itself (the actor's): a call runs there as ``handler(*args)``, and its answer,
-    ``(True, value)`` or ``(False, "Type: message")``, is written from there. So a call costs the
-    socket and no hand-off between threads either way. (Served by a thread per connection, the
-    call waited for the loop to wake it and the answer for that thread to wake: on the H200 the
-    two legs took 0.21 and 0.49 ms.)
+    """A shard actor's socket. A thread accepts, each connection's handshake runs in a thread of
+    its own under ``timeout_s``, and the connection is then read on ``loop`` itself (the
+    actor's): a call runs there as ``handler(*args)``, and its answer, ``(True, value)`` or
+    ``(False, "Type: message")`` — ``(UNREAD, why)`` for a call that could not be read — is
+    written from there. So a call costs the socket and no hand-off between threads either way.
 
     One call at a time on a connection: it is not read again until its call has been answered,
     as the driver never sends a second call before the first one's answer. ``close`` stops new
@@ -54,12 +66,13 @@ class ChannelServer:
     A call is read whole on the loop: its sender is the authenticated driver, and a driver that
     dies mid-message closes the socket, which ends the read."""
 
-    def __init__(self, handler: Callable[..., Awaitable[Any]], loop: asyncio.AbstractEventLoop):
+    def __init__(self, handler: Callable[..., Awaitable[Any]], loop: asyncio.AbstractEventLoop, timeout_s: float):
         self._handler, self._loop = handler, loop
+        self.timeout_s = timeout_s
         self.key = secrets.token_bytes(32)
         self._dir = tempfile.mkdtemp(prefix="nemo-gen-channel-")  # mode 0700
         self.address = os.path.join(self._dir, "socket")
-        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
+        self._listener = Listener(self.address, family="AF_UNIX")  # handshakes are ours: bounded, each its own
         self._closed = False
         self._lines: set[Connection] = set()  # the loop's: every open connection
         # the loop's: connections with a call in flight, and its task (asyncio keeps tasks only weakly)
@@ -71,15 +84,23 @@ class ChannelServer:
         while not self._closed:
             try:
                 conn = self._listener.accept()
-            except (AuthenticationError, EOFError, ConnectionError):
-                continue  # a client without the key, or one that left during the handshake
             except OSError:
                 return  # the listener was closed
-            try:
-                self._loop.call_soon_threadsafe(self._attach, conn)
-            except RuntimeError:  # the loop is closed: the actor is gone
-                conn.close()
-                return
+            threading.Thread(target=self._handshake, args=(conn,), name="nemo-gen-channel-handshake",
+                             daemon=True).start()
+
+    def _handshake(self, conn: Connection) -> None:
+        try:
+            with _bounded(conn, self.timeout_s):
+                deliver_challenge(conn, self.key)
+                answer_challenge(conn, self.key)
+        except (AuthenticationError, EOFError, OSError):  # no key, silent past the deadline, or gone
+            conn.close()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._attach, conn)
+        except RuntimeError:  # the loop is closed: the actor is gone
+            conn.close()
 
     # -- on the loop ------------------------------------------------------------------------------
 
@@ -93,9 +114,14 @@ class ChannelServer:
         """A call arrived (or the driver closed its end)."""
         self._loop.remove_reader(conn.fileno())  # one call at a time: read again once answered
         try:
-            args = conn.recv()
+            frame = conn.recv_bytes()
         except (EOFError, OSError):
             self._detach(conn)
+            return
+        try:
+            args = ForkingPickler.loads(frame)
+        except Exception as exc:  # noqa: BLE001 — e.g. a class this process cannot import
+            self._answer(conn, (UNREAD, describe(exc)))
             return
         self.calls += 1
         self._busy[conn] = self._loop.create_task(self._serve(conn, args))
@@ -109,17 +135,24 @@ class ChannelServer:
         except Exception as exc:  # noqa: BLE001 — every failure is the caller's to see
             answer = (False, describe(exc))
         self._busy.pop(conn, None)
-        try:
-            conn.send(answer)
-        except (OSError, ValueError):
-            self._detach(conn)  # the driver gave up on this call and dropped the line
-        else:
-            if self._closed:
-                self._detach(conn)
-            else:
-                self._loop.add_reader(conn.fileno(), self._receive, conn)
+        self._answer(conn, answer)
         if cancelled is not None:
             raise cancelled
+
+    def _answer(self, conn: Connection, answer: tuple) -> None:
+        try:
+            frame = ForkingPickler.dumps(answer)
+        except Exception as exc:  # noqa: BLE001 — the call ran; its answer does not pickle
+            frame = ForkingPickler.dumps((False, f"{type(exc).__name__}: the answer could not be sent: {exc}"))
+        try:
+            conn.send_bytes(frame)
+        except (OSError, ValueError):
+            self._detach(conn)  # the driver gave up on this call and dropped the line
+            return
+        if self._closed:
+            self._detach(conn)
+        else:
+            self._loop.add_reader(conn.fileno(), self._receive, conn)
 
     def _detach(self, conn: Connection) -> None:
         self._lines.discard(conn)
@@ -155,12 +188,32 @@ class ChannelBroken(Exception):
     """The line failed mid-call: the actor is gone or going (its answer never came)."""
 
 
+class FrameUnread(Exception):
+    """The actor could not read the call (it never ran): send it another way."""
+
+
 class Channel:
     """The driver's end of one shard actor's line. Not for two threads at once: ``lock`` is
-    taken by whoever uses it (a refit holds the fleet's refit lock anyway)."""
+    taken by whoever uses it (a refit holds the fleet's refit lock anyway). Connecting and the
+    handshake give up after ``timeout_s`` (``OSError``, ``AuthenticationError``)."""
 
-    def __init__(self, address: str, key: bytes):
-        self._conn = Client(address, family="AF_UNIX", authkey=key)
+    def __init__(self, address: str, key: bytes, timeout_s: float):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+        finally:
+            sock.close()
+        try:
+            with _bounded(conn, timeout_s):
+                answer_challenge(conn, key)
+                deliver_challenge(conn, key)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
         self.lock = threading.Lock()
 
     def send(self, args: tuple) -> None:
@@ -172,13 +225,42 @@ class Channel:
 
     def receive(self, timeout_s: float) -> tuple[bool, Any]:
         """The answer to the call sent last. ``TimeoutError`` after ``timeout_s``;
-        ``ChannelBroken`` when the line closed first."""
+        ``ChannelBroken`` when the line closed first; ``FrameUnread`` when the actor could not
+        read the call."""
         try:
             if self._conn.poll(max(0.0, timeout_s)):
-                return self._conn.recv()
+                status, value = self._conn.recv()
+                if status == UNREAD:
+                    raise FrameUnread(value)
+                return status, value
         except (EOFError, OSError) as exc:
             raise ChannelBroken(str(exc) or type(exc).__name__) from exc
         raise TimeoutError(f"no answer within {timeout_s:g}s")
 
     def close(self) -> None:
         self._conn.close()
+
+
+class _bounded:
+    """Blocking reads and writes on ``conn`` give up after ``timeout_s`` (``OSError``) while the
+    block runs — the socket's own timeouts, so the connection stays a plain blocking one."""
+
+    def __init__(self, conn: Connection, timeout_s: float):
+        self._fd, self._timeout_s = conn.fileno(), timeout_s
+
+    def _set(self, seconds: float) -> None:
+        sock = socket.socket(fileno=self._fd)
+        try:
+            whole = int(seconds)
+            value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        finally:
+            sock.detach()  # the fd stays the connection's
+
+    def __enter__(self) -> None:
+        self._set(max(self._timeout_s, 0.001))
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self._set(0.0)  # no timeout from here on

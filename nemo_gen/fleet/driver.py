@@ -2,9 +2,11 @@
 
 ``ShardDriver`` places, starts, calls, watches and stops shard actors. Each method has a
 typed result, every deadline comes from the settings (``DriverTimeouts``), and one function,
-``classify``, maps what Ray and vLLM raise into ``nemo_gen.errors``: an infra failure (the
-actor, its engine or its node is gone, or a call timed out) becomes ``ShardDiedError``; a
-data failure (the actor said no: a bad manifest, a bad request) is raised as it is.
+``classify``, maps what Ray and vLLM raise into ``nemo_gen.errors`` by the fault model
+(``nemo_gen.core.retry``): *dead* (the actor, its engine or its node is gone, a control call
+went unanswered) becomes ``ShardDiedError``; *busy* (the shard refused admission for now)
+``ShardBusy``; *slow* and *data* (the actor said no: a bad manifest, a bad request) are raised
+as they are. A call waiting on several shards waits once, for all of them, never once each.
 
 A refit's ``weight_sync`` calls to a shard on this node go over the shard's direct line
 (``nemo_gen.fleet.control_channel``, ``refit.control_channel``), which costs a socket round trip
@@ -21,6 +23,7 @@ shape (shards that die, hang or slow down on command).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,9 +35,9 @@ from ray.util import get_node_ip_address
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nemo_gen.core.retry import is_retriable
-from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardDiedError
-from nemo_gen.fleet.control_channel import Channel, ChannelBroken, describe
+from nemo_gen.core.retry import is_retriable, kind_of
+from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardBusy, ShardDiedError
+from nemo_gen.fleet.control_channel import Channel, ChannelBroken, FrameUnread, describe
 from nemo_gen.fleet.shard import ShardActor, ShardHandle, ShardSpec, slot_from_name
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,24 @@ class Stream:
             pass
 
 
+class Pending:
+    """One call in flight on a shard, for an asyncio caller: ``future`` (asyncio) is its answer;
+    ``cancel()`` ends the call on the shard itself (Ray cancels the actor's task there, and the
+    engine aborts what it generates for it). Cancelling ``future`` alone would not: an asyncio
+    future of a Ray call only stops the wait."""
+
+    def __init__(self, ref: Any):
+        self._ref = ref
+        self.future = asyncio.wrap_future(ref.future())
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        try:
+            ray.cancel(self._ref)
+        except Exception:  # already finished or its actor is gone: nothing left to cancel
+            pass
+
+
 def root_cause(exc: BaseException) -> str:
     """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame):
     the same form a shard's direct line answers in (``control_channel.describe``)."""
@@ -105,14 +126,18 @@ def root_cause(exc: BaseException) -> str:
 
 
 def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:
-    """The one mapping from Ray's and vLLM's exceptions to nemo_gen's: infra -> ShardDiedError
-    (naming the call), anything else unchanged (a data failure is the caller's to see)."""
+    """The one mapping from Ray's and vLLM's exceptions to nemo_gen's: dead -> ShardDiedError
+    (naming the call), busy -> ShardBusy, anything else unchanged (a slow or data failure is the
+    caller's to see)."""
     if isinstance(exc, NemoGenError):
         return exc
     index = handle.index if handle is not None and handle.index is not None else -1
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")
-    if is_retriable(exc):
+    kind = kind_of(exc)
+    if kind == "busy":
+        return ShardBusy(index, root_cause(exc))
+    if kind == "dead":
         return ShardDiedError(index, root_cause(exc))
     return exc
 
@@ -192,21 +217,25 @@ class ShardDriver:
         prefixes = (f"{fleet}-shard-", f"{fleet}-spare-")
         names = [a["name"] for a in list_named_actors(all_namespaces=True)
                  if a["namespace"] == namespace and a["name"].startswith(prefixes)]
-        handles = []
+        actors = {}
         for name in names:
             try:
-                actor = ray.get_actor(name, namespace=namespace)
+                actors[name] = ray.get_actor(name, namespace=namespace)
             except ValueError:
                 continue  # died between the listing and the call
-            try:
-                info = ray.get(actor.info.remote(), timeout=self.timeouts.control_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        answers = self._all(actors, "info", lambda actor: actor.info.remote())
+        handles = []
+        for name, actor in actors.items():
+            info = answers[name]
+            if isinstance(info, BaseException):
                 # Alive but not answering (hung, stopped) or dying: kept by the slot its name
                 # gives, so recovery kills it instead of leaving it to hold the slot's resources.
+                if not isinstance(info, ShardDiedError):
+                    raise info  # the actor answered with an error: a bug, not a lost shard
                 slot = slot_from_name(fleet, name)
                 if slot is None:
                     continue
-                info = {"slot": slot, "weight_version": None, "unresponsive": root_cause(exc)}
+                info = {"slot": slot, "weight_version": None, "unresponsive": info.detail}
             if info.get("fleet", fleet) != fleet:
                 continue  # another fleet whose name starts with ours
             try:
@@ -223,6 +252,29 @@ class ShardDriver:
             return ray.get(ref, timeout=timeout_s)
         except Exception as exc:
             raise classify(handle, exc, what, timeout_s) from None
+
+    def _all(self, targets: Mapping[Any, Any], what: str, call: Callable[[Any], Any]) -> dict[Any, Any]:
+        """``call(target)`` on every target at once and one wait of ``fleet.control_timeout_s``
+        for all of them: key -> the answer, or the classified error (never a wait per target)."""
+        refs = {key: call(target) for key, target in targets.items()}
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeouts.control_s)
+        out: dict[Any, Any] = {}
+        for key, ref in refs.items():
+            try:
+                out[key] = ray.get(ref, timeout=0)
+            except Exception as exc:
+                out[key] = classify(None, exc, what, self.timeouts.control_s)
+        return out
+
+    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, dict[str, Any] | BaseException]:
+        """``info`` of every handle at once (refreshing each ``handle.info`` that answered): key ->
+        its info, or the error its call ended with."""
+        out = self._all(handles, "info", lambda h: h.actor.info.remote())
+        for key, info in out.items():
+            if not isinstance(info, BaseException):
+                handles[key].info = info
+        return out
 
     def info(self, handle: ShardHandle) -> dict[str, Any]:
         """The actor's own account (PIDs, weight version, slot); refreshes ``handle.info``."""
@@ -247,8 +299,9 @@ class ShardDriver:
                 margin_s: float) -> dict[Any, Outcome]:
         """Call ``method(*args)`` on every handle at once (``args``: the same for all, or per
         key); key -> Outcome. The workers enforce the refit deadline; ``margin_s`` on top covers
-        a frozen actor that never answers. ``weight_sync`` goes over a shard's direct line where
-        it has one (``refit.control_channel``), else over Ray."""
+        a frozen actor that never answers, and the whole call waits that long once, for every
+        shard together. ``weight_sync`` goes over a shard's direct line where it has one
+        (``refit.control_channel``), else over Ray; a call its line could not read goes over Ray."""
         per_key = args if isinstance(args, Mapping) else {k: args for k in handles}
         wait = self.timeouts.refit_s + margin_s
         deadline = time.monotonic() + wait
@@ -264,13 +317,19 @@ class ShardDriver:
                     self._drop_channel(handle)
                 except Exception:  # not picklable without Ray's cloudpickle; nothing was sent
                     line.lock.release()
-        out = {}
+        out: dict[Any, Outcome] = {}
+        over_ray = [k for k in handles if k not in direct]
         try:
-            refs = {k: getattr(h.actor, method).remote(*per_key[k]) for k, h in handles.items() if k not in direct}
+            refs = {k: getattr(handles[k].actor, method).remote(*per_key[k]) for k in over_ray}
             for key, line in direct.items():
                 try:
                     ok, value = line.receive(deadline - time.monotonic())
                     out[key] = Outcome(value=value) if ok else Outcome(error=value)
+                except FrameUnread as exc:  # the actor could not read the call: it never ran
+                    log.info("shard %s could not read a %s call over its line (%s); sent over Ray",
+                             handles[key].name, method, exc)
+                    self._drop_channel(handles[key])
+                    refs[key] = getattr(handles[key].actor, method).remote(*per_key[key])
                 except TimeoutError:
                     self._drop_channel(handles[key])  # its late answer must not be read as the next call's
                     out[key] = Outcome(error=f"GetTimeoutError: {method} did not answer within {wait:g}s", infra=True)
@@ -281,9 +340,15 @@ class ShardDriver:
         finally:
             for line in direct.values():
                 line.lock.release()
+        if refs:  # one wait for all of them: a frozen shard costs the deadline once, not once each
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
         for key, ref in refs.items():
             try:
-                out[key] = Outcome(value=ray.get(ref, timeout=wait))
+                out[key] = Outcome(value=ray.get(ref, timeout=0))
+            except ray.exceptions.GetTimeoutError:
+                with contextlib.suppress(Exception):  # best effort: a frozen actor may never see it
+                    ray.cancel(ref)
+                out[key] = Outcome(error=f"GetTimeoutError: {method} did not answer within {wait:g}s", infra=True)
             except Exception as exc:
                 out[key] = Outcome(error=root_cause(exc), infra=is_retriable(exc))
         return out
@@ -300,9 +365,10 @@ class ShardDriver:
     def open_channel(self, handle: ShardHandle) -> Channel | None:
         """Ask the actor where its line is and connect, if it runs on this node."""
         try:
-            where = ray.get(handle.actor.control_channel.remote(), timeout=self.timeouts.control_s)
+            where = ray.get(handle.actor.control_channel.remote(self.timeouts.control_s),
+                            timeout=self.timeouts.control_s)
             if where["node_ip"] == get_node_ip_address():
-                return Channel(where["address"], where["key"])
+                return Channel(where["address"], where["key"], self.timeouts.control_s)
         except Exception as exc:  # no line: Ray carries the calls, which report a dead actor
             log.info("shard %s: no direct line (%s); its refit calls go over Ray", handle.name, root_cause(exc))
         return None
@@ -349,9 +415,9 @@ class ShardDriver:
         except Exception:  # already finished or its worker is gone: nothing left to cancel
             pass
 
-    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "asyncio.Future":
-        """An asyncio future of one generate call (the per-request path of ``generate_async``)."""
-        return asyncio.wrap_future(handle.actor.generate.remote(batch, params).future())
+    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "Pending":
+        """One generate call as an awaitable (the per-request path of ``generate_async``)."""
+        return Pending(handle.actor.generate.remote(batch, params))
 
     def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> Stream:
         """One request, streamed as the shard generates it (``ShardActor.generate_stream``)."""

@@ -20,7 +20,9 @@ from typing import Any, AsyncIterator, Callable
 
 import psutil
 
+from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.batch import Piece, Track, sampled_by
 from nemo_gen.fleet.streaming import Cursor, merge
@@ -117,6 +119,10 @@ class Engine:
         self._generating = False
         self._rpc_active = 0
         self.last_step_at = time.monotonic()
+        # The async engine's evidence of progress: its requests running now, and whether any
+        # output came since it was last idle (the time of the last is ``last_step_at``).
+        self._async_active = 0
+        self._async_outputs = 0
         # Steps completed in the running batch: its first (the prefill of the whole batch, and
         # on a fresh engine kernel selection for new shapes) can take far longer than a decode
         # step without the engine being wedged.
@@ -250,8 +256,18 @@ class Engine:
             self._generating = True
             self.last_step_at = time.monotonic()
             self._stop = stop or threading.Event()
+            work = asyncio.ensure_future(asyncio.to_thread(self._generate_sync, requests, params, on_step))
             try:
-                return await asyncio.to_thread(self._generate_sync, requests, params, on_step)
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The caller gave up (a cancelled request, a passed deadline): the step thread
+                # aborts the batch after its current step, and the engine is held until it has
+                # let go of it, so no other batch steps the engine beside it.
+                self._stop.set()
+                while not work.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(work)
+                raise
             finally:
                 self._generating = False
                 self._tracks = {}
@@ -286,11 +302,13 @@ class Engine:
         outputs = self._llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt),
                                      params, rid)
         try:
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    track.observe(rid, out, sampled_by(version))
-                    if deltas := cursor.deltas():
-                        yield {"deltas": deltas}
+            with self._progress():
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        self._progressed()
+                        track.observe(rid, out, sampled_by(version))
+                        if deltas := cursor.deltas():
+                            yield {"deltas": deltas}
         except (ValueError, TypeError) as exc:  # vLLM refused the request
             yield {"result": _error_dict(req, exc)}
             return
@@ -523,24 +541,47 @@ class Engine:
         finally:
             self._rpc_active -= 1
 
+    @contextlib.contextmanager
+    def _progress(self):
+        """One request of the async engine running: its outputs are the engine's evidence of progress."""
+        if self._async_active == 0:
+            self._async_outputs = 0
+            self.last_step_at = time.monotonic()
+        self._async_active += 1
+        try:
+            yield
+        finally:
+            self._async_active -= 1
+
+    def _progressed(self) -> None:
+        self._async_outputs += 1
+        self.last_step_at = time.monotonic()
+
     async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
                     warmup_s: float) -> dict[str, Any]:
-        """Is the engine generating? Idle: generate one real token. Busy with a batch (the sync
-        engine runs one at a time): it is alive if a step completed within ``stall_s`` — or
-        within ``warmup_s`` while the batch's first step (its prefill) is still running.
+        """Is the engine generating? Idle: generate one real token. Busy (a batch on the sync
+        engine, which runs one at a time; requests on the async one): it is alive if it made a
+        step (sync) or an output (async) within ``stall_s`` — or within ``warmup_s`` before its
+        first one (a prefill) — however long its requests run: busy and slow are not dead.
         During a refit or control RPC the answer is ``skipped`` (the engine is held on purpose)."""
         if self._exclusive or self._rpc_active:
             return {"ok": True, "skipped": "refit or control call in progress"}
         if self._poisoned is not None:
             return {"ok": False, "error": f"weights half-loaded: {self._poisoned}"}
         if not self.async_engine and self._lock.locked():
-            age = time.monotonic() - self.last_step_at
-            bound = stall_s if self.batch_steps else max(stall_s, warmup_s)
-            if self._generating and age <= bound:
-                return {"ok": True, "busy": True, "step_age_s": age}
-            return {"ok": False, "error": f"engine busy and no generation step for {age:.1f}s"}
+            return busy_answer(time.monotonic() - self.last_step_at, self.batch_steps, stall_s, warmup_s)
+        if self.async_engine and self._async_active:
+            answer = busy_answer(time.monotonic() - self.last_step_at, self._async_outputs, stall_s, warmup_s)
+            if answer["ok"]:
+                return answer
+            # No output for that long: a real token says whether the engine still steps.
         t0 = time.monotonic()
-        (out,) = await self.generate([GenerationRequest(index=0, prompt_token_ids=token_ids)], sampling)
+        try:
+            (out,) = await self.generate([GenerationRequest(index=0, prompt_token_ids=token_ids)], sampling)
+        except Exception as exc:
+            if kind_of(exc) == "busy":  # its queue is full: a frontend that answers is alive
+                return {"ok": True, "busy": True, "refused": describe(exc)}
+            raise
         if out.get("error"):
             return {"ok": False, "error": out["error"]}
         return {"ok": True, "seconds": time.monotonic() - t0}
@@ -643,19 +684,28 @@ class Engine:
         request_id = f"nemo-gen-{next(self._ids)}"
         version, latest = self.version, {}
         try:
-            async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt), params, request_id
-            ):
-                # With n > 1 an output carries the samples that moved (one child each, unless the
-                # reader lagged and they were merged): keep each sample's latest (cumulative) state.
-                for comp in out.outputs:
-                    latest[comp.index] = comp
+            with self._progress():
+                async for out in self._llm.generate(
+                    TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt), params, request_id
+                ):
+                    self._progressed()
+                    # With n > 1 an output carries the samples that moved (one child each, unless the
+                    # reader lagged and they were merged): keep each sample's latest (cumulative) state.
+                    for comp in out.outputs:
+                        latest[comp.index] = comp
         except (ValueError, TypeError) as exc:
             return _error_dict(req, exc)
         # The async engine refits only by draining (refit.in_flight keep/abort are refused with
         # it): every token of the request comes from the version it started on.
         samples = [_sample_dict(latest[i], version) for i in sorted(latest)]
         return {"index": req.index, **samples[0], "samples": samples, "error": None}
+
+    def unfinished(self) -> dict[str, int]:
+        """vLLM's own account of the requests this engine holds (its output processor's state,
+        which an abort removes at once): engine request id -> tokens generated so far."""
+        engine = self._llm if self.async_engine else self._llm.llm_engine
+        return {rid: state.detokenizer.num_output_tokens()
+                for rid, state in list(engine.output_processor.request_states.items())}
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's own stats of this engine (its Prometheus series: prefix-cache queries and hits,

@@ -85,10 +85,11 @@ class GenerationFleet:
         self.recovery = Recovery(self.health, self.members, self.weights, self.refitter, self.spares, self.driver,
                                  self.background, resolved.shards, s.fleet.name, s.health.reap_timeout_s,
                                  policies.backoff_policy(s), lambda: self.settings.health.auto_recover, self._watch)
-        self.router = Router(self.health, self.members, self.driver, self._tokenizer, int(resolved.max_model_len or 0),
-                             bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")), s.fleet.request_timeout_s,
-                             lambda: self.weights.version, self.recovery.shard_lost, s.fleet.name,
-                             s.fleet.session_affinity_slack)
+        self.router = Router(health=self.health, members=self.members, driver=self.driver, tokenizer=self._tokenizer,
+                             max_model_len=int(resolved.max_model_len or 0), limits=policies.request_limits(s),
+                             decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
+                             serving_version=lambda: self.weights.version, on_lost=self.recovery.shard_lost,
+                             fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         probe_sampling = resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0})
         self.prober = Prober(self.driver, self.health, self.members, probe_sampling, tokens,
@@ -107,8 +108,7 @@ class GenerationFleet:
         try:
             resolved = resolve_generation(settings, cluster_resources())
             started = driver.launch_all(resolved.shards + resolved.spares, progress)
-            # Its first call waits for a new actor's process to start, as a shard's placement does:
-            # on a loaded node that outlasted the control deadline (10 s) in CI.
+            # Its first call waits for a new actor's process to start, bounded as a shard's placement.
             record = create_record(settings.fleet.name, settings.ray.namespace, 0 if settings.is_eval() else None,
                                    settings.fleet.placement_timeout_s + settings.fleet.control_timeout_s)
         except BaseException:
@@ -116,9 +116,8 @@ class GenerationFleet:
                 shutdown_ray(conn)
             raise
         shards = [h for h in started if h.info.get("slot") is not None]
-        spares = [h for h in started if h.info.get("slot") is None]
-        return cls(resolved, shards, ray_connection=conn if conn.owned else None, spares=spares, record=record,
-                   driver=driver)
+        return cls(resolved, shards, ray_connection=conn if conn.owned else None, record=record, driver=driver,
+                   spares=[h for h in started if h.info.get("slot") is None])
 
     @classmethod
     def attach(cls, settings: NemoGenSettings, watch: bool = True) -> "GenerationFleet":
@@ -142,8 +141,8 @@ class GenerationFleet:
                    driver=driver)
 
     def detach(self) -> None:
-        """Disconnect from an attached fleet without stopping it (this process's staging file is
-        removed). Spares being started are waited for and left running: they are the fleet's."""
+        """Disconnect from an attached fleet without stopping it (spares being started are waited
+        for and left running: they are the fleet's); this process's staging file is removed."""
         self._close_background(detached=True)
         self.weights.close()
         shutdown_ray(self._ray)
@@ -157,25 +156,29 @@ class GenerationFleet:
     # -- generation --------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], session_id: str | Sequence[str | None] | None = None,
-                 **sampling: Any) -> list[GenerationResult]:
+                 timeout_s: float | None = None, **sampling: Any) -> list[GenerationResult]:
         """One ``GenerationResult`` per prompt (a string, token ids or chat messages), in order;
-        ``n`` samples each. Sampling keywords are the generation config's. ``session_id`` (one, or
-        one per prompt) keeps a conversation on the shard that served its last turn. Requests on a
-        shard that dies are re-routed; every prompt gets exactly one result."""
+        ``n`` samples each; sampling keywords are the generation config's. ``session_id`` (one, or
+        one per prompt) keeps a conversation on its last turn's shard. ``timeout_s`` (default
+        ``fleet.request_timeout_s``): see ``Router.generate``. Every prompt gets exactly one result."""
         self.background.check_open()
-        return self.router.generate(prompts, resolve_sampling(self.resolved.generation_config, sampling), session_id)
+        return self.router.generate(prompts, resolve_sampling(self.resolved.generation_config, sampling), session_id,
+                                    timeout_s)
 
-    async def generate_async(self, prompt: Prompt, session_id: str | None = None, **sampling: Any) -> GenerationResult:
-        """The per-request awaitable for async RL loops; many may be in flight at once."""
+    async def generate_async(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
+                             **sampling: Any) -> GenerationResult:
+        """The per-request awaitable for async RL loops; cancelling it aborts the request on its
+        engine; past ``timeout_s`` (default ``fleet.request_timeout_s``): ``RequestTimeout``."""
         self.background.check_open()
         params = resolve_sampling(self.resolved.generation_config, sampling)
-        return await self.router.generate_async(prompt, params, session_id)
+        return await self.router.generate_async(prompt, params, session_id, timeout_s)
 
-    def generate_stream(self, prompt: Prompt, session_id: str | None = None, **sampling: Any
-                        ) -> AsyncIterator[Delta | GenerationResult]:
-        """``generate_async`` as it is generated: ``Delta``s, then the result (``Router.generate_stream``)."""
+    def generate_stream(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
+                        **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
+        """``Delta``s as generated, then the result; ``timeout_s``: the longest wait between two."""
         self.background.check_open()
-        return self.router.generate_stream(prompt, resolve_sampling(self.resolved.generation_config, sampling), session_id)
+        return self.router.generate_stream(prompt, resolve_sampling(self.resolved.generation_config, sampling), session_id,
+                                           timeout_s)
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -189,13 +192,11 @@ class GenerationFleet:
         return self.weights.version
 
     def refit(self, source: Any, version: int | None = None, in_flight: str | None = None) -> RefitReport:
-        """Push new weights into every shard that holds an engine; see ``nemo_gen.fleet.refit``.
-
-        ``source``: a checkpoint directory, a ``WeightSource``, or live tensors (an ``nn.Module``,
-        a name->tensor mapping, or a callable returning one). ``version`` defaults to the
-        previous + 1. ``in_flight``: ``drain`` | ``abort`` | ``keep`` (default ``refit.in_flight``).
-        Raises ``RefitError`` (nothing changed) for a bad manifest; a shard that fails while
-        loading is quarantined and listed in the report."""
+        """Push new weights into every shard that holds an engine (``nemo_gen.fleet.refit``):
+        ``source`` a checkpoint directory, a ``WeightSource``, or live tensors (an ``nn.Module``, a
+        name->tensor mapping, or a callable returning one); ``version`` default previous + 1;
+        ``in_flight`` ``drain`` | ``abort`` | ``keep`` (default ``refit.in_flight``). A bad manifest:
+        ``RefitError``, nothing changed; a shard failing while loading is quarantined."""
         self.background.check_open()
         return self.refitter.refit(source, version, policies.in_flight(self.settings, in_flight))
 
@@ -273,9 +274,8 @@ class GenerationFleet:
         return {s: self.driver.vllm_metrics(self.members.handle(s)) for s in self.health.serving_shards()}
 
     def shutdown(self, reap_timeout_s: float | None = None) -> list[int]:
-        """Stop every shard and spare and wait until their engine processes have exited
-        (``health.reap_timeout_s`` unless given). Idempotent. Returns the PIDs that had to be
-        killed after a clean stop failed to end them."""
+        """Stop every shard and spare, waiting for their engine processes to exit (``reap_timeout_s``,
+        default ``health.reap_timeout_s``); idempotent. Returns the PIDs a clean stop left to kill."""
         if self.closed:
             return []
         self._close_background()

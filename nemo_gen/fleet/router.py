@@ -1,14 +1,27 @@
 """Requests in, results out: prompts tokenized on the driver, least-loaded routing over the
-serving shards, and re-routing of whatever a lost shard held.
+serving shards, and the fault model (``nemo_gen.core.retry``) applied to every request.
 
-Prompts are tokenized once, on the driver, so a too-long prompt is answered with an error
-before it costs a round trip. A shard that dies (or is condemned by its probes, or misses
-``fleet.request_timeout_s``) while it holds requests: they are sent again to the serving
-shards and whatever it might still answer is dropped, so every prompt gets exactly one
-result. The batch path (``generate``), the per-request awaitable (``generate_async``) and the
-stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one way to
-condemn (``_condemn``). A stream is re-routed the same way until its first token has been
-handed to the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
+Prompts are tokenized once, on the driver (the async paths off the event loop), so a too-long
+prompt is answered with an error before it costs a round trip. What happens to a request
+whose try fails is ``nemo_gen.core.attempts``'s decision, by the failure's kind:
+
+- *dead* (the shard's actor or engine is gone, or it was condemned meanwhile by its watch or
+  its probes): the shard is condemned and the request sent to another, at most
+  ``fleet.max_reroutes`` times; whatever the lost shard might still answer is dropped, so every
+  prompt gets exactly one result;
+- *busy* (the shard refused admission): the request goes to another shard after a backoff,
+  at most ``fleet.busy_retries`` times, then ``FleetBusy``; the shard is never condemned;
+- *slow* (the request's deadline passed: ``timeout_s``, else ``fleet.request_timeout_s``; a
+  stream's between two items): that request fails with ``RequestTimeout`` and is aborted on
+  its engine; the shard serves on. No deadline is set by default: a healthy shard finishes a
+  generation of any length, and a wedged one is found by its probes.
+
+Cancelling a call (``generate_async``'s task, closing a stream) aborts its requests on their
+engines. ``fleet.max_pending_requests`` bounds what the fleet holds at once (``FleetBusy`` at
+once past it). The batch path (``generate``), the per-request awaitable (``generate_async``)
+and the stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one
+way to condemn (``_condemn``). A stream is re-routed until its first token has been handed to
+the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
 """
 
 from __future__ import annotations
@@ -20,12 +33,14 @@ import time
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
+from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
+from nemo_gen.core.detokenize import IncrementalText
 from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, HealthyShardSelector
 from nemo_gen.core.members import Member
-from nemo_gen.core.retry import describe
+from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample, too_long_error
-from nemo_gen.errors import RequestError, ShardDiedError, ShardUnavailableError
-from nemo_gen.fleet.driver import Call, ShardDriver, Stream
+from nemo_gen.errors import RequestError, RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
 
 log = logging.getLogger(__name__)
@@ -45,10 +60,10 @@ def _is_chat(prompt: Any) -> bool:
 
 
 class Router:
-    def __init__(self, health: GenerationFleetHealth, members: Membership, driver: ShardDriver, tokenizer: Any,
-                 max_model_len: int, decode_text: bool, request_timeout_s: float,
-                 serving_version: Callable[[], int | None], on_lost: Callable[[Member, str], None], fleet_name: str,
-                 session_slack: int):
+    def __init__(self, *, health: GenerationFleetHealth, members: Membership, driver: ShardDriver, tokenizer: Any,
+                 max_model_len: int, decode_text: bool, limits: RequestLimits, serving_version: Callable[[], int | None],
+                 on_lost: Callable[[Member, str], None], fleet_name: str, session_slack: int,
+                 clock: Clock = time.monotonic):
         self.health = health
         self.selector = HealthyShardSelector(health)
         self.members = members
@@ -56,7 +71,10 @@ class Router:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._decode_text = decode_text  # engines without a tokenizer: text is decoded here
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = limits.timeout_s
+        self.tries = limits.tries
+        self.admission = Admission(limits.max_pending, limits.tries.retry_after_s)
+        self.clock = clock  # requests' deadlines run on it (a test may turn it fast)
         self._version = serving_version
         self._on_lost = on_lost
         self._fleet_name = fleet_name
@@ -65,6 +83,12 @@ class Router:
         self._session_lock = threading.Lock()
         self._session_slack = session_slack
         self.rerouted = 0  # requests sent again after their shard was lost (a metric)
+        self.refused = 0  # requests a busy shard refused (a metric)
+        self.timed_out = 0  # requests that failed at their deadline (a metric)
+
+    def deadline(self, timeout_s: float | None) -> Deadline:
+        """A request's deadline: the call's own ``timeout_s``, else ``fleet.request_timeout_s``."""
+        return Deadline(self.request_timeout_s if timeout_s is None else timeout_s, self.clock)
 
     # -- requests and results -------------------------------------------------------------------
 
@@ -93,6 +117,12 @@ class Router:
             else:
                 requests.append(req)
         return requests, rejected
+
+    async def requests_async(self, prompts: Sequence[Prompt]
+                             ) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
+        """``requests`` off the event loop: tokenizing a long prompt or rendering a chat template
+        must not hold up the loop's other requests (an HTTP server's /health among them)."""
+        return await asyncio.to_thread(self.requests, prompts)
 
     def _chat(self, i: int, messages: Sequence[Mapping[str, Any]]) -> GenerationRequest | GenerationResult:
         """Chat messages rendered with the tokenizer's chat template (a generation prompt added)."""
@@ -133,7 +163,7 @@ class Router:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def _try_pick(self, waited_since: float) -> int | None:
+    def _try_pick(self, deadline: Deadline, avoid: int | None = None) -> int | None:
         """A serving shard, acquired; None when none serves now but a recovery under way may
         bring one back (a spare being promoted, a restart) and the request has time to wait."""
         if self._version() is None:
@@ -142,9 +172,9 @@ class Router:
                 "yet: its engines hold dummy weights and serve nothing until the first refit"
             )
         try:
-            shard = self.selector.next_shard()
+            shard = self.selector.next_shard(avoid)
         except ShardUnavailableError:
-            if self.members.recovering() and time.monotonic() - waited_since < self.request_timeout_s:
+            if self.members.recovering() and not deadline.passed():
                 return None
             self.health.raise_if_exhausted()
             raise
@@ -182,30 +212,30 @@ class Router:
         with self._session_lock:
             return self._sessions.get(session)
 
-    def _pick(self, session: str | None = None) -> int:
-        since = time.monotonic()
-        shard = self._affine(session)
-        while shard is None and (shard := self._try_pick(since)) is None:
+    def _pick(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
+        shard = self._affine(session) if avoid is None else None
+        while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             time.sleep(_POLL_S)
         self._remember(session, shard)
         return shard
 
-    async def _pick_async(self, session: str | None = None) -> int:
-        since = time.monotonic()
-        shard = self._affine(session)
-        while shard is None and (shard := self._try_pick(since)) is None:
+    async def _pick_async(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
+        shard = self._affine(session) if avoid is None else None
+        while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             await asyncio.sleep(_POLL_S)
         self._remember(session, shard)
         return shard
 
-    def _assign(self, requests: list[GenerationRequest], sessions: Mapping[int, str | None]
-                ) -> dict[int, list[GenerationRequest]]:
+    def _assign(self, requests: list[GenerationRequest], sessions: Mapping[int, str | None], deadline: Deadline,
+                avoid: Mapping[int, int]) -> dict[int, list[GenerationRequest]]:
         """Least-loaded routing, one request at a time, so a batch spreads over the shards; a
-        request of a session goes to its shard (``_affine``)."""
+        request of a session goes to its shard (``_affine``); one a busy shard just refused goes
+        elsewhere if it can (``avoid``: request index -> that shard)."""
         assignment: dict[int, list[GenerationRequest]] = {}
         try:
             for req in requests:
-                assignment.setdefault(self._pick(sessions.get(req.index)), []).append(req)
+                shard = self._pick(deadline, sessions.get(req.index), avoid.get(req.index))
+                assignment.setdefault(shard, []).append(req)
         except BaseException:
             self._release(assignment)  # nothing was sent: give the slots back
             raise
@@ -221,136 +251,207 @@ class Router:
         return not self.members.is_current(member) or self.health.state_of(member.slot) not in SERVING_STATES
 
     def _condemn(self, member: Member, why: BaseException) -> None:
-        """A call on the shard failed for an infra reason: a dead actor or engine is certain,
-        not a streak — straight to DEAD (and recovery, when on)."""
+        """A call on the shard failed because the shard is dead (its actor or engine is gone):
+        certain, not a streak — straight to DEAD (and recovery, when on). Only dead condemns."""
         log.warning("shard %d failed: %s; re-routing its requests", member.slot, why)
         self._on_lost(member, describe(why).splitlines()[0])
 
-    def _timeout(self) -> TimeoutError:
-        return TimeoutError(f"no answer within fleet.request_timeout_s={self.request_timeout_s:g}s")
+    def _timeout(self, deadline: Deadline, shard: int | None, what: str = "no answer") -> RequestTimeout:
+        self.timed_out += 1
+        where = f"; aborted on shard {shard}, which serves on" if shard is not None else ""
+        return RequestTimeout(f"{what} within {deadline.timeout_s:g}s (timeout_s, else fleet.request_timeout_s)"
+                              f"{where}", shard=shard)
 
     # -- the batch path --------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], params: dict[str, Any],
-                 session_id: str | Sequence[str | None] | None = None) -> list[GenerationResult]:
-        """``session_id``: one for the whole batch, or one (or None) per prompt."""
+                 session_id: str | Sequence[str | None] | None = None,
+                 timeout_s: float | None = None) -> list[GenerationResult]:
+        """``session_id``: one for the whole batch, or one (or None) per prompt. ``timeout_s``:
+        the deadline of the whole call; a prompt not answered by then gets a ``RequestTimeout``
+        result and is aborted on its engine. A prompt whose tries ran out (dead shards past
+        ``fleet.max_reroutes``, busy ones past ``fleet.busy_retries``) gets that error as its
+        result; the others are answered."""
         requests, results = self.requests(prompts)
         sessions = _sessions_of(session_id, len(prompts))
-        pending = requests
-        while pending:
-            assignment = self._assign(pending, sessions)
-            inflight: dict[Call, tuple[Member, list[GenerationRequest], float]] = {}
+        deadline = self.deadline(timeout_s)
+        attempts = {req.index: Attempts(self.tries) for req in requests}
+        avoid: dict[int, int] = {}
+        with self.admission.admitted(len(requests)):
+            pending, not_before = requests, 0.0
+            while pending:
+                if not_before > self.clock():  # busy shards asked for a moment
+                    time.sleep(deadline.wait_s(not_before - self.clock()))
+                if deadline.passed():
+                    for req in pending:
+                        results[req.index] = GenerationResult.failed(req, describe(self._timeout(deadline, None)))
+                    break
+                assignment = self._assign(pending, sessions, deadline, avoid)
+                pending, not_before = self._run_batch(assignment, params, results, attempts, avoid, deadline)
+        return [results[i] for i in range(len(prompts))]
+
+    def _run_batch(self, assignment: dict[int, list[GenerationRequest]], params: dict[str, Any],
+                   results: dict[int, GenerationResult], attempts: dict[int, Attempts], avoid: dict[int, int],
+                   deadline: Deadline) -> tuple[list[GenerationRequest], float]:
+        """One round: ``assignment``'s calls until each is answered, lost or past the deadline;
+        (the requests to send again, not before when)."""
+        inflight: dict[Call, tuple[Member, list[GenerationRequest]]] = {}
+        again: list[GenerationRequest] = []
+        not_before = 0.0
+
+        def retry(batch: list[GenerationRequest], error: BaseException, kind: str, shard: int) -> None:
+            nonlocal not_before
+            for req in batch:
+                decision = attempts[req.index].after(error, kind, shard)
+                if isinstance(decision, Fail):
+                    results[req.index] = GenerationResult.failed(req, describe(decision.error), shard=shard)
+                    continue
+                if kind == "dead":
+                    self.rerouted += 1
+                if decision.avoid is not None:
+                    avoid[req.index] = decision.avoid
+                not_before = max(not_before, self.clock() + decision.delay_s)
+                again.append(req)
+
+        try:
             for shard, batch in assignment.items():
                 handle = self.members.handle(shard)
-                call = self.driver.start_generate(handle, batch, params)
-                inflight[call] = (Member(handle.name, shard), batch, time.monotonic() + self.request_timeout_s)
-            pending = []
-            try:
-                while inflight:
-                    for call in self.driver.wait(inflight, _POLL_S):
-                        member, batch, _ = inflight.pop(call)
-                        try:
-                            out = self.driver.result(call)
-                        except ShardDiedError as exc:  # the shard or its engine is gone: re-route
-                            self._condemn(member, exc)
-                            pending.extend(batch)
-                            self.rerouted += len(batch)
-                            continue
-                        self.health.report_success(member.slot)
-                        for req, raw in zip(batch, out["results"]):
-                            results[req.index] = self.result(req, raw, out["shard"], out["weight_version"])
-                    now = time.monotonic()
-                    for call, (member, batch, deadline) in list(inflight.items()):
-                        lost = self._lost(member)
-                        if lost or now > deadline:  # condemned meanwhile, or wedged: answer elsewhere
-                            del inflight[call]
-                            self.driver.cancel(call)
-                            if not lost:
-                                self._condemn(member, self._timeout())
-                            pending.extend(batch)
-                            self.rerouted += len(batch)
-            finally:
-                self._release(assignment)
-        return [results[i] for i in range(len(prompts))]
+                inflight[self.driver.start_generate(handle, batch, params)] = (Member(handle.name, shard), batch)
+            while inflight:
+                for call in self.driver.wait(inflight, deadline.wait_s(_POLL_S)):
+                    member, batch = inflight.pop(call)
+                    try:
+                        out = self.driver.result(call)
+                    except ShardDiedError as exc:  # the shard or its engine is gone: re-route
+                        self._condemn(member, exc)
+                        retry(batch, exc, "dead", member.slot)
+                        continue
+                    except Exception as exc:
+                        if kind_of(exc) != "busy":
+                            raise  # the request's own fault: the caller's to see
+                        self.refused += len(batch)
+                        retry(batch, exc, "busy", member.slot)
+                        continue
+                    self.health.report_success(member.slot)
+                    for req, raw in zip(batch, out["results"]):
+                        results[req.index] = self.result(req, raw, out["shard"], out["weight_version"])
+                for call, (member, batch) in list(inflight.items()):
+                    if self._lost(member):  # condemned meanwhile (its watch, its probes): answer elsewhere
+                        del inflight[call]
+                        self.driver.cancel(call)
+                        retry(batch, ShardDiedError(member.slot, "condemned while it held the requests"), "dead",
+                              member.slot)
+                    elif deadline.passed():  # slow: these requests fail; the shard serves on
+                        del inflight[call]
+                        self.driver.cancel(call)
+                        error = describe(self._timeout(deadline, member.slot))
+                        for req in batch:
+                            results[req.index] = GenerationResult.failed(req, error, shard=member.slot)
+        finally:
+            for call in inflight:  # an error above: nothing may go on generating for nobody
+                self.driver.cancel(call)
+            self._release(assignment)
+        return again, not_before
 
     # -- the per-request path --------------------------------------------------------------------
 
-    async def generate_async(self, prompt: Prompt, params: dict[str, Any],
-                             session_id: str | None = None) -> GenerationResult:
-        requests, rejected = self.requests([prompt])
+    async def generate_async(self, prompt: Prompt, params: dict[str, Any], session_id: str | None = None,
+                             timeout_s: float | None = None) -> GenerationResult:
+        """One request; cancelling the awaiting task aborts it on its engine."""
+        requests, rejected = await self.requests_async([prompt])
         if rejected:
             return rejected[0]
-        req = requests[0]
-        while True:
-            shard = await self._pick_async(session_id)
-            handle = self.members.handle(shard)
-            member = Member(handle.name, shard)
-            try:
-                future = self.driver.generate_async(handle, [req], params)
-                out = await self._await(future, member)
-            except Exception as exc:
-                error = self.driver.classify(handle, exc, "generate")
-                if not isinstance(error, ShardDiedError):  # the request's own fault: the caller's to see
-                    raise error from None
-                self._condemn(member, error)
-                self.rerouted += 1
-                continue
-            finally:
-                self.selector.release(shard)
-            if out is None:
-                self.rerouted += 1
-                continue  # the shard was condemned while it held the request: ask another
-            self.health.report_success(shard)
-            return self.result(req, out["results"][0], out["shard"], out["weight_version"])
+        req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
+        with self.admission.admitted(1):
+            while True:
+                shard = await self._pick_async(deadline, session_id, avoid)
+                handle = self.members.handle(shard)
+                member = Member(handle.name, shard)
+                try:
+                    out = await self._await(self.driver.generate_async(handle, [req], params), member, deadline)
+                except (RequestTimeout, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    error = self.driver.classify(handle, exc, "generate")
+                    kind = kind_of(error)
+                    if kind == "dead":
+                        self._condemn(member, error)
+                else:
+                    if out is not None:
+                        self.health.report_success(shard)
+                        return self.result(req, out["results"][0], out["shard"], out["weight_version"])
+                    error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
+                finally:
+                    self.selector.release(shard)
+                avoid = await self._next_try(attempts, error, kind, shard, deadline)
+
+    async def _next_try(self, attempts: Attempts, error: BaseException, kind: str, shard: int,
+                        deadline: Deadline) -> int | None:
+        """After a failed try of one request: raise what it fails with, or wait what the fault
+        model says and return the shard to avoid on the next try."""
+        decision = attempts.after(error, kind, shard)
+        if isinstance(decision, Fail):
+            raise decision.error from None
+        self.rerouted += kind == "dead"
+        self.refused += kind == "busy"
+        if decision.delay_s:
+            await asyncio.sleep(deadline.wait_s(decision.delay_s))
+        return decision.avoid
 
     # -- the stream ----------------------------------------------------------------------------
 
-    async def generate_stream(self, prompt: Prompt, params: dict[str, Any], session_id: str | None = None
-                              ) -> AsyncIterator[Delta | GenerationResult]:
+    async def generate_stream(self, prompt: Prompt, params: dict[str, Any], session_id: str | None = None,
+                              timeout_s: float | None = None) -> AsyncIterator[Delta | GenerationResult]:
         """``generate_async`` as it is generated: ``Delta``s as the shard's engine makes tokens,
         then the ``GenerationResult`` (what ``generate_async`` returns). A shard lost before the
         first delta was handed out: the request goes to another, unseen. Lost after: the stream
         ends with ``ShardDiedError`` naming the shard and the tokens it had sent — never a
-        silently short answer. Closing the iterator early cancels the request on its shard."""
-        requests, rejected = self.requests([prompt])
+        silently short answer. ``timeout_s`` (else ``fleet.request_timeout_s``) is the longest
+        wait between two items: past it, ``RequestTimeout``. Closing the iterator early cancels
+        the request on its shard."""
+        requests, rejected = await self.requests_async([prompt])
         if rejected:
             yield rejected[0]
             return
-        req = requests[0]
-        while True:
-            shard = await self._pick_async(session_id)
-            handle = self.members.handle(shard)
-            member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
-            texts: dict[int, _Decoded] = {}
-            try:
-                stream = self.driver.generate_stream(handle, req, params)
-                deadline = time.monotonic() + self.request_timeout_s
-                while (item := await self._next_item(stream, member, deadline)) is not _LOST:
-                    if item is None or "result" in item:
-                        finished = True
-                        if item is None:
-                            raise ShardDiedError(shard, "the stream ended without a result")
-                        self.health.report_success(shard)
-                        yield self.result(req, item["result"], item["shard"], item["weight_version"])
-                        return
-                    for raw in item["deltas"]:
-                        delta = self._delta(raw, shard, texts)
-                        sent += len(delta.token_ids)
-                        started = True
-                        yield delta
-                why = ShardDiedError(shard, "condemned while it streamed")
-            except Exception as exc:
-                why = self.driver.classify(handle, exc, "generate_stream")
-                if not isinstance(why, ShardDiedError):  # the request's own fault: the caller's to see
-                    raise why from None
-                self._condemn(member, why)
-            finally:
-                self.selector.release(shard)
-                if stream is not None and not finished:
-                    stream.cancel()
-            if started:  # the caller has part of the answer: it cannot be taken back
-                raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {why.detail}")
-            self.rerouted += 1
+        req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
+        with self.admission.admitted(1):
+            while True:
+                shard = await self._pick_async(deadline, session_id, avoid)
+                handle = self.members.handle(shard)
+                member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
+                texts: dict[int, _Decoded] = {}
+                try:
+                    stream = self.driver.generate_stream(handle, req, params)
+                    deadline.restart()
+                    while (item := await self._next_item(stream, member, deadline)) is not _LOST:
+                        deadline.restart()
+                        if item is None or "result" in item:
+                            finished = True
+                            if item is None:
+                                raise ShardDiedError(shard, "the stream ended without a result")
+                            self.health.report_success(shard)
+                            yield self.result(req, item["result"], item["shard"], item["weight_version"])
+                            return
+                        for raw in item["deltas"]:
+                            delta = self._delta(raw, shard, texts)
+                            sent += len(delta.token_ids)
+                            started = True
+                            yield delta
+                    error, kind = ShardDiedError(shard, "condemned while it streamed"), "dead"
+                except RequestTimeout:
+                    raise
+                except Exception as exc:
+                    error = self.driver.classify(handle, exc, "generate_stream")
+                    kind = kind_of(error)
+                    if kind == "dead":
+                        self._condemn(member, error)
+                finally:
+                    self.selector.release(shard)
+                    if stream is not None and not finished:
+                        stream.cancel()
+                if started and kind == "dead":  # the caller has part of the answer: it cannot be taken back
+                    raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {getattr(error, 'detail', error)}")
+                avoid = await self._next_try(attempts, error, kind, shard, deadline)
 
     def _delta(self, raw: dict[str, Any], shard: int, texts: dict[int, "_Decoded"]) -> Delta:
         text = texts.setdefault(raw["sample"], _Decoded(self.tokenizer if self._decode_text else None))
@@ -358,59 +459,62 @@ class Router:
                      logprobs=list(raw["logprobs"]), weight_versions=[(v, n) for v, n in raw["weight_versions"]],
                      finish_reason=raw["finish_reason"], shard=shard)
 
-    async def _next_item(self, stream: Stream, member: Member, deadline: float) -> Any:
+    async def _next_item(self, stream: Stream, member: Member, deadline: Deadline) -> Any:
         """The stream's next item (None after its last); ``_LOST`` when its shard was lost
-        meanwhile; TimeoutError past the deadline."""
+        meanwhile; ``RequestTimeout`` past the deadline."""
         task = asyncio.ensure_future(stream.next())
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=_POLL_S)
+                done, _ = await asyncio.wait({task}, timeout=deadline.wait_s(_POLL_S))
                 if done:
                     return task.result()
                 if self._lost(member):
                     return _LOST
-                if time.monotonic() > deadline:
-                    raise self._timeout()
+                if deadline.passed():
+                    raise self._timeout(deadline, member.slot, "no token")
         finally:
             if not task.done():
                 task.cancel()
 
-    async def _await(self, future: "asyncio.Future", member: Member) -> dict[str, Any] | None:
-        """The call's answer; None when its shard was lost meanwhile; TimeoutError at the deadline."""
-        deadline = time.monotonic() + self.request_timeout_s
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=_POLL_S)
-            if done:
-                return future.result()
-            if self._lost(member):
-                future.cancel()
-                return None
-            if time.monotonic() > deadline:
-                future.cancel()
-                raise self._timeout()
+    async def _await(self, pending: Pending, member: Member, deadline: Deadline) -> dict[str, Any] | None:
+        """The call's answer; None when its shard was lost meanwhile; ``RequestTimeout`` at the
+        deadline. The call is cancelled on its shard unless it answered: at the deadline, when its
+        shard was lost, and when the awaiting task itself is cancelled."""
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending.future}, timeout=deadline.wait_s(_POLL_S))
+                if done:
+                    return pending.future.result()
+                if self._lost(member):
+                    pending.cancel()
+                    return None
+                if deadline.passed():
+                    pending.cancel()
+                    raise self._timeout(deadline, member.slot)
+        except asyncio.CancelledError:
+            pending.cancel()
+            raise
 
 
 class _Decoded:
     """A streamed sample's text piece by piece: the engine's own, or — engines without a
-    tokenizer — decoded here from all its tokens so far, the new part handed out (a partial
-    character at the end waits for the token that completes it; the last delta gets the rest)."""
+    tokenizer — decoded here as its tokens come (``IncrementalText``: linear, not a decode of all
+    tokens so far per delta); the last delta gets whatever the whole decode adds at the end."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.text = IncrementalText(tokenizer) if tokenizer is not None else None
         self.sent = ""
 
     def add(self, raw: dict[str, Any]) -> str:
-        if self.tokenizer is None:
+        if self.text is None:
             self.sent += raw["text"]
             return raw["text"]
-        self.ids += raw["token_ids"]
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if raw["finish_reason"] is None:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent):  # decoded differently with more context: wait for the end
-            return ""
-        piece, self.sent = text[len(self.sent):], text
+        piece = self.text.add(raw["token_ids"])
+        if raw["finish_reason"] is not None:  # the whole text, as the result will carry it
+            whole = self.tokenizer.decode(self.text.ids, skip_special_tokens=True)
+            piece = whole[len(self.sent):] if whole.startswith(self.sent) else piece
+        self.sent += piece
         return piece
 
 

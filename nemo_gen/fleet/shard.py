@@ -18,6 +18,8 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.refit import chunk_of, needs_whole
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.retry import describe, kind_of
+from nemo_gen.errors import ShardBusy
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +202,8 @@ class ShardActor:
         # that produced it.
         version = self.weight_version
         t0 = time.perf_counter()
-        results = await self.engine.generate(requests, sampling)
+        with self._admission():
+            results = await self.engine.generate(requests, sampling)
         return {
             "shard": self.slot,
             "weight_version": version,
@@ -215,15 +218,32 @@ class ShardActor:
         Cancelling the call (``ray.cancel``) aborts the request in the engine."""
         version = self.weight_version
         t0 = time.perf_counter()
-        async with contextlib.aclosing(self.engine.stream(request, sampling)) as items:
-            async for item in items:
-                if "result" in item:
-                    item = {**item, "shard": self.slot, "weight_version": version, "seconds": time.perf_counter() - t0}
-                yield item
+        with self._admission():
+            async with contextlib.aclosing(self.engine.stream(request, sampling)) as items:
+                async for item in items:
+                    if "result" in item:
+                        item = {**item, "shard": self.slot, "weight_version": version,
+                                "seconds": time.perf_counter() - t0}
+                    yield item
+
+    @contextlib.contextmanager
+    def _admission(self):
+        """The engine's refusal of a request for now (vLLM's full queue: busy, never dead) leaves
+        the actor as ``ShardBusy``: vLLM's own admission errors do not survive Ray's pickling."""
+        try:
+            yield
+        except Exception as exc:
+            if kind_of(exc) == "busy" and not isinstance(exc, ShardBusy):
+                raise ShardBusy(-1 if self.slot is None else self.slot, describe(exc)) from None
+            raise
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's own stats of this shard's engine (empty unless its stats are on)."""
         return self.engine.vllm_metrics() if self.engine else []
+
+    def unfinished(self) -> dict[str, int]:
+        """The engine's requests held now and the tokens each has made (``Engine.unfinished``)."""
+        return self.engine.unfinished() if self.engine else {}
 
     def step_gaps(self, reset: bool = False) -> dict[str, Any]:
         """The engine's longest stretch without a finished step since the last reset."""
@@ -278,15 +298,16 @@ class ShardActor:
         self.weight_source = source
         return time.perf_counter() - t0
 
-    async def control_channel(self) -> dict[str, Any]:
+    async def control_channel(self, timeout_s: float) -> dict[str, Any]:
         """Where a driver on this node reaches ``weight_sync`` without Ray (``address``, ``key``;
-        ``nemo_gen.fleet.control_channel``), and this node's IP, to tell whether it is its own."""
+        ``nemo_gen.fleet.control_channel``), and this node's IP, to tell whether it is its own.
+        ``timeout_s`` (``fleet.control_timeout_s``) bounds each connection's handshake."""
         import asyncio
 
         from nemo_gen.fleet.control_channel import ChannelServer
 
         if self._channel is None:
-            self._channel = ChannelServer(self.weight_sync, asyncio.get_running_loop())
+            self._channel = ChannelServer(self.weight_sync, asyncio.get_running_loop(), timeout_s)
         return {"address": self._channel.address, "key": self._channel.key, "node_ip": get_node_ip_address()}
 
     async def weight_sync(self, step: str, payload: Any = None, timeout_s: float = 600.0) -> dict[str, float] | None:

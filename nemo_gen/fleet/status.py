@@ -7,7 +7,6 @@ condemned, since a live actor answers at once.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,15 +43,22 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
                  orphans: list[dict[str, Any]], live: bool, on_lost: Callable[[Member, str], None]) -> list[ShardStatus]:
     """The rows; ``live`` False (a closed fleet): what was last known, without asking anyone."""
     out = []
-    for snap in health.snapshot():
+    snaps = health.snapshot()
+    asked = {s.dp_shard_idx: h for s in snaps if (h := members.handle(s.dp_shard_idx)) is not None
+             and s.state not in (ShardState.RETIRED, ShardState.DEAD)} if live else {}
+    spares = {spare.name: spare for spare in members.spares()}
+    answers = driver.infos({**asked, **(spares if live else {})})  # one wait for all of them
+    for snap in snaps:
         slot = snap.dp_shard_idx
         handle = members.handle(slot)
         info = dict(handle.info) if handle else {}
-        if handle and live and snap.state not in (ShardState.RETIRED, ShardState.DEAD):
-            try:
-                info = driver.info(handle)
-            except ShardDiedError as exc:
-                on_lost(Member(handle.name, slot), f"ShardDiedError: {exc}")
+        answer = answers.get(slot)
+        if isinstance(answer, ShardDiedError):
+            on_lost(Member(handle.name, slot), f"ShardDiedError: {answer}")
+        elif isinstance(answer, BaseException):
+            raise answer
+        elif answer is not None:
+            info = answer
         left = [o for o in orphans if o["shard"] == slot and alive(o["pid"])]
         out.append(ShardStatus(
             index=slot, state=str(health.state_of(slot).value), weight_version=info.get("weight_version"),
@@ -61,11 +67,9 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
             name=handle.name if handle else None, orphans=_with_gpu(left),
             gpu_memory_bytes=_gpu_bytes([info.get("actor_pid"), *info.get("engine_pids", [])]),
         ))
-    for spare in members.spares():
-        info = dict(spare.info)
-        if live:
-            with contextlib.suppress(ShardDiedError):
-                info = driver.info(spare)
+    for spare in spares.values():
+        answer = answers.get(spare.name)
+        info = answer if isinstance(answer, dict) else dict(spare.info)
         out.append(ShardStatus(
             index=spare.index, state="spare", weight_version=info.get("weight_version"),
             actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),

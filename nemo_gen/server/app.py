@@ -16,8 +16,17 @@ body's ``session_id`` (vLLM's field), else ``user``.
 
 Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400 naming the
 bad field, 401 for a missing or wrong key (``server.api_key``), 404 for another model or route,
-503 while no shard serves, 504 when the fleet's request deadline passes, 500 otherwise — the
-message says what failed, never a stack trace (that goes to the log).
+413 for a body over ``server.max_body_bytes``, 503 while no shard serves, 503 with
+``Retry-After`` for load (``server.max_in_flight`` reached, ``FleetBusy``), 504 when the request's
+deadline passes (``timeout_s`` in the body or the ``x-nemo-gen-timeout-s`` header, else
+``fleet.request_timeout_s``), 500 otherwise — the message says what failed, never a stack trace
+(that goes to the log).
+
+The event loop stays free for every request (``/health`` among them): bodies are read against
+their bound and large ones parsed off the loop, prompts are tokenized and chat templates rendered
+off it (``Router.requests_async``), and responses are built off it. A client that disconnects
+before its answer is sent cancels its requests on their engines (as vLLM's ``with_cancellation``
+does), streamed or not.
 
 Streaming (``stream: true``) is real token streaming through ``fleet.generate_stream`` (engine ->
 shard actor's Ray streaming generator -> router): chunks leave as the engine makes tokens
@@ -46,12 +55,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 from vllm.utils import random_uuid
 
+from nemo_gen.core.attempts import Admission
 from nemo_gen.core.fleet_health import SERVING_STATES
 from nemo_gen.core.refit import RefitError
 from nemo_gen.core.results import Delta
-from nemo_gen.errors import DataError, InfraError, NemoGenError, RequestError, ShardDiedError, ShardRetired, StaleShard
+from nemo_gen.errors import (DataError, FleetBusy, InfraError, NemoGenError, RequestError, RequestTimeout,
+                             ShardDiedError, ShardRetired, StaleShard)
 from nemo_gen.server import protocol
 from nemo_gen.server.metrics import ServerMetrics
 from nemo_gen.server.protocol import ApiError, Call
@@ -61,6 +73,9 @@ log = logging.getLogger(__name__)
 VERSION_HEADER = "x-nemo-gen-weight-version"
 SHARD_HEADER = "x-nemo-gen-shard"
 SESSION_HEADER = "x-session-id"
+TIMEOUT_HEADER = "x-nemo-gen-timeout-s"
+# Bodies up to this size are parsed on the loop (a few ms at most); larger ones off it.
+_PARSE_ON_LOOP_BYTES = 64 * 1024
 # Open without a key: a load balancer's health check and a Prometheus scraper.
 OPEN_PATHS = ("/health", "/metrics")
 
@@ -81,6 +96,12 @@ class FleetApi:
         self.detok = protocol.Detokenizer(tokenizer)
         params = inspect.signature(fleet.generate_async).parameters
         self._sessions = "session_id" in params  # the fleet routes sessions (issue 12, item 3)
+        server = settings.server
+        self.inflight = Admission(server.max_in_flight, server.retry_after_s, setting="server.max_in_flight",
+                                  holder="the server")
+        self.max_prompt_chars = server.max_prompt_chars
+        resolved = getattr(fleet, "resolved", None)
+        self.max_model_len = getattr(resolved, "max_model_len", None) or settings.generation.vllm_cfg.max_model_len
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -93,7 +114,27 @@ class FleetApi:
         kwargs = dict(call.sampling)
         if call.session_id is not None and self._sessions:
             kwargs["session_id"] = call.session_id
+        if call.timeout_s is not None:
+            kwargs["timeout_s"] = call.timeout_s
         return kwargs
+
+    def _check(self, call: Call, prompt_field: str) -> None:
+        """What is refused before any work, as vLLM's server refuses it: a prompt over
+        ``server.max_prompt_chars`` (before tokenizing it), ``max_tokens`` past the context, and
+        a request asking for more samples than ``server.max_in_flight`` could ever hold."""
+        for prompt in call.prompts:
+            chars = _chars(prompt)
+            if chars > self.max_prompt_chars:
+                raise protocol.bad(f"{prompt_field}: the prompt has {chars} characters, more than "
+                                   f"server.max_prompt_chars={self.max_prompt_chars}", prompt_field)
+        max_new = call.sampling.get("max_new_tokens")
+        if max_new is not None and self.max_model_len and max_new > self.max_model_len:
+            param = "max_completion_tokens" if "max_completion_tokens" in call.sent else "max_tokens"
+            raise protocol.bad(f"{param}={max_new} cannot be greater than max_model_len={self.max_model_len}. "
+                               "Please request fewer output tokens.", param)
+        if call.samples > (self.inflight.limit or call.samples):
+            raise protocol.bad(f"n: {len(call.prompts)} prompt(s) x n={call.n} is {call.samples} samples, more than "
+                               f"this server ever holds at once (server.max_in_flight={self.inflight.limit})", "n")
 
     async def _one(self, call: Call, prompt: Any, prompt_field: str) -> Any:
         try:
@@ -103,38 +144,48 @@ class FleetApi:
         return _checked(result, call, prompt_field)
 
     async def generate(self, call: Call, prompt_field: str) -> list[Any]:
-        tasks = [asyncio.ensure_future(self._one(call, p, prompt_field)) for p in call.prompts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
+        with self.inflight.admitted(call.samples):
+            tasks = [asyncio.ensure_future(self._one(call, p, prompt_field)) for p in call.prompts]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # each has aborted its request
+                raise
 
-    async def completions(self, body: Any, session: str | None) -> Response:
+    async def completions(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
         self._check_model(body)
-        call = protocol.parse_completion(body, session)
+        call = protocol.parse_completion(body, session, timeout)
+        self._check(call, "prompt")
         response_id = call.request_id or f"cmpl-{random_uuid()}"
         if call.stream:
             return await self._stream(call, "prompt", protocol.StreamFormat(call, self.model, self.detok, response_id,
                                                                             chat=False))
         results = await self.generate(call, "prompt")
-        return _answer(results, protocol.completion_response(call, self.model, results, self.detok, response_id))
+        body = await asyncio.to_thread(protocol.completion_response, call, self.model, results, self.detok,
+                                       response_id)
+        return _answer(results, body)
 
-    async def chat(self, body: Any, session: str | None) -> Response:
+    async def chat(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
         self._check_model(body)
-        call = protocol.parse_chat(body, session)
+        call = protocol.parse_chat(body, session, timeout)
+        self._check(call, "messages")
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
         if call.stream:
             return await self._stream(call, "messages", protocol.StreamFormat(call, self.model, self.detok, response_id,
                                                                               chat=True))
         results = await self.generate(call, "messages")
-        return _answer(results, protocol.chat_response(call, self.model, results, self.detok, response_id))
+        body = await asyncio.to_thread(protocol.chat_response, call, self.model, results, self.detok, response_id)
+        return _answer(results, body)
 
     async def _stream(self, call: Call, prompt_field: str, fmt: protocol.StreamFormat) -> Response:
         """Every prompt's ``fleet.generate_stream`` at once; the response starts when each has its
-        first token (until then a failure is an error response), then relays what comes."""
-        relay = _Relay(self.fleet, call, self._kwargs(call), prompt_field)
+        first token (until then a failure is an error response), then relays what comes. The
+        request holds its place in ``server.max_in_flight`` until the stream ends."""
+        self.inflight.admit(call.samples)
+        relay = _Relay(self.fleet, call, self._kwargs(call), prompt_field,
+                       on_close=lambda: self.inflight.release(call.samples))
         try:
             firsts = await relay.first_events()
         except BaseException:
@@ -189,11 +240,23 @@ class FleetApi:
         return {**report.to_json(), "nemo_gen": self._current()}
 
 
+def _chars(prompt: Any) -> int:
+    """A prompt's characters: a string's, or a chat's messages' content together (token ids: 0)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(m.get("content") or "") for m in prompt)
+    return 0
+
+
 def _checked(result: Any, call: Call, prompt_field: str) -> Any:
-    """A finished result, or the ApiError its error is (400 for the request's own fault)."""
+    """A finished result, or the ApiError its error is (400 for the request's own fault, 504 past
+    its deadline)."""
     if result.error:
         if result.error.startswith("RequestError") or result.error.startswith("ValueError"):
             raise protocol.request_error(result.error, call, prompt_field)
+        if result.error.startswith("RequestTimeout"):
+            raise ApiError(504, result.error)
         raise ApiError(500, f"generation failed on shard {result.shard}: {result.error}")
     return result
 
@@ -215,9 +278,11 @@ class _Relay:
     """One streamed request's prompts, each ``fleet.generate_stream`` pumped by a task into one
     queue as (prompt, event): a ``Delta``, the finished result, or what the stream raised."""
 
-    def __init__(self, fleet: Any, call: Call, kwargs: dict[str, Any], prompt_field: str):
+    def __init__(self, fleet: Any, call: Call, kwargs: dict[str, Any], prompt_field: str,
+                 on_close: Callable[[], None] | None = None):
         self.call, self.prompt_field = call, prompt_field
         self.queue: asyncio.Queue = asyncio.Queue()
+        self._on_close = on_close
         self.tasks = [asyncio.ensure_future(self._pump(i, fleet, p, kwargs)) for i, p in enumerate(call.prompts)]
 
     async def _pump(self, i: int, fleet: Any, prompt: Any, kwargs: dict[str, Any]) -> None:
@@ -272,6 +337,9 @@ class _Relay:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
 
 
 def _stream_error(exc: BaseException, shards: dict[int, int | None]) -> str:
@@ -295,6 +363,10 @@ def error_for(exc: BaseException) -> ApiError:
         return protocol.bad(str(exc), None)
     if isinstance(exc, DataError):
         return protocol.bad(f"{type(exc).__name__}: {exc}", getattr(exc, "field", None))
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, f"RequestTimeout: {exc}")
+    if isinstance(exc, FleetBusy):
+        return ApiError(503, f"FleetBusy: {exc}", retry_after_s=int(round(exc.retry_after_s)))
     if isinstance(exc, (InfraError, ShardRetired, StaleShard)):
         return ApiError(503, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, NemoGenError):
@@ -305,7 +377,10 @@ def error_for(exc: BaseException) -> ApiError:
 
 
 def _error_response(error: ApiError, version: int | None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers={VERSION_HEADER: _version_text(version)})
+    headers = {VERSION_HEADER: _version_text(version)}
+    if error.retry_after_s is not None:
+        headers["retry-after"] = str(error.retry_after_s)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class Gate:
@@ -355,12 +430,54 @@ class Gate:
             self.metrics.observe(route, status["code"], time.perf_counter() - started)
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+async def _json(request: Request, max_bytes: int) -> Any:
+    """The body, read against ``max_bytes`` (413 past it, before it is read whole) and parsed
+    (off the loop when large; nesting too deep for the parser is a 400, not a 500)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks) or b"null"
     try:
-        return json.loads(raw or b"null")
+        return json.loads(raw) if len(raw) <= _PARSE_ON_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise protocol.bad(f"the request body is not valid JSON: {exc}", None) from None
+    except RecursionError:
+        raise protocol.bad("the request body is nested too deeply to parse", None) from None
+
+
+def _too_large(size: int, max_bytes: int) -> ApiError:
+    return ApiError(413, f"the request body has {'at least ' if size > max_bytes else ''}{size} bytes, more than "
+                         f"server.max_body_bytes={max_bytes}")
+
+
+async def _cancelled_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """``work`` (a route's, its body already read), cancelled when the client disconnects first —
+    its requests are aborted on their engines. A streamed response is the stream's to watch once
+    it is returned (Starlette's StreamingResponse listens for the disconnect itself)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(listen_for_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server itself is stopping
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # every request of it aborted on its engine
+    raise _ClientGone()
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer: nothing is left to send it."""
 
 
 def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
@@ -374,6 +491,9 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
         async def handler(request: Request) -> Response:
             try:
                 out = await fn(request)
+            except _ClientGone:
+                log.info("%s %s: the client disconnected; its requests were cancelled", request.method, request.url.path)
+                return Response(status_code=499)  # never sent: the client is gone
             except Exception as exc:
                 error = error_for(exc)
                 if error.status >= 500 and not isinstance(exc, (ApiError, NemoGenError, TimeoutError)):
@@ -386,11 +506,17 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
     def session(request: Request) -> str | None:
         return request.headers.get(SESSION_HEADER) or None
 
+    max_bytes = settings.server.max_body_bytes
+
     async def completions(request: Request):
-        return await api.completions(await _json(request), session(request))
+        body = await _json(request, max_bytes)
+        return await _cancelled_on_disconnect(
+            request, api.completions(body, session(request), request.headers.get(TIMEOUT_HEADER)))
 
     async def chat(request: Request):
-        return await api.chat(await _json(request), session(request))
+        body = await _json(request, max_bytes)
+        return await _cancelled_on_disconnect(
+            request, api.chat(body, session(request), request.headers.get(TIMEOUT_HEADER)))
 
     async def models(request: Request):
         return api.models()
@@ -404,7 +530,7 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
     async def refit(request: Request):
-        return await api.refit(await _json(request))
+        return await api.refit(await _json(request, max_bytes))
 
     app.add_route("/v1/completions", route(completions), methods=["POST"])
     app.add_route("/v1/chat/completions", route(chat), methods=["POST"])

@@ -52,6 +52,7 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 
+from nemo_gen.core.detokenize import IncrementalText
 from nemo_gen.fleet.batch import add_span
 
 # OpenAI (and vLLM-extension) request fields -> the fleet's sampling keywords.
@@ -68,8 +69,10 @@ SAMPLING = {
     "bad_words": "bad_words",
     "n": "n",
 }
-# Fields acted on besides sampling. request_id names the response; user / session_id pick the session.
-_COMMON = {"model", "stream", "stream_options", "user", "session_id", "request_id", "return_token_ids", "logprobs"}
+# Fields acted on besides sampling. request_id names the response; user / session_id pick the session;
+# timeout_s (nemo-gen's) is the request's deadline (a stream's: between two tokens).
+_COMMON = {"model", "stream", "stream_options", "user", "session_id", "request_id", "return_token_ids", "logprobs",
+           "timeout_s"}
 COMPLETION_FIELDS = frozenset(_COMMON | set(SAMPLING) - {"max_completion_tokens"} | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | set(SAMPLING) | {"messages", "top_logprobs"})
 # Values of fields nemo_gen does not act on that ask for nothing (besides the field's default).
@@ -86,14 +89,15 @@ _MESSAGE_KEYS = {"role", "content", "name"}
 class ApiError(Exception):
     """An OpenAI-shaped error: HTTP ``status``, ``message``, the request field it is about."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s  # a 503 for load: the Retry-After header
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=sanitize_message(self.message), type=self.TYPES.get(self.status, "Error"),
@@ -136,6 +140,12 @@ class Call:
     n: int
     request_id: str | None
     sent: frozenset[str]  # the request's own fields (errors name them as sent)
+    timeout_s: float | None = None  # the request's deadline; None: the fleet's (fleet.request_timeout_s)
+
+    @property
+    def samples(self) -> int:
+        """What the request asks the fleet for at once: prompts x n."""
+        return len(self.prompts) * self.n
 
 
 def _check_fields(body: Mapping[str, Any], model_cls: type, acted_on: frozenset[str]) -> None:
@@ -193,6 +203,23 @@ def _session(body: Mapping[str, Any], header: str | None) -> str | None:
     return header or body.get("session_id") or body.get("user") or None
 
 
+def timeout_of(body: Mapping[str, Any], header: str | None) -> float | None:
+    """The request's deadline in seconds: the body's ``timeout_s``, else the header's; None: unset."""
+    value: Any = body.get("timeout_s")
+    param = "timeout_s"
+    if value is None and header is not None:
+        value, param = header, "x-nemo-gen-timeout-s"
+        try:
+            value = float(value)
+        except ValueError:
+            raise bad(f"{param}: a number of seconds, got {header!r}", param) from None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise bad(f"{param}: a positive number of seconds, got {value!r}", param)
+    return float(value)
+
+
 def _stream_options(body: Mapping[str, Any]) -> bool:
     opts = body.get("stream_options") or {}
     if not body.get("stream") and opts:
@@ -203,7 +230,7 @@ def _stream_options(body: Mapping[str, Any]) -> bool:
     return bool(opts.get("include_usage"))
 
 
-def parse_completion(body: Any, session_header: str | None = None) -> Call:
+def parse_completion(body: Any, session_header: str | None = None, timeout_header: str | None = None) -> Call:
     req = _parse(CompletionRequest, body, COMPLETION_FIELDS)
     prompt = req.prompt
     if prompt is None or (isinstance(prompt, (str, list)) and len(prompt) == 0):
@@ -221,7 +248,7 @@ def parse_completion(body: Any, session_header: str | None = None) -> Call:
     return Call(prompts=prompts, sampling=_sampling(body), session_id=_session(body, session_header),
                 stream=bool(req.stream), include_usage=_stream_options(body), logprobs=req.logprobs is not None,
                 token_ids=bool(req.return_token_ids), n=int(req.n or 1), request_id=body.get("request_id"),
-                sent=frozenset(body))
+                sent=frozenset(body), timeout_s=timeout_of(body, timeout_header))
 
 
 def _content_text(i: int, content: Any) -> str:
@@ -237,7 +264,7 @@ def _content_text(i: int, content: Any) -> str:
     raise bad(f"messages[{i}].content: text is required", f"messages[{i}].content")
 
 
-def parse_chat(body: Any, session_header: str | None = None) -> Call:
+def parse_chat(body: Any, session_header: str | None = None, timeout_header: str | None = None) -> Call:
     req = _parse(ChatCompletionRequest, body, CHAT_FIELDS)
     if not req.messages:
         raise bad("messages: at least one message is required", "messages")
@@ -255,7 +282,7 @@ def parse_chat(body: Any, session_header: str | None = None) -> Call:
     return Call(prompts=[messages], sampling=_sampling(body), session_id=_session(body, session_header),
                 stream=bool(req.stream), include_usage=_stream_options(body), logprobs=bool(req.logprobs),
                 token_ids=bool(req.return_token_ids), n=int(req.n or 1), request_id=body.get("request_id"),
-                sent=frozenset(body))
+                sent=frozenset(body), timeout_s=timeout_of(body, timeout_header))
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,21 +370,23 @@ class Detokenizer:
     def pieces(self, token_ids: Sequence[int], text: str) -> list[str]:
         """One text piece per token, in order, that join to exactly ``text`` (the engine's text:
         stop strings already cut). A token that completes no character gets ""; whatever the
-        prefix decodes cannot place goes to the last piece."""
+        pieces cannot place goes to the last piece. Linear in the tokens (``IncrementalText``)."""
         ids = list(token_ids)
         if not ids:
             return [text] if text else []
-        pieces, sent = [], 0
-        for i in range(len(ids)):
-            prefix = self.tokenizer.decode(ids[: i + 1], skip_special_tokens=True).rstrip("\ufffd")
-            upto = sent
-            limit = min(len(prefix), len(text))
-            while upto < limit and prefix[upto] == text[upto]:
-                upto += 1
-            if prefix[:sent] != text[:sent]:  # the prefix decoded differently: place nothing now
-                upto = sent
-            pieces.append(text[sent:upto])
-            sent = upto
+        decoded, pieces, sent, placing = IncrementalText(self.tokenizer), [], 0, True
+        for token in ids:
+            piece = decoded.add([token])
+            if not placing:
+                piece = ""
+            elif text.startswith(piece, sent):
+                sent += len(piece)
+            else:  # the engine's text parts from the tokens' here (a stop string cut it): the rest at the end
+                common = 0
+                while common < len(piece) and sent + common < len(text) and piece[common] == text[sent + common]:
+                    common += 1
+                piece, sent, placing = piece[:common], sent + common, False
+            pieces.append(piece)
         pieces[-1] += text[sent:]
         return pieces
 

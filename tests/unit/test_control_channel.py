@@ -17,6 +17,9 @@ import pytest
 
 from nemo_gen.fleet.control_channel import Channel, ChannelBroken, ChannelServer
 
+# fleet.control_timeout_s of these lines: connecting and each handshake give up after it.
+TIMEOUT_S = 5.0
+
 
 @pytest.fixture
 def loop():
@@ -39,13 +42,13 @@ async def _handler(step, payload=None, timeout_s=1.0):
 
 @pytest.fixture
 def server(loop):
-    server = ChannelServer(_handler, loop)
+    server = ChannelServer(_handler, loop, TIMEOUT_S)
     yield server
     server.close()
 
 
 def test_a_call_runs_on_the_loop_and_answers(server, loop):
-    line = Channel(server.address, server.key)
+    line = Channel(server.address, server.key, TIMEOUT_S)
     try:
         line.send(("apply", {"layout": 3}, 10.0))
         ok, value = line.receive(10)
@@ -62,8 +65,8 @@ def test_the_socket_is_its_owners_and_a_wrong_key_is_refused(server):
     mode = os.stat(os.path.dirname(server.address)).st_mode
     assert stat.S_IMODE(mode) == 0o700
     with pytest.raises(AuthenticationError):
-        Channel(server.address, b"not the key" * 3)
-    line = Channel(server.address, server.key)  # the server still serves after a refused client
+        Channel(server.address, b"not the key" * 3, TIMEOUT_S)
+    line = Channel(server.address, server.key, TIMEOUT_S)  # the server still serves after a refused client
     try:
         line.send(("apply",))
         assert line.receive(10)[0]
@@ -72,7 +75,7 @@ def test_the_socket_is_its_owners_and_a_wrong_key_is_refused(server):
 
 
 def test_a_late_answer_is_a_timeout(server):
-    line = Channel(server.address, server.key)
+    line = Channel(server.address, server.key, TIMEOUT_S)
     try:
         line.send(("slow", 0.5))
         t0 = time.monotonic()
@@ -84,8 +87,8 @@ def test_a_late_answer_is_a_timeout(server):
 
 
 def test_a_line_whose_server_is_gone_is_broken(loop):
-    server = ChannelServer(_handler, loop)
-    line = Channel(server.address, server.key)
+    server = ChannelServer(_handler, loop, TIMEOUT_S)
+    line = Channel(server.address, server.key, TIMEOUT_S)
     try:
         line.send(("slow", 0.2))
         server.close()  # the actor stops: its connection threads end after the call in flight
@@ -94,7 +97,7 @@ def test_a_line_whose_server_is_gone_is_broken(loop):
         with pytest.raises(ChannelBroken):
             line.send(("apply",))
         with pytest.raises((ConnectionRefusedError, FileNotFoundError)):
-            Channel(server.address, server.key)
+            Channel(server.address, server.key, TIMEOUT_S)
     finally:
         line.close()
 
@@ -110,8 +113,8 @@ def test_a_line_is_read_again_only_once_its_call_is_answered(loop):
         events.append(("end", step))
         return step
 
-    server = ChannelServer(handler, loop)
-    line = Channel(server.address, server.key)
+    server = ChannelServer(handler, loop, TIMEOUT_S)
+    line = Channel(server.address, server.key, TIMEOUT_S)
     try:
         line.send(("first", 0.3))
         line.send(("second", 0))
@@ -124,8 +127,8 @@ def test_a_line_is_read_again_only_once_its_call_is_answered(loop):
 
 
 def test_close_answers_what_was_sent_and_closes_the_idle_lines(loop):
-    server = ChannelServer(_handler, loop)
-    idle, busy = Channel(server.address, server.key), Channel(server.address, server.key)
+    server = ChannelServer(_handler, loop, TIMEOUT_S)
+    idle, busy = Channel(server.address, server.key, TIMEOUT_S), Channel(server.address, server.key, TIMEOUT_S)
     try:
         busy.send(("slow", 0.3))
         time.sleep(0.05)  # both lines are the loop's by now
@@ -145,7 +148,7 @@ def test_close_answers_what_was_sent_and_closes_the_idle_lines(loop):
 def _serve_in_a_process(queue) -> None:
     """A stand-in shard actor: its line served from its own process, until it is killed."""
     loop = asyncio.new_event_loop()
-    server = ChannelServer(_handler, loop)
+    server = ChannelServer(_handler, loop, TIMEOUT_S)
     queue.put((server.address, server.key))
     loop.run_forever()
 
@@ -170,7 +173,7 @@ def remote():
 def test_a_server_killed_mid_call_breaks_the_line(remote):
     """The actor dies with a call in flight: the driver sees the line close, not a hang."""
     proc, address, key = remote
-    line = Channel(address, key)
+    line = Channel(address, key, TIMEOUT_S)
     line.send(("slow", 30.0))
     os.kill(proc.pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -195,7 +198,7 @@ class _LocalDriver:
 
         class Driver(ShardDriver):
             def open_channel(self, handle):
-                return Channel(server.address, server.key)
+                return Channel(server.address, server.key, TIMEOUT_S)
 
         return Driver(DriverTimeouts(control_s=5, stop_s=5, engine_grace_s=1, refit_s=refit_s))
 
@@ -231,3 +234,157 @@ def test_a_line_that_breaks_mid_call_is_the_actors_loss(remote):
     (lost,) = driver.fan_out({0: handle}, "weight_sync", ("slow", 30.0, 5.0), margin_s=0).values()
     assert lost.error.startswith("ActorDiedError") and lost.infra
     assert driver.lines() == set()
+
+
+# -- every call answered, every wait bounded ----------------------------------------------------
+
+
+def test_a_frame_that_does_not_unpickle_is_answered_and_the_line_goes_on(server):
+    """An authenticated frame the actor cannot read (bytes that are no pickle, a class the actor
+    cannot import) was left unanswered: the refit waited out its deadline and quarantined a
+    healthy shard. It is answered "unread" at once, and the next call is served."""
+    from nemo_gen.fleet.control_channel import FrameUnread
+
+    line = Channel(server.address, server.key, TIMEOUT_S)
+    try:
+        line._conn.send_bytes(b"\x80\x05bad")  # what a peer with the key could send
+        t0 = time.monotonic()
+        with pytest.raises(FrameUnread, match="UnpicklingError"):
+            line.receive(10)
+        assert time.monotonic() - t0 < 2
+        line.send(("apply", 1))
+        ok, value = line.receive(10)
+        assert ok and value["payload"] == 1
+        assert server.calls == 1  # the unread frame never reached the handler
+    finally:
+        line.close()
+
+
+def test_an_answer_that_does_not_pickle_is_answered_as_a_data_error(loop):
+    async def handler(step, payload=None, timeout_s=1.0):
+        return (lambda: None) if step == "lambda" else step  # a lambda does not pickle
+
+    server = ChannelServer(handler, loop, TIMEOUT_S)
+    line = Channel(server.address, server.key, TIMEOUT_S)
+    try:
+        line.send(("lambda",))
+        ok, value = line.receive(10)
+        assert not ok and "the answer could not be sent" in value
+        line.send(("next",))
+        assert line.receive(10) == (True, "next")
+    finally:
+        line.close()
+        server.close()
+
+
+def test_a_silent_peer_blocks_no_other_connect_and_is_dropped_at_the_deadline(loop):
+    """A peer that connects and never does the handshake held the single accept thread, so
+    every later driver's connect hung for good."""
+    import socket
+
+    server = ChannelServer(_handler, loop, 0.5)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(server.address)
+    try:
+        t0 = time.monotonic()
+        line = Channel(server.address, server.key, TIMEOUT_S)
+        assert time.monotonic() - t0 < 1.0  # not behind the silent peer's handshake
+        line.send(("apply",))
+        assert line.receive(10)[0]
+        line.close()
+        silent.settimeout(5)  # the server gives up on it after its handshake deadline: EOF
+        t0 = time.monotonic()
+        while silent.recv(4096):  # the challenge it was sent, then the close
+            pass
+        assert time.monotonic() - t0 < 3
+    finally:
+        silent.close()
+        server.close()
+
+
+def test_connecting_to_a_server_that_never_answers_gives_up_at_the_deadline(tmp_path):
+    """The driver's connect and handshake are bounded: a listener that accepts and says nothing
+    (a wedged actor) costs fleet.control_timeout_s, not forever."""
+    import socket
+
+    path = str(tmp_path / "socket")
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(path)
+    mute.listen(1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            Channel(path, b"k" * 32, 0.3)
+        assert time.monotonic() - t0 < 2
+    finally:
+        mute.close()
+
+
+def test_a_call_the_line_cannot_read_goes_over_ray(server):
+    """fan_out sends a call the actor answered "unread" over Ray at once (Ray's pickling carries
+    a trainer's own classes by value): the shard is not lost, and the line is dropped."""
+    from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
+    from nemo_gen.fleet.shard import ShardHandle
+
+    sent_over_ray = []
+
+    class Ref:
+        pass
+
+    class Actor:  # what Ray would carry: a stand-in with a weight_sync method
+        class weight_sync:  # noqa: N801 — the actor method's shape: .remote(*args)
+            @staticmethod
+            def remote(*args):
+                sent_over_ray.append(args)
+                return Ref()
+
+    class Driver(ShardDriver):
+        def open_channel(self, handle):
+            line = Channel(server.address, server.key, TIMEOUT_S)
+            original = line.send
+            line.send = lambda args: line._conn.send_bytes(b"\x80\x05bad") if args[0] == "bad" else original(args)
+            return line
+
+    import ray as ray_module
+    from unittest import mock
+
+    driver = Driver(DriverTimeouts(control_s=5, stop_s=5, engine_grace_s=1, refit_s=5))
+    handle = ShardHandle(index=0, name="fleet-shard-0", actor=Actor(), placement_group=None)
+    with mock.patch.object(ray_module, "wait", lambda refs, **kw: (refs, [])), \
+            mock.patch.object(ray_module, "get", lambda ref, timeout=None: {"over": "ray"}):
+        (out,) = driver.fan_out({0: handle}, "weight_sync", ("bad", 1), margin_s=0).values()
+    assert out.ok and out.value == {"over": "ray"} and sent_over_ray == [("bad", 1)]
+    assert driver.lines() == set()
+
+
+def test_fan_out_over_frozen_shards_waits_its_deadline_once():
+    """Four frozen shard actors (SIGSTOPped: their calls never answer) cost the refit deadline
+    once, not once per shard one after another (2.4 s against a 0.6 s deadline before)."""
+    from unittest import mock
+
+    import ray as ray_module
+
+    from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
+    from nemo_gen.fleet.shard import ShardHandle
+
+    class Actor:
+        def __getattr__(self, name):
+            return types.SimpleNamespace(remote=lambda *a: object())
+
+    def frozen_wait(refs, num_returns=1, timeout=None):
+        threading.Event().wait(timeout)
+        return [], list(refs)
+
+    def frozen_get(ref, timeout=None):
+        threading.Event().wait(timeout)
+        raise ray_module.exceptions.GetTimeoutError("timed out")
+
+    driver = ShardDriver(DriverTimeouts(control_s=1, stop_s=1, engine_grace_s=0.1, refit_s=0.5), channels=False)
+    handles = {i: ShardHandle(i, f"s{i}", Actor(), None) for i in range(4)}
+    with mock.patch.object(ray_module, "wait", frozen_wait), mock.patch.object(ray_module, "get", frozen_get), \
+            mock.patch.object(ray_module, "cancel", lambda ref: None):
+        t0 = time.monotonic()
+        out = driver.fan_out(handles, "check_refit", (), margin_s=0.1)
+        took = time.monotonic() - t0
+    assert all(o.infra and o.error.startswith("GetTimeoutError") for o in out.values())
+    assert took < 0.6 + 0.4, took  # the deadline (refit_s + margin) once, with slack for this machine

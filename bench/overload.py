@@ -1,0 +1,177 @@
+"""The server under four times its capacity: load is shed, nothing is lost, nothing is condemned.
+
+One fleet of vLLM CPU engines (the tiny local model, ``vllm_cfg.async_engine: true`` as under
+``nemo-gen serve``) behind ``nemo_gen.server`` on loopback, whose capacity is its admission bound
+(``server.max_in_flight``: samples in flight at once). Closed-loop clients (bench/http_load.py, in
+a process of their own; a 503 is waited out for its Retry-After) run for a fixed window, while
+another process probes ``GET /health`` every 10 ms:
+
+1. ``unloaded``: as many clients as the capacity — the fleet's throughput when full and unloaded;
+2. ``overload``: ``--factor`` times as many (default 4) for the same window;
+3. ``after``: the load gone — every shard HEALTHY, 0 restarts, a request served;
+4. ``big+streams``: a second server on the same fleet, bounds raised to hold 200 concurrent
+   streams and a 4 MB prompt (tokenized off the event loop, then refused for its length).
+
+Targets, printed side by side from one run: in ``overload`` every request is answered 200 or 503
+(none lost, none 500, none hung), no shard condemned, /health p99 < 100 ms in every phase, and
+goodput (tokens/s of the 200s) >= 0.9 of ``unloaded``'s; ``after`` at full strength with 0 restarts.
+
+    .venv/bin/python bench/overload.py [--shards 2] [--capacity 16] [--factor 4] [--window-s 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from local_cpu import LocalCpu  # noqa: E402
+
+HEALTH_P99_S = 0.1
+GOODPUT_RATIO = 0.9
+BIG_PROMPT_CHARS = 4 * 2**20
+STREAMS = 200
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", type=int, default=2, help="shards in the fleet (default 2)")
+    p.add_argument("--capacity", type=int, default=16, help="server.max_in_flight: the fleet's capacity (default 16)")
+    p.add_argument("--factor", type=int, default=4, help="clients in the overload phase, per unit of capacity (4)")
+    p.add_argument("--window-s", type=float, default=20.0, help="seconds each loaded phase runs (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
+    args = p.parse_args(argv)
+    for name in ("shards", "capacity", "factor", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.window_s <= 0:
+        p.error("--window-s must be positive")
+    return args
+
+
+def run_clients(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run bench/http_load.py jobs side by side, each in its own process; their results."""
+    procs = [subprocess.Popen([sys.executable, str(HERE / "http_load.py"), json.dumps(job)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for job in jobs]
+    results = []
+    for proc, job in zip(procs, jobs):
+        out, err = proc.communicate(timeout=job["window_s"] + job.get("timeout_s", 60) + 120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the {job['mode']} client failed: {err[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else (values[0] if values else float("nan"))
+
+
+def phase(url: str, model: str, clients: int, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    load = {"mode": "load", "url": url, "model": model, "clients": clients, "window_s": args.window_s,
+            "max_tokens": args.max_new_tokens, "timeout_s": 120.0, "max_backoff_s": 1.0, **extra}
+    health = {"mode": "health", "url": url, "window_s": args.window_s, "interval_s": 0.01}
+    got, probe = run_clients([load, health])
+    return {"clients": clients, "sent": got["sent"], "answered": got["answered"], "hung": got["hung"],
+            "lost": got["lost"], "statuses": got["statuses"], "tokens": got["tokens"],
+            "goodput_tok_s": got["tokens"] / got["wall_s"], "wall_s": got["wall_s"],
+            "p50_latency_s": statistics.median(got["latency_s"]) if got["latency_s"] else None,
+            "health_p99_s": p99(probe["latency_s"]), "health_max_s": max(probe["latency_s"]),
+            "health_probes": len(probe["latency_s"]), "health_statuses": probe["statuses"],
+            "errors": got["errors"][:3], "big_prompt": got.get("big_prompt")}
+
+
+def condemned(fleet) -> list[dict[str, Any]]:
+    return [h for s in fleet.health.snapshot() for h in fleet.health.history(s.dp_shard_idx) if h["new"] == "dead"]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import ray
+
+    from nemo_gen import GenerationFleet
+    from nemo_gen.server import start_server
+
+    cpu = LocalCpu("overload")
+    fleet = server = big = None
+    try:
+        settings = cpu.settings(**{
+            "fleet.num_shards": args.shards, "generation.vllm_cfg.async_engine": True, "server.port": 0,
+            "server.max_in_flight": args.capacity, "server.retry_after_s": 1, "health.probe_interval_s": 1.0})
+        t0 = time.monotonic()
+        fleet = GenerationFleet.launch(settings)
+        print(f"fleet of {args.shards} up in {time.monotonic() - t0:.0f} s", flush=True)
+        server = start_server(fleet, settings)
+        model = settings.model_name()
+        run_clients([{"mode": "load", "url": server.url, "model": model, "clients": args.capacity, "window_s": 3,
+                      "max_tokens": args.max_new_tokens, "timeout_s": 120.0}])  # warm-up
+        phases: dict[str, Any] = {}
+        phases["unloaded"] = phase(server.url, model, args.capacity, args)
+        phases["overload"] = phase(server.url, model, args.capacity * args.factor, args)
+        restarts = [s.restart_attempts for s in fleet.health.snapshot()]
+        states = [s.state.value for s in fleet.health.snapshot()]
+        served = fleet.generate(["after the storm"], max_new_tokens=4)[0].ok
+        phases["after"] = {"states": states, "restarts": restarts, "served": served, "condemned": condemned(fleet)}
+        roomy = settings.model_copy(update={"server": settings.server.model_copy(update={
+            "max_in_flight": STREAMS + 8, "max_prompt_chars": 2 * BIG_PROMPT_CHARS,
+            "max_body_bytes": 4 * BIG_PROMPT_CHARS})})
+        big = start_server(fleet, roomy)
+        phases["big+streams"] = phase(big.url, model, STREAMS, args, stream=True, prompt_chars=BIG_PROMPT_CHARS)
+    finally:
+        for handle in (big, server):
+            if handle is not None:
+                handle.stop()
+        if fleet is not None:
+            fleet.shutdown()
+        ray.shutdown()
+
+    over, calm = phases["overload"], phases["unloaded"]
+    codes = set(over["statuses"])
+    verdicts = {
+        "overload: every request answered 200 or 503": codes <= {"200", "503"} and over["sent"] == over["answered"]
+        and over["hung"] == 0 and over["lost"] == 0 and "503" in codes,
+        "no shard condemned": not phases["after"]["condemned"],
+        f"/health p99 < {HEALTH_P99_S * 1000:.0f} ms in every phase": all(
+            phases[k]["health_p99_s"] < HEALTH_P99_S for k in ("unloaded", "overload", "big+streams")),
+        f"goodput >= {GOODPUT_RATIO} of unloaded": over["goodput_tok_s"] >= GOODPUT_RATIO * calm["goodput_tok_s"],
+        "after: full strength, 0 restarts": phases["after"]["served"] and set(phases["after"]["states"]) == {"healthy"}
+        and not any(phases["after"]["restarts"]),
+        "big+streams: the 4 MB prompt answered 400, streams all 200": (phases["big+streams"]["big_prompt"] or {}).get(
+            "status") == 400 and set(phases["big+streams"]["statuses"]) == {"200"},
+    }
+    print()
+    print(f"{'phase':12} {'clients':>7} {'sent':>6} {'200':>6} {'503':>6} {'other':>6} {'hung+lost':>9} "
+          f"{'tok/s':>8} {'health p99':>11} {'max':>8}")
+    for name in ("unloaded", "overload", "big+streams"):
+        r = phases[name]
+        other = sum(v for k, v in r["statuses"].items() if k not in ("200", "503"))
+        print(f"{name:12} {r['clients']:7d} {r['sent']:6d} {r['statuses'].get('200', 0):6d} "
+              f"{r['statuses'].get('503', 0):6d} {other:6d} {r['hung'] + r['lost']:9d} {r['goodput_tok_s']:8.0f} "
+              f"{r['health_p99_s'] * 1000:9.1f} ms {r['health_max_s'] * 1000:6.0f} ms")
+    print(f"goodput overload / unloaded: {over['goodput_tok_s'] / calm['goodput_tok_s']:.3f}")
+    big_prompt = phases["big+streams"]["big_prompt"] or {}
+    print(f"4 MB prompt: HTTP {big_prompt.get('status')} after {big_prompt.get('seconds', float('nan')):.2f} s")
+    print(f"after: states {phases['after']['states']}, restarts {phases['after']['restarts']}")
+    for name, ok in verdicts.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    result = {"name": "overload", "args": vars(args) | {"json": str(args.json) if args.json else None},
+              "metrics": phases, "verdicts": verdicts}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
