@@ -7,6 +7,10 @@
 #                                               (BENCH_ARGS: more of its flags, e.g. "--bare-config fleet --interleave 7")
 #   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
 #   bash .gpu-src/bench/gpu_sitting.sh inflight install, run bench/refit_inflight.py --device gpu -> $OUT/refit_inflight.json
+#   bash .gpu-src/bench/gpu_sitting.sh rl       install, run bench/rl_step.py --device gpu (examples/grpo.py's loop, a 1.13 B
+#                                               Llama, 64 prompts x 8 samples x 128 tokens, sync then async on one fleet)
+#                                               -> $OUT/rl_step-gpu.json, $OUT/rl/{sync,async}/{steps.jsonl,run.png}, rl.log
+#                                               (RL_STEPS, RL_MODE_S: steps and seconds per mode; RL_ARGS: more of its flags)
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD
@@ -60,5 +64,16 @@ for p in gpu_memory.gpu_processes():
     echo "inflight rc=$?"
     grep -A8 "^mode" "$OUT/inflight.log"; grep -E "^keep:|idle fleet" "$OUT/inflight.log"
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight"; exit 2 ;;
+  rl)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    # the model is made on the host's CPU (~1 min), the fleet launches (~2 min), then each mode runs
+    # until RL_STEPS steps or RL_MODE_S seconds, whichever comes first
+    timeout "${RL_TIMEOUT:-585}" python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 \
+      --max-new-tokens 128 --steps "${RL_STEPS:-20}" --max-seconds "${RL_MODE_S:-120}" --work /tmp/nemo-gen-rl \
+      --out "$OUT/rl" --json "$OUT/rl_step-gpu.json" ${RL_ARGS:-} > "$OUT/rl.log" 2>&1
+    echo "rl rc=$?"
+    tail -c 3000 "$OUT/rl.log"
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl"; exit 2 ;;
 esac

@@ -357,7 +357,7 @@ def run(fleet: GenerationFleet, model_dir: Path, args, out: Path) -> list[dict]:
                 break
     finally:
         if pending is not None:
-            pending.result()
+            pending.exception()  # waits for a rollout still running (the fleet serves the next caller)
         pool.shutdown(wait=True)
         pusher.close()
     return records
@@ -414,6 +414,11 @@ def fleet_settings(args, model_dir: Path, overrides: dict | None = None) -> Nemo
     return NemoGenSettings.load(overrides={**base, **(overrides or {})})
 
 
+def title(args) -> str:
+    return (f"GRPO, {args.mode}: {args.model_size} model on {args.device.upper()}, {args.prompts} prompts x "
+            f"{args.group} samples x {args.max_new_tokens} tokens")
+
+
 PHASES = (("wait_s", "waiting for rollouts"), ("train_s", "train"), ("refit_s", "refit"))
 
 
@@ -425,7 +430,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
     mean = [r["reward_mean"] for r in records]
     std = [r["reward_std"] for r in records]
     top.plot(steps, mean, marker="o", ms=3, label="reward (mean over samples)")
@@ -444,7 +449,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     bottom.plot(steps, [r["rollout_s"] for r in records], "k.", ms=4, label="rollout (generate call)")
     bottom.set_xlabel("step")
     bottom.set_ylabel("seconds")
-    bottom.legend(loc="upper right", fontsize=8)
+    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -530,8 +535,7 @@ def main(argv=None) -> dict:
     model_dir = make_model(args)
     with GenerationFleet.launch(fleet_settings(args, model_dir)) as fleet:
         records = run(fleet, model_dir, args, out)
-    plot(records, out / "run.png", f"GRPO, {args.mode}, {args.model_size} on {args.device}: "
-         f"{args.prompts} prompts x {args.group} samples")
+    plot(records, out / "run.png", title(args))
     result = summary(records)
     print(json.dumps(result, indent=1))
     return result
