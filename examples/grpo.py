@@ -19,8 +19,9 @@ tokenizer has 512 tokens of which 15 are digits, so the initial, nearly uniform 
 the context, is what a policy gradient does fastest: every sampled digit pushes the same output
 rows up, every other token pushes them down, and the group baseline tells the two apart (with
 G=8 samples of 16 tokens most groups hold a completion with more digits than its siblings). No
-knowledge is needed, only a shift of the output distribution. On CPU the tiny model goes from
-~0.03 to over 0.5 in about 15 steps and near 1.0 in 25.
+knowledge is needed, only a shift of the output distribution. On CPU, at the defaults, the tiny
+model's reward passes 0.5 after ~15 steps and 0.9 after ~20 in sync mode (async, which learns
+from samples a step old, ~5 steps later): about 10 seconds of training after the fleet starts.
 
 The loss (per sampled token t of completion i, A_i its group-normalized advantage):
     ratio = exp(logp_trainer(t) - logp_engine(t))          importance ratio against the sampler
