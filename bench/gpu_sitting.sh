@@ -15,6 +15,8 @@
 set -uo pipefail
 root=$PWD
 export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+# examples/grpo.py's 1b model (4.5 GB, ~1 min to make): made once, by tests/gpu or the rl run
+export NEMO_GEN_RL_WORK=${NEMO_GEN_RL_WORK:-/tmp/nemo-gen-rl}
 # The carried stack has no flashinfer-cubin (pack.py skips it): with FlashInfer's sampler every
 # cold engine start JIT-builds it with nvcc (~80 s, 2026-12-01-h200-bench.md). PyTorch's sampler
 # instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
@@ -70,7 +72,7 @@ for p in gpu_memory.gpu_processes():
     # the model is made on the host's CPU (~1 min), the fleet launches (~2 min), then each mode runs
     # until RL_STEPS steps or RL_MODE_S seconds, whichever comes first
     timeout "${RL_TIMEOUT:-585}" python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 \
-      --max-new-tokens 128 --steps "${RL_STEPS:-20}" --max-seconds "${RL_MODE_S:-120}" --work /tmp/nemo-gen-rl \
+      --max-new-tokens 128 --steps "${RL_STEPS:-20}" --max-seconds "${RL_MODE_S:-120}" --work "$NEMO_GEN_RL_WORK" \
       --out "$OUT/rl" --json "$OUT/rl_step-gpu.json" ${RL_ARGS:-} > "$OUT/rl.log" 2>&1
     echo "rl rc=$?"
     tail -c 3000 "$OUT/rl.log"

@@ -11,10 +11,12 @@
   mismatch, and no ratio is clipped.
 
 Needs CUDA (skipped elsewhere). Prints the step's seconds and peak GiB (the run's train phase).
+``NEMO_GEN_RL_WORK``: where the model is made (kept; bench/gpu_sitting.sh's rl run finds it there).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -30,7 +32,7 @@ def test_the_1b_trainer_steps_in_place_beside_the_engine(tmp_path):
 
     grpo = load_example("grpo")
     args = grpo.parse_args(["--device", "gpu", "--model-size", "1b", "--prompts", "64", "--group", "8",
-                            "--max-new-tokens", "128", "--work", str(tmp_path)])
+                            "--max-new-tokens", "128", "--work", os.environ.get("NEMO_GEN_RL_WORK") or str(tmp_path)])
     t = time.perf_counter()
     model_dir = grpo.make_model(args)
     made_s = time.perf_counter() - t
