@@ -21,6 +21,16 @@ export NEMO_GEN_RL_WORK=${NEMO_GEN_RL_WORK:-/tmp/nemo-gen-rl}
 # cold engine start JIT-builds it with nvcc (~80 s, 2026-12-01-h200-bench.md). PyTorch's sampler
 # instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+# GPU processes an earlier run of this sitting left (a run cut off by its timeout skips the fleet's
+# shutdown): started by this sitting, ended here by PID. Run from .gpu-src.
+end_left_gpu_processes() {
+    python3 -c "
+import os, signal
+from nemo_gen.fleet import gpu_memory
+for p in gpu_memory.gpu_processes():
+    print('left by an earlier run, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
+"
+}
 case "${1:-}" in
   tests)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
@@ -36,14 +46,7 @@ case "${1:-}" in
   bench)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }  # once per host
     cd .gpu-src
-    # GPU processes the tests' run left (a run cut off by its timeout skips the fleet's shutdown):
-    # started by this sitting, ended here by PID.
-    python3 -c "
-import os, signal
-from nemo_gen.fleet import gpu_memory
-for p in gpu_memory.gpu_processes():
-    print('left by the tests, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
-"
+    end_left_gpu_processes
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
       --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" --skip "${BENCH_SKIP:-}" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -69,6 +72,7 @@ for p in gpu_memory.gpu_processes():
   rl)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
     cd .gpu-src
+    end_left_gpu_processes
     # the model is made on the host's CPU (~1 min), the fleet launches (~2 min), then each mode runs
     # until RL_STEPS steps or RL_MODE_S seconds, whichever comes first
     timeout "${RL_TIMEOUT:-585}" python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 \
