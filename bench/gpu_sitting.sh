@@ -7,14 +7,30 @@
 #                                               (BENCH_ARGS: more of its flags, e.g. "--bare-config fleet --interleave 7")
 #   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
 #   bash .gpu-src/bench/gpu_sitting.sh inflight install, run bench/refit_inflight.py --device gpu -> $OUT/refit_inflight.json
+#   bash .gpu-src/bench/gpu_sitting.sh rl       install, run bench/rl_step.py --device gpu (examples/grpo.py's loop, a 1.13 B
+#                                               Llama, 64 prompts x 8 samples x 128 tokens, sync then async on one fleet)
+#                                               -> $OUT/rl_step-gpu.json, $OUT/rl/{sync,async}/{steps.jsonl,run.png}, rl.log
+#                                               (RL_STEPS, RL_MODE_S: steps and seconds per mode; RL_ARGS: more of its flags)
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD
 export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+# examples/grpo.py's 1b model (4.5 GB, ~1 min to make): made once, by tests/gpu or the rl run
+export NEMO_GEN_RL_WORK=${NEMO_GEN_RL_WORK:-/tmp/nemo-gen-rl}
 # The carried stack has no flashinfer-cubin (pack.py skips it): with FlashInfer's sampler every
 # cold engine start JIT-builds it with nvcc (~80 s, 2026-12-01-h200-bench.md). PyTorch's sampler
 # instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+# GPU processes an earlier run of this sitting left (a run cut off by its timeout skips the fleet's
+# shutdown): started by this sitting, ended here by PID. Run from .gpu-src.
+end_left_gpu_processes() {
+    python3 -c "
+import os, signal
+from nemo_gen.fleet import gpu_memory
+for p in gpu_memory.gpu_processes():
+    print('left by an earlier run, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
+"
+}
 case "${1:-}" in
   tests)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
@@ -30,14 +46,7 @@ case "${1:-}" in
   bench)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }  # once per host
     cd .gpu-src
-    # GPU processes the tests' run left (a run cut off by its timeout skips the fleet's shutdown):
-    # started by this sitting, ended here by PID.
-    python3 -c "
-import os, signal
-from nemo_gen.fleet import gpu_memory
-for p in gpu_memory.gpu_processes():
-    print('left by the tests, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
-"
+    end_left_gpu_processes
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
     timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
       --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" --skip "${BENCH_SKIP:-}" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
@@ -60,5 +69,17 @@ for p in gpu_memory.gpu_processes():
     echo "inflight rc=$?"
     grep -A8 "^mode" "$OUT/inflight.log"; grep -E "^keep:|idle fleet" "$OUT/inflight.log"
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight"; exit 2 ;;
+  rl)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    end_left_gpu_processes
+    # the model is made on the host's CPU (~1 min), the fleet launches (~2 min), then each mode runs
+    # until RL_STEPS steps or RL_MODE_S seconds, whichever comes first
+    timeout "${RL_TIMEOUT:-585}" python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 \
+      --max-new-tokens 128 --steps "${RL_STEPS:-20}" --max-seconds "${RL_MODE_S:-120}" --work "$NEMO_GEN_RL_WORK" \
+      --out "$OUT/rl" --json "$OUT/rl_step-gpu.json" ${RL_ARGS:-} > "$OUT/rl.log" 2>&1
+    echo "rl rc=$?"
+    tail -c 3000 "$OUT/rl.log"
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl"; exit 2 ;;
 esac

@@ -1,8 +1,9 @@
-"""Small helpers for tests that check processes by PID."""
+"""Small helpers for tests: processes by PID, polling, the examples' Python files."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from nemo_gen.fleet.processes import alive as running
 
@@ -57,3 +58,16 @@ def marked(marker: str) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module (examples/ is no package: users copy from it)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up while the class is made)
+    spec.loader.exec_module(module)
+    return module
