@@ -147,6 +147,12 @@ class Admission:
                                 retry_after_s=self.retry_after_s)
             self.held += count
 
+    def check_room(self) -> None:
+        """``FleetBusy`` at once if not even one more fits: the cheap refusal, before a request
+        is parsed to learn how many it would hold."""
+        if self.limit is not None and self.held >= self.limit:
+            self.admit(1)  # refuses, with the message and the count
+
     def release(self, count: int) -> None:
         with self._lock:
             self.held -= count

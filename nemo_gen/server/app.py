@@ -155,6 +155,7 @@ class FleetApi:
                 raise
 
     async def completions(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
+        self.inflight.check_room()
         self._check_model(body)
         call = protocol.parse_completion(body, session, timeout)
         self._check(call, "prompt")
@@ -168,6 +169,7 @@ class FleetApi:
         return _answer(results, body)
 
     async def chat(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
+        self.inflight.check_room()
         self._check_model(body)
         call = protocol.parse_chat(body, session, timeout)
         self._check(call, "messages")
@@ -509,11 +511,13 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
     max_bytes = settings.server.max_body_bytes
 
     async def completions(request: Request):
+        api.inflight.check_room()  # full: refused before the body is even read
         body = await _json(request, max_bytes)
         return await _cancelled_on_disconnect(
             request, api.completions(body, session(request), request.headers.get(TIMEOUT_HEADER)))
 
     async def chat(request: Request):
+        api.inflight.check_room()
         body = await _json(request, max_bytes)
         return await _cancelled_on_disconnect(
             request, api.chat(body, session(request), request.headers.get(TIMEOUT_HEADER)))
