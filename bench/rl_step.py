@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     result = {"date": time.strftime("%Y-%m-%d"), "command": command, "stack": stack(base.device),
               "size": {k: getattr(base, k) for k in ("device", "model_size", "model", "prompts", "group",
                                                      "max_new_tokens", "steps", "rounds", "lr", "shards", "max_lag",
-                                                     "max_staleness_tokens", "refit")},
+                                                     "max_staleness_tokens", "refit", "engine", "recompute_kv")},
               "out": str(out), "errors": []}
     runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}
     t0 = time.perf_counter()

@@ -406,7 +406,8 @@ def fleet_settings(args, model_dir: Path, overrides: dict | None = None) -> Nemo
     base = {
         "model.path": str(model_dir), "fleet.name": "grpo", "fleet.mode": "train", "fleet.num_shards": args.shards,
         "fleet.device": args.device, "refit.in_flight": "keep", "refit.max_staleness": args.max_staleness_tokens,
-        "generation.vllm_cfg.max_model_len": args.max_model_len,
+        "refit.recompute_kv": args.recompute_kv, "generation.vllm_cfg.max_model_len": args.max_model_len,
+        "generation.vllm_cfg.async_engine": args.engine == "async",
     }
     if args.device == "gpu":
         base.update({"refit.backend": "nemo_gen_ipc", "generation.vllm_cfg.precision": "bfloat16",
@@ -510,6 +511,12 @@ def parser() -> argparse.ArgumentParser:
     fleet.add_argument("--max-staleness-tokens", type=int, default=8,
                        help="refit.max_staleness: a running request with more tokens from older weights is "
                        "cut and resumed on the new ones when a refit lands")
+    fleet.add_argument("--engine", choices=("sync", "async"), default="sync",
+                       help="vLLM's engine in each shard: LLM (sync) or AsyncLLM (async); refits land in "
+                       "flight on either (generation.vllm_cfg.async_engine)")
+    fleet.add_argument("--recompute-kv", action="store_true",
+                       help="refit.recompute_kv: requests a refit keeps running recompute their KV on the "
+                       "new weights (NeMo-RL's recompute_kv_cache_after_weight_updates)")
     fleet.add_argument("--max-model-len", type=int, default=256)
     fleet.add_argument("--gpu-memory-utilization", type=float, default=0.35,
                        help="the engine's share of the GPU (the trainer lives in the rest)")

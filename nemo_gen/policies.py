@@ -51,15 +51,13 @@ IN_FLIGHT_MODES = ("drain", "abort", "keep")
 
 def in_flight(settings: NemoGenSettings, mode: str | None = None) -> dict[str, Any]:
     """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given),
-    as the shards take it: ``{"mode", "resume_aborted", "max_staleness"}``."""
+    as the shards take it: ``{"mode", "resume_aborted", "max_staleness", "recompute_kv"}``."""
     r = settings.refit
     mode = r.in_flight if mode is None else mode
     if mode not in IN_FLIGHT_MODES:
         raise ConfigError(f"must be one of {list(IN_FLIGHT_MODES)}, got {mode!r}", field="refit.in_flight")
-    if mode != "drain" and settings.generation.vllm_cfg.async_engine:
-        raise ConfigError(f"{mode} needs the sync engine, but generation.vllm_cfg.async_engine is true",
-                          field="refit.in_flight")
-    return {"mode": mode, "resume_aborted": r.resume_aborted, "max_staleness": r.max_staleness}
+    return {"mode": mode, "resume_aborted": r.resume_aborted, "max_staleness": r.max_staleness,
+            "recompute_kv": r.recompute_kv}
 
 
 def driver_timeouts(settings: NemoGenSettings):

@@ -434,7 +434,7 @@ class RefitSettings(_Section):
         "(strict on-policy); 'abort' stops them at once and, with refit.resume_aborted, sends each on as "
         "prompt + its tokens so far on the new weights; 'keep' freezes them with their KV cache, swaps the "
         "weights and resumes them (results then span two versions: GenerationResult.weight_versions). "
-        "keep/abort need the sync engine (generation.vllm_cfg.async_engine: false).",
+        "All three work on the sync and the async engine (generation.vllm_cfg.async_engine).",
     )
     resume_aborted: bool = Field(
         True,
@@ -445,7 +445,15 @@ class RefitSettings(_Section):
     max_staleness: int | None = Field(
         None, ge=0,
         description="With refit.in_flight keep: a running request with more than this many tokens from "
-        "older weights is cut and resumed on the new ones (its prefix re-computed); unset: no bound.",
+        "older weights is cut and resumed on the new ones (its prefix re-computed); unset: no bound. The "
+        "async engine re-computes every running request's KV when one is past the bound (vLLM preempts "
+        "them together).",
+    )
+    recompute_kv: bool = Field(
+        False,
+        description="With refit.in_flight keep: the running requests' KV cache (and the prefix cache) is "
+        "re-computed on the new weights as they resume, instead of kept (NeMo-RL's "
+        "recompute_kv_cache_after_weight_updates). Their tokens keep the versions that sampled them.",
     )
 
     @field_validator("backend")
@@ -666,12 +674,13 @@ class NemoGenSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _check_in_flight(self) -> "NemoGenSettings":
-        """In-flight refit freezes the sync engine's running batch; the async engine cannot."""
-        if self.refit.in_flight != "drain" and self.generation.vllm_cfg.async_engine:
-            raise _invalid(type(self).__name__, ("refit", "in_flight"), self.refit.in_flight, "in_flight",
-                           "refit.in_flight={mode} needs the sync engine, but generation.vllm_cfg.async_engine "
-                           "is true; use refit.in_flight=drain or async_engine: false",
+    def _check_recompute_kv(self) -> "NemoGenSettings":
+        """Only ``keep`` leaves requests running on KV from older weights: elsewhere
+        ``refit.recompute_kv`` could not act."""
+        if self.refit.recompute_kv and self.refit.in_flight != "keep":
+            raise _invalid(type(self).__name__, ("refit", "recompute_kv"), True, "recompute_kv",
+                           "refit.recompute_kv re-computes the KV of requests a refit kept running, but "
+                           "refit.in_flight is {mode}, which keeps none; set refit.in_flight=keep",
                            {"mode": self.refit.in_flight})
         return self
 

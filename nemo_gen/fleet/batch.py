@@ -35,6 +35,21 @@ def sampled_by(version: int | None) -> Callable[[Any], list[tuple[Any, int]]]:
     return lambda comp: [(version, len(comp.token_ids))]
 
 
+def spans_between(starts: list[tuple[Any, int]], lo: int, hi: int) -> list[tuple[Any, int]]:
+    """Tokens ``lo`` to ``hi`` of a sample by label, from where each label began (vLLM's
+    ``weight_version_starts``: (label, first token) in generation order; none: no label known)."""
+    out: list[tuple[Any, int]] = []
+    for i, (label, start) in enumerate(starts):
+        end = starts[i + 1][1] if i + 1 < len(starts) else hi
+        count = min(end, hi) - max(start, lo)
+        if count > 0:
+            out.append((label, count))
+    covered = sum(n for _, n in out)
+    if covered < hi - lo:  # tokens before the first label (none was reported for them)
+        out.insert(0, (None, hi - lo - covered))
+    return out
+
+
 @dataclass
 class Piece:
     """Tokens one sample made in one stretch: a step's delta, a final output, or what a request

@@ -24,7 +24,7 @@ from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.fleet.batch import Piece, Track, sampled_by
+from nemo_gen.fleet.batch import Piece, Track, sampled_by, spans_between
 from nemo_gen.fleet.streaming import Cursor, merge
 
 
@@ -76,12 +76,13 @@ def _freeze_heap() -> None:
     freeze_gc_heap()
 
 
-def _sample_dict(comp, version: int | None) -> dict[str, Any]:
-    """One finished (cumulative) completion output as a sample of a result."""
+def _sample_dict(comp, spans: list[tuple[int | None, int]]) -> dict[str, Any]:
+    """One finished (cumulative) completion output as a sample of a result; ``spans``: its
+    tokens by the version that sampled them."""
     token_ids = list(comp.token_ids)
     logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)] if comp.logprobs else []
     return {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
-            "finish_reason": comp.finish_reason, "weight_versions": [(version, len(token_ids))]}
+            "finish_reason": comp.finish_reason, "weight_versions": spans}
 
 
 def _error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
@@ -95,14 +96,17 @@ class Engine:
     refit): every generated token is counted under the version that sampled it, and prompts are
     prefix-cached under a salt of their version, so after a version change no new request reuses
     KV computed by older weights. A refit with ``in_flight`` ``keep`` or ``abort`` swaps the
-    weights while a batch runs (``swap``); see ``nemo_gen.fleet.batch``."""
+    weights while requests run (``begin_swap`` / ``end_swap``): the sync engine's batch is cut
+    and resumed as ``nemo_gen.fleet.batch`` says; the async engine's requests are frozen by vLLM's
+    own pause and, where the mode says, preempted so that their KV is recomputed on the new
+    weights. On both, vLLM labels each step's outputs with the version that sampled them."""
 
     def __init__(self, llm: Any, async_engine: bool, load_s: float, version: int | None):
         self._llm = llm
         self.async_engine = async_engine
         self.load_s = load_s
-        # The weight version, and (sync engine) the label the engine core stamps on each step's
-        # outputs for it: the core starts as "default"; ``version =`` sends it a new one.
+        # The weight version, and the label the engine core stamps on each step's outputs for it:
+        # the core starts as "default"; ``set_version`` sends it a new one.
         self._version = version
         self._labels: dict[str, int | None] = {"default": version}
         self._step_label: str | None = None  # the label of the outputs the step thread got last
@@ -123,6 +127,7 @@ class Engine:
         # output came since it was last idle (the time of the last is ``last_step_at``).
         self._async_active = 0
         self._async_outputs = 0
+        self._async_running: set[str] = set()  # the async engine's requests, by the id they were added with
         # Steps completed in the running batch: its first (the prefill of the whole batch, and
         # on a fresh engine kernel selection for new shapes) can take far longer than a decode
         # step without the engine being wedged.
@@ -206,26 +211,40 @@ class Engine:
 
     @property
     def generating(self) -> bool:
-        return self._generating
+        """Requests are running: the sync engine's batch, or any of the async engine's."""
+        return self._async_active > 0 if self.async_engine else self._generating
+
+    @property
+    def steps_made(self) -> int:
+        """The engine's progress while ``generating``: the sync batch's steps, or the async
+        engine's outputs since it was last idle."""
+        return self._async_outputs if self.async_engine else self.batch_steps
 
     @property
     def version(self) -> int | None:
         return self._version
 
-    @version.setter
-    def version(self, version: int | None) -> None:
-        """The engine serves ``version`` from now on. The sync engine's core is told, so that the
-        outputs of every later step carry its label: messages reach the core in order, so each
-        step after this one is counted under ``version``, however the step thread is placed."""
+    async def set_version(self, version: int | None) -> None:
+        """The engine serves ``version`` from now on. Its core is told (vLLM's
+        ``set_weight_version``), so that the outputs of every later step carry its label:
+        messages reach the core in order, so each step after this one is counted under
+        ``version``. The sync engine's label is sent, not waited for (its requests are added
+        after it, by the step thread); the async engine's is awaited, so that no request added
+        from this loop can overtake it."""
         self._version = version
-        if not self.async_engine:
+        if self.async_engine:
+            await self._llm.engine_core.set_weight_version_async(self._label(version))
+        else:
             self._send_label(version)
 
-    def _send_label(self, version: int | None) -> concurrent.futures.Future:
-        """Tell the engine core to label later steps' outputs with ``version``."""
+    def _label(self, version: int | None) -> str:
         label = repr(version)
         self._labels[label] = version
-        return self._send_utility("set_weight_version", label)
+        return label
+
+    def _send_label(self, version: int | None) -> concurrent.futures.Future:
+        """Tell the sync engine's core to label later steps' outputs with ``version``."""
+        return self._send_utility("set_weight_version", self._label(version))
 
     def _version_of(self, label: str | None) -> int | None:
         """The version an output label stands for (no label: the engine's current version)."""
@@ -296,22 +315,40 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         rid = f"nemo-gen-{next(self._ids)}"
-        # The async engine refits only by draining: every token comes from the version it started on.
-        track, version = Track.start(req, params, rid, rid), self.version
+        track = Track.start(req, params, rid, rid)
         cursor = Cursor(track)
+        self._check_weights()
         outputs = self._llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt),
                                      params, rid)
+        made: dict[int, int] = {}  # tokens told so far, by sample
+
+        def spans_of(comp) -> list[tuple[int | None, int]]:
+            # A delta's tokens by the label of the step that sampled each (a refit under keep or
+            # abort lands between two steps of a running request).
+            lo = made.get(comp.index, 0)
+            made[comp.index] = hi = lo + len(comp.token_ids)
+            if comp.weight_versions is not None:  # the last one: vLLM's spans over the whole sample
+                starts = [(s.version, s.start) for s in comp.weight_versions]
+            else:
+                state = self._sample_states(rid).get(comp.index)
+                starts = list(state.weight_version_starts) if state is not None else []
+            return [(self._version_of(label), n) for label, n in spans_between(starts, lo, hi)]
+
+        self._async_running.add(rid)
         try:
             with self._progress():
                 async with contextlib.aclosing(outputs):
                     async for out in outputs:
                         self._progressed()
-                        track.observe(rid, out, sampled_by(version))
+                        track.observe(rid, out, spans_of)
                         if deltas := cursor.deltas():
                             yield {"deltas": deltas}
         except (ValueError, TypeError) as exc:  # vLLM refused the request
             yield {"result": _error_dict(req, exc)}
             return
+        finally:
+            self._async_running.discard(rid)
+        self._check_weights()
         if track.result is None:
             raise RuntimeError(f"vLLM's output for request {req.index} ended before it finished")
         yield {"result": track.result}
@@ -384,33 +421,40 @@ class Engine:
             self._exclusive = False
             self._idle.notify_all()
 
-    # -- in-flight refit (sync engine) ------------------------------------------------------------
+    # -- in-flight refit ----------------------------------------------------------------------------
 
     async def begin_swap(self) -> None:
-        """Freeze the running batch (its requests keep their KV cache) so weights can be loaded
-        under it; new requests wait until ``end_swap``. The pause is sent, not waited for: the
-        engine core takes its messages in order, so the load sent next runs while it is paused
-        and no step runs on half-loaded weights, whether a batch runs or is about to start."""
-        if self.async_engine:
-            raise ValueError("refit.in_flight keep/abort needs the sync engine "
-                             "(generation.vllm_cfg.async_engine: false); use drain")
+        """Freeze the running requests (they keep their KV cache) so weights can be loaded under
+        them; new requests wait until ``end_swap``. The sync engine's pause is sent, not waited
+        for: the engine core takes its messages in order, so the load sent next runs while it is
+        paused and no step runs on half-loaded weights, whether a batch runs or is about to
+        start. The async engine's is awaited (vLLM's ``pause_scheduler`` in ``keep`` mode: the
+        step under way finishes, no other starts): its load is sent from other tasks of this
+        loop, which could otherwise overtake the pause."""
         async with self._idle:
             await self._idle.wait_for(lambda: not self._exclusive)
             self._exclusive = True
         self._swapping = True
-        self._pause = self._send_utility("pause_scheduler", "keep", False)
+        if self.async_engine:
+            await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:
+            self._pause = self._send_utility("pause_scheduler", "keep", False)
 
     async def end_swap(self, version: int | None, mode: str, resume_aborted: bool,
-                       max_staleness: int | None, failed: str | None = None) -> None:
+                       max_staleness: int | None, recompute_kv: bool = False, failed: str | None = None) -> None:
         """The weights are ``version`` now (unchanged when None): cut what the mode says —
         every running request (``abort``), or those with more than ``max_staleness`` tokens
-        from older weights (``keep``) — resume the batch, let new requests in. ``failed``:
-        the load broke off, the weights are half-loaded: every running request is aborted and
-        the batch fails (the fleet re-routes it), and so does every later one.
+        from older weights (``keep``) — resume, let new requests in. ``recompute_kv`` (NeMo-RL's
+        ``recompute_kv_cache_after_weight_updates``): every running request's KV is recomputed
+        on the new weights as it resumes, and the prefix cache is emptied. ``failed``: the load
+        broke off, the weights are half-loaded: every running request is aborted and fails (the
+        fleet re-routes it), and so does every later one.
 
         A plain ``keep`` cuts nothing, so it waits for nothing here: the new version's label
         and the resume go to the core back to back, and the batch's stall is the load and one
         trip to the core. Cutting needs every output sampled before the pause counted first."""
+        if self.async_engine:
+            return await self._end_swap_async(version, mode, resume_aborted, max_staleness, recompute_kv, failed)
         pending = [self._pause]
         try:
             if failed is not None:
@@ -423,12 +467,50 @@ class Engine:
             if version is not None:
                 self._version = version
                 pending.append(self._send_label(version))
+            if recompute_kv and failed is None:
+                pending.append(self._send_utility("reset_prefix_cache", True, False))
             pending.append(self._send_utility("resume_scheduler"))
             if self._generating:  # after a cut the step thread may wait for output no request makes
                 self._llm.llm_engine.engine_core.outputs_queue.put_nowait(_wake())
             await asyncio.gather(*(asyncio.wrap_future(f) for f in pending))
         finally:
             self._pause = None
+            self._swapping = False
+            await self.release()
+
+    async def _end_swap_async(self, version: int | None, mode: str, resume_aborted: bool,
+                              max_staleness: int | None, recompute_kv: bool, failed: str | None) -> None:
+        """``end_swap`` on the async engine, whose requests are frozen by vLLM's pause. A cut
+        that resumes is vLLM's preemption: ``reset_prefix_cache(reset_running_requests=True)``
+        sends every running request back to the queue with the tokens it has, and on resume its
+        KV is recomputed from prompt + those tokens on the new weights — what the sync engine's
+        cut and resubmission does, in one call. vLLM preempts all running requests at once, so a
+        ``max_staleness`` cut recomputes every request's KV when any is past the bound (a cost,
+        not a change: every token keeps the version that sampled it). A cut that does not
+        resume (``abort`` without ``resume_aborted``) aborts them: their results end with
+        "abort"."""
+        core = self._llm.engine_core
+        try:
+            running = sorted(self._async_running)
+            # Every token a frozen request has was sampled before this swap: all are stale.
+            cut = running if mode == "abort" else [
+                rid for rid in running if max_staleness is not None and max(
+                    (s.detokenizer.num_output_tokens() for s in self._sample_states(rid).values()),
+                    default=0) > max_staleness]
+            if failed is not None:
+                self._poisoned = failed
+                cut = running
+            if cut and (failed is not None or not resume_aborted):
+                await self._llm.abort(cut)
+            elif cut:
+                recompute_kv = True
+            if version is not None:
+                self._version = version
+                await core.set_weight_version_async(self._label(version))
+            if recompute_kv and failed is None:
+                await core.reset_prefix_cache_async(True, False)
+            await core.resume_scheduler_async()
+        finally:
             self._swapping = False
             await self.release()
 
@@ -682,7 +764,9 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         request_id = f"nemo-gen-{next(self._ids)}"
-        version, latest = self.version, {}
+        latest: dict[int, Any] = {}
+        self._check_weights()
+        self._async_running.add(request_id)
         try:
             with self._progress():
                 async for out in self._llm.generate(
@@ -695,10 +779,25 @@ class Engine:
                         latest[comp.index] = comp
         except (ValueError, TypeError) as exc:
             return _error_dict(req, exc)
-        # The async engine refits only by draining (refit.in_flight keep/abort are refused with
-        # it): every token of the request comes from the version it started on.
-        samples = [_sample_dict(latest[i], version) for i in sorted(latest)]
+        finally:
+            self._async_running.discard(request_id)
+        self._check_weights()
+        # Each token under the version that sampled it: a refit under keep or abort may land
+        # while the request runs, and vLLM's final output carries its spans of labels.
+        samples = [_sample_dict(latest[i], self._label_spans(latest[i])) for i in sorted(latest)]
         return {"index": req.index, **samples[0], "samples": samples, "error": None}
+
+    def _check_weights(self) -> None:
+        """A request must not run, or return, on weights a failed swap left half-loaded."""
+        if self._poisoned is not None:
+            raise ShardDiedError(-1, f"weights half-loaded: {self._poisoned}")
+
+    def _sample_states(self, rid: str) -> dict[int, Any]:
+        """The async engine's output-processor state of each running sample of request ``rid``
+        (n > 1: one child request each), by sample index."""
+        processor = self._llm.output_processor
+        states = (processor.request_states.get(i) for i in processor.external_req_ids.get(rid, ()))
+        return {s.request_index: s for s in states if s is not None}
 
     def unfinished(self) -> dict[str, int]:
         """vLLM's own account of the requests this engine holds (its output processor's state,

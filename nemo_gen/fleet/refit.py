@@ -46,7 +46,7 @@ from nemo_gen.refit.sources import as_source
 log = logging.getLogger(__name__)
 
 # How a newcomer that serves nothing yet takes its catch-up refit.
-_DRAIN = {"mode": "drain", "resume_aborted": True, "max_staleness": None}
+_DRAIN = {"mode": "drain", "resume_aborted": True, "max_staleness": None, "recompute_kv": False}
 # The workers enforce refit.timeout_s; these margins cover an actor that never answers.
 _CHECK_MARGIN_S = 0.0
 _LOAD_MARGIN_S = 60.0

@@ -194,7 +194,7 @@ class ShardActor:
             "direct_calls": self._channel.calls if self._channel else 0,  # weight_sync calls over its direct line
             # What the engine is doing: a batch running, and its steps so far.
             "generating": bool(engine and engine.generating),
-            "batch_steps": engine.batch_steps if engine else 0,
+            "batch_steps": engine.steps_made if engine else 0,
         }
 
     async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +285,7 @@ class ShardActor:
         if in_flight["mode"] == "drain":
             async with self.engine.exclusive():
                 await load()
-                self.engine.version = version
+                await self.engine.set_version(version)
         else:
             await self.engine.begin_swap()
             try:
@@ -401,7 +401,7 @@ class ShardActor:
         in_flight = self._sync_in_flight
         if in_flight["mode"] == "drain":
             if version is not None:
-                self.engine.version = version
+                await self.engine.set_version(version)
             await self.engine.release()
         else:
             await self.engine.end_swap(version, **in_flight, failed=failed)

@@ -6,11 +6,18 @@ resume_aborted false the partial results come back with finish_reason "abort"; a
 change a repeated prompt is not answered from the old version's prefix cache (its tokens equal a
 fresh engine's on the new weights).
 
-Two fleets for the module, started together: the one under test (one shard, refit back and forth
-between the tiny model and model B) and a fresh engine on model B, the reference."""
+The same on the async engine (vLLM's AsyncLLM, ``generation.vllm_cfg.async_engine``), where keep
+freezes the requests with vLLM's pause, and a cut that resumes — abort, keep past max_staleness,
+refit.recompute_kv — is vLLM's preemption: each request goes on from its tokens with its KV
+recomputed on the new weights, so its tokens after the cut are a fresh engine's continuation.
+
+Three fleets for the module, started together: the two under test (one shard each, sync and
+async, refit back and forth between the tiny model and model B) and a fresh engine on model B,
+the reference."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,11 +45,13 @@ def model_b(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleets(ray_cluster, make_settings, model_b):
     common = dict(fleet__num_shards=1, health__probe_interval_s=60, generation__vllm_cfg__max_model_len=512)
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         main = pool.submit(GenerationFleet.launch, make_settings(fleet__name="inflight", **common))
+        on_async = pool.submit(GenerationFleet.launch, make_settings(
+            fleet__name="inflight-async", generation__vllm_cfg__async_engine=True, **common))
         fresh = pool.submit(GenerationFleet.launch, make_settings(fleet__name="inflight-b", model__path=str(model_b),
                                                                   **common))
-        fleets = {"main": main.result(), "fresh_b": fresh.result()}
+        fleets = {"main": main.result(), "async": on_async.result(), "fresh_b": fresh.result()}
     yield fleets
     for f in fleets.values():
         f.shutdown()
@@ -54,6 +63,15 @@ def fleet(fleets, tiny_model_dir):
     test that failed half-way must not hand the next one model B's weights as its "before")."""
     yield fleets["main"]
     fleets["main"].refit(str(tiny_model_dir))
+
+
+@pytest.fixture
+def async_fleet(fleets, tiny_model_dir):
+    """The async engine's fleet, back on the tiny model and its settings after each test."""
+    refit = fleets["async"].settings.refit.model_copy()
+    yield fleets["async"]
+    fleets["async"].settings.refit = refit
+    fleets["async"].refit(str(tiny_model_dir))
 
 
 def generate_then_refit(fleet, source, mode, **sampling):
@@ -169,6 +187,22 @@ def test_keep_past_max_staleness_resumes_each_request_on_fresh_kv(fleet, fleets,
     assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
 
 
+def test_keep_with_recompute_kv_goes_on_as_a_fresh_engine_would(fleet, fleets, model_b):
+    """refit.recompute_kv on the sync engine: the batch is kept, and vLLM preempts its requests
+    so their KV is recomputed on the new weights as they resume."""
+    before = fleet.weight_version
+    fleet.settings.refit.recompute_kv = True
+    try:
+        results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
+    finally:
+        fleet.settings.refit.recompute_kv = False
+    check_whole(results, report)
+    assert refit_at < batch_at
+    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
+        [r.weight_versions for r in results]
+    continues_as_fresh(results, fleets["fresh_b"])
+
+
 def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleet, fleets, model_b):
     fresh = fleets["fresh_b"]
     # Prompts of several KV blocks (the CPU backend's blocks are 128 tokens): their prefix is cached.
@@ -184,10 +218,96 @@ def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleet, 
     assert [r.token_ids for r in again] == [r.token_ids for r in reference]
 
 
-def test_async_engine_refuses_keep_and_abort(make_settings):
-    from nemo_gen.errors import ConfigError
-    from nemo_gen.settings import NemoGenSettings
+def continues_as_fresh(results, fresh, check=16):
+    """Each of the first two results' tokens after its cut are what a fresh engine on the new
+    weights makes from its prompt and the tokens it had: its KV was recomputed, not kept."""
+    cut = [r.weight_versions[0][1] for r in results[:2]]
+    prefixes = [list(r.prompt_token_ids) + r.token_ids[:k] for r, k in zip(results, cut)]
+    reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
+    assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
 
-    with pytest.raises(ConfigError, match="refit.in_flight"):
-        make_settings(refit__in_flight="keep", generation__vllm_cfg__async_engine=True)
-    assert NemoGenSettings.load(overrides={"refit.in_flight": "abort"}).refit.in_flight == "abort"
+
+def test_async_keep_swaps_under_running_requests_and_results_span_both_versions(async_fleet, model_b):
+    before = async_fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(async_fleet, str(model_b), "keep")
+    check_whole(results, report)
+    assert refit_at < batch_at  # the refit did not wait for the requests
+    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
+    two = [r.weight_versions for r in results if len(r.weight_versions) == 2]
+    assert two, [r.weight_versions for r in results]
+    assert all(spans[0][0] == before and spans[1][0] == report.version for spans in two)
+
+
+def test_async_keep_with_recompute_kv_goes_on_as_a_fresh_engine_would(async_fleet, fleets, model_b):
+    before = async_fleet.weight_version
+    async_fleet.settings.refit.recompute_kv = True
+    results, report, refit_at, batch_at = generate_then_refit(async_fleet, str(model_b), "keep")
+    check_whole(results, report)
+    assert refit_at < batch_at
+    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
+        [r.weight_versions for r in results]
+    continues_as_fresh(results, fleets["fresh_b"])
+
+
+def test_async_abort_resumes_each_request_on_the_new_weights(async_fleet, fleets, model_b):
+    before = async_fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(async_fleet, str(model_b), "abort")
+    check_whole(results, report)
+    assert refit_at < batch_at
+    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
+    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
+        [r.weight_versions for r in results]
+    continues_as_fresh(results, fleets["fresh_b"])
+
+
+def test_async_abort_without_resume_returns_the_partial_results(async_fleet, model_b):
+    async_fleet.settings.refit.resume_aborted = False
+    results, report, _, _ = generate_then_refit(async_fleet, str(model_b), "abort")
+    check_whole(results, report)
+    cut = [r for r in results if r.finish_reason == "abort"]
+    assert cut and all(0 < len(r.token_ids) < TOKENS for r in cut)
+    assert all(r.weight_versions[-1][0] != report.version for r in cut)  # no token from the new weights
+
+
+def test_async_stream_across_a_keep_refit_tells_each_token_its_version(async_fleet, model_b):
+    """A streamed request on the async engine with a refit landing mid-stream: its deltas' spans,
+    laid end to end, are the result's, and they change version once."""
+    from nemo_gen.core.results import Delta
+
+    before, items = async_fleet.weight_version, []
+
+    async def read():
+        async for item in async_fleet.generate_stream(PROMPTS[0], max_new_tokens=TOKENS, ignore_eos=True,
+                                                      temperature=0):
+            items.append(item)
+
+    thread = threading.Thread(target=asyncio.run, args=(read(),))
+    thread.start()
+    wait_until(lambda: sum(len(i.token_ids) for i in items if isinstance(i, Delta)) >= 20, 120,
+               "the stream to be under way")
+    report = async_fleet.refit(str(model_b), in_flight="keep")
+    thread.join(300)
+    assert not thread.is_alive()
+    deltas, result = [i for i in items if isinstance(i, Delta)], items[-1]
+    assert result.ok and len(result.token_ids) == TOKENS
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    spans: list[list] = []
+    for d in deltas:
+        for version, count in d.weight_versions:
+            if spans and spans[-1][0] == version:
+                spans[-1][1] += count
+            else:
+                spans.append([version, count])
+    assert [tuple(s) for s in spans] == [tuple(s) for s in result.weight_versions]
+    assert [v for v, _ in result.weight_versions] == [before, report.version], result.weight_versions
+
+
+def test_in_flight_settings_on_both_engines(make_settings):
+    from nemo_gen.errors import ConfigError
+
+    for engine in (False, True):
+        settings = make_settings(refit__in_flight="keep", refit__recompute_kv=True,
+                                 generation__vllm_cfg__async_engine=engine)
+        assert settings.refit.in_flight == "keep" and settings.refit.recompute_kv
+    with pytest.raises(ConfigError, match="refit.recompute_kv"):  # nothing to recompute: it could not act
+        make_settings(refit__in_flight="drain", refit__recompute_kv=True)

@@ -55,7 +55,10 @@ def test_the_gpu_run_resolves_to_one_colocated_bf16_shard(grpo, tiny):
     assert grpo.resolve_refit(args) == "client" and args.lr == grpo.MODEL_SIZES["1b"]["lr"]
     settings = grpo.fleet_settings(args, tiny)
     assert settings.refit.in_flight == "keep" and settings.refit.max_staleness == args.max_staleness_tokens
-    assert not settings.generation.vllm_cfg.async_engine  # keep needs the sync engine
+    assert not settings.generation.vllm_cfg.async_engine and not settings.refit.recompute_kv
+    on_async = grpo.fleet_settings(grpo.parse_args(["--mode", "async", "--engine", "async", "--recompute-kv"]), tiny)
+    assert on_async.generation.vllm_cfg.async_engine and on_async.refit.in_flight == "keep"
+    assert on_async.refit.recompute_kv
     plan = resolve_generation(settings, cluster=None)
     kw = plan.shards[0].engine_kwargs
     assert len(plan.shards) == 1 and kw["load_format"] == "dummy"  # weights come from the trainer
