@@ -1,15 +1,15 @@
 """One request of a batch as the sync engine's step loop follows it: for each of its ``n``
 samples, the tokens it has been told of (``Piece``s: every step's for a stream; for a batch, the
 final output, or what a cut read from the engine) with the weight version each was sampled
-under, and the continuations a refit turns it into.
+under.
 
 The engine runs a request as one vLLM request (n samples share one prefill). A refit that lands
 while it runs (``refit.in_flight``: ``keep`` past ``refit.max_staleness``, or ``abort``) may cut
-it: it is aborted in the engine and, unless ``refit.resume_aborted`` is off, each unfinished
-sample is sent on by itself as prompt + the tokens it had, for the tokens it still has to make,
-on the new weights. ``Track`` stitches the parts back into one result whose ``weight_versions``
-spans cover every token of every sample in generation order. Plain data: no vLLM types beyond
-the completion outputs it reads.
+it: resumed, vLLM preempts it and it goes on under the same request, its KV recomputed on the
+new weights (``Engine._cut``); not resumed (``refit.resume_aborted`` off), it is aborted and
+``Track`` closes its partial result. Either way the result's ``weight_versions`` spans cover
+every token of every sample in generation order. Plain data: no vLLM types beyond the
+completion outputs it reads.
 """
 
 from __future__ import annotations
@@ -124,13 +124,6 @@ class Track:
     def internal_ids(self) -> list[str]:
         return [internal for internal, _ in self.parts.values()]
 
-    def cut(self) -> list[tuple[int, list[int], int]]:
-        """The request is aborted by a refit: (sample, the continuation's prompt, tokens still to
-        make) for each sample that had not finished."""
-        self.parts = {}
-        return [(i, list(self.req.prompt_token_ids) + s.tokens, self.max_tokens - len(s.tokens))
-                for i, s in enumerate(self.samples) if s.finish_reason is None]
-
     def abandon(self) -> dict[str, Any]:
         """Cut and not resumed: the partial result; unfinished samples end with "abort"."""
         self.parts = {}
@@ -154,13 +147,6 @@ class Track:
             return sum(count for version, count in spans if version != current)
 
         return max(stale(s.spans) + stale(pieces[i].spans if i in pieces else ()) for i, s in enumerate(self.samples))
-
-    def finished_if_done(self) -> bool:
-        """After a cut: close the result when no part is left to run."""
-        if not self.parts and self.result is None:
-            self._close()
-            return True
-        return False
 
     def _close(self) -> dict[str, Any]:
         for s in self.samples:

@@ -463,7 +463,7 @@ class Engine:
                 await asyncio.wrap_future(self._pause)
                 await self._settled()
                 if self._generating:
-                    self._cut(version, mode, resume_aborted, max_staleness)
+                    recompute_kv = self._cut(version, mode, resume_aborted, max_staleness) or recompute_kv
             if version is not None:
                 self._version = version
                 pending.append(self._send_label(version))
@@ -522,36 +522,49 @@ class Engine:
         while not (self._parked.is_set() and core.outputs_queue.empty()) and self._generating:
             await asyncio.sleep(0.005)  # a 2-core machine: polling must not starve the engine
 
-    def _cut(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None) -> None:
-        """Runs while the step thread is parked: no engine state moves under us."""
+    def _cut(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None) -> bool:
+        """Cut what the mode says — every running request (``abort``), or those with more than
+        ``max_staleness`` tokens from older weights (``keep``). Runs while the step thread is
+        parked: no engine state moves under us. Resumed (``resume_aborted``): True, and the
+        caller has vLLM preempt the running requests, which go on from their tokens with their
+        KV recomputed on the new weights — one call for the batch, as on the async engine
+        (aborting and re-adding each sample cost the refit a Python call per sample). So past
+        ``max_staleness`` the whole batch is recomputed, not only the requests past it; every
+        token keeps the version that sampled it. Not resumed: each cut request is aborted and
+        its partial result closed."""
         engine = self._llm.llm_engine
         tracks = self._running()
         if self._poisoned is not None:
             engine.abort_request([i for t in tracks for i in t.internal_ids()], internal=True)
-            return
+            return False
         new = self.version if version is None else version
-        for t in tracks:
-            pieces = self._pieces_so_far(t) if t.final_only else {}
-            if not (mode == "abort" or (max_staleness is not None and t.stale_tokens(new, pieces) > max_staleness)):
-                continue
-            t.absorb(pieces)
+        cut = [t for t in tracks if mode == "abort" or (max_staleness is not None and self._stale(t, new) > max_staleness)]
+        if cut and resume_aborted:
+            return True
+        for t in cut:
+            t.absorb(self._pieces_so_far(t) if t.final_only else {})
             engine.abort_request(t.internal_ids(), internal=True)
             for rid in list(t.parts):
                 del self._tracks[rid]
-            if not resume_aborted:
-                t.abandon()
-                continue
-            for sample, prompt, remaining in t.cut():
-                if remaining <= 0:
-                    continue
-                params = t.params.clone()
-                params.max_tokens, params.n = remaining, 1
-                rid, internal = self._enqueue(prompt, params, f"nemo-gen-w{new}")
-                t.parts[rid] = (internal, sample)
-                self._tracks[rid] = t
-            t.finished_if_done()
-        if self._on_step is not None:
+            t.abandon()
+        if cut and self._on_step is not None:
             self._on_step()  # a streamed request's reader learns of the cut (an abandoned sample ends)
+        return False
+
+    def _stale(self, track: Track, current: int | None) -> int:
+        """The most tokens a running sample of ``track`` has from versions other than ``current``:
+        a final-only track's from vLLM's output processor (counts only: the step thread is
+        parked), a stream's from what it was told."""
+        if not track.final_only:
+            return track.stale_tokens(current)
+        processor = self._llm.llm_engine.output_processor
+        most = 0
+        for internal, _ in track.parts.values():
+            parent = processor.parent_requests.get(internal)
+            for child in [internal] if parent is None else [f"{i}_{internal}" for i in range(parent.n)]:
+                if (state := processor.request_states.get(child)) is not None:
+                    most = max(most, sum(n for v, n in self._state_spans(state) if v != current))
+        return most
 
     def _pieces_so_far(self, track: Track) -> dict[int, Piece]:
         """What each running sample of a final-only ``track`` has made since its part began, by

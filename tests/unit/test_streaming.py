@@ -197,10 +197,10 @@ def test_a_cursor_cuts_what_came_since_its_last_call_with_the_versions_that_made
     assert cursor.deltas() == []
 
 
-def test_a_final_only_track_is_cut_from_what_the_engine_holds_and_resumed_from_it():
-    """An unstreamed batch's request reports only its final output: a cut reads what each sample
-    had made (``Piece``s, as vLLM's request state holds them), judges staleness on it, and the
-    continuations start from it; the continuation's final output completes the sample."""
+def test_a_final_only_track_cut_without_resume_closes_from_what_the_engine_holds():
+    """An unstreamed batch's request reports only its final output: a cut that does not resume
+    reads what each sample had made (``Piece``s, as vLLM's request state holds them) and closes
+    the partial result, the unfinished samples ending with "abort"."""
     from nemo_gen.fleet.batch import Piece
 
     req = GenerationRequest(index=3, prompt_token_ids=[1, 2])
@@ -210,15 +210,24 @@ def test_a_final_only_track_is_cut_from_what_the_engine_holds_and_resumed_from_i
     assert track.stale_tokens(1) == 0  # nothing absorbed yet: the track alone knows of no token
     assert track.stale_tokens(1, pieces) == 5
     track.absorb(pieces)
-    assert track.cut() == [(0, [1, 2, 5, 6, 7], 2)]  # only the unfinished sample goes on
-    track.parts["c"] = ("ci", 0)
-    done = track.observe("c", SimpleNamespace(outputs=[_comp(0, [3, 3], "yy", "length")], finished=True),
-                         lambda comp: [(1, 2)])
-    assert done and track.result["index"] == 3
-    first, second = track.result["samples"]
-    assert first["token_ids"] == [5, 6, 7, 3, 3] and first["text"] == "abcyy"
-    assert first["weight_versions"] == [(0, 2), (1, 3)] and first["finish_reason"] == "length"
-    assert second["token_ids"] == [8, 9, 4, 4, 4] and second["weight_versions"] == [(0, 5)]
+    result = track.abandon()
+    assert result["index"] == 3 and track.result is result
+    first, second = result["samples"]
+    assert first["token_ids"] == [5, 6, 7] and first["text"] == "abc" and first["finish_reason"] == "abort"
+    assert first["weight_versions"] == [(0, 2), (1, 1)]
+    assert second["token_ids"] == [8, 9, 4, 4, 4] and second["finish_reason"] == "length"
+
+
+def test_spans_between_cuts_a_samples_labels_to_a_delta():
+    from nemo_gen.fleet.batch import spans_between
+
+    starts = [("a", 0), ("b", 5)]  # label a from token 0, b from token 5
+    assert spans_between(starts, 0, 3) == [("a", 3)]
+    assert spans_between(starts, 3, 8) == [("a", 2), ("b", 3)]
+    assert spans_between(starts, 6, 9) == [("b", 3)]
+    assert spans_between([], 0, 4) == [(None, 4)]  # no label reported: the caller's default
+    assert spans_between([("b", 2)], 0, 4) == [(None, 2), ("b", 2)]
+    assert spans_between(starts, 4, 4) == []
 
 
 def test_merging_deltas_joins_each_samples_tokens_and_spans_in_order():
