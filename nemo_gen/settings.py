@@ -445,9 +445,9 @@ class RefitSettings(_Section):
     max_staleness: int | None = Field(
         None, ge=0,
         description="With refit.in_flight keep: a running request with more than this many tokens from "
-        "older weights is cut and resumed on the new ones (its prefix re-computed); unset: no bound. The "
-        "async engine re-computes every running request's KV when one is past the bound (vLLM preempts "
-        "them together).",
+        "older weights is cut and resumed on the new ones (its prefix re-computed); unset: no bound. vLLM "
+        "preempts the running requests together, so every one of them is re-computed when one is past "
+        "the bound.",
     )
     recompute_kv: bool = Field(
         False,
