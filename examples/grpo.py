@@ -34,8 +34,9 @@ trainer's current weights (its ``weight_versions`` say so), and the trainer wait
 ``--mode async``: one step off-policy. The next step's rollouts are started before the trainer
 steps, so the engines generate while the trainer trains; the refit lands on running requests
 with ``refit.in_flight: keep`` (they are frozen with their KV cache, the weights swapped under
-them, and they resume), bounded by ``refit.max_staleness`` (a request with more tokens than that
-from older weights is cut and resumed on the new weights). A sample's staleness is the trainer's
+them, and they resume), bounded by ``refit.max_staleness`` (when a request has more tokens than
+that from older weights, the running requests go on with their KV recomputed by the new weights).
+``--engine async`` runs the same on vLLM's AsyncLLM. A sample's staleness is the trainer's
 version minus the oldest version in its ``weight_versions``; samples staler than ``--max-lag``
 are DROPPED from the loss, not down-weighted: a clean cut, so that every gradient comes from
 samples at most --max-lag versions behind the weights it updates. With one rollout in flight at
