@@ -399,7 +399,9 @@ class RefitSettings(_Section):
         256 * 2**20, ge=1, description="Bytes read from the source per bucket while staging a refit."
     )
     staging_dir: Path = Field(
-        Path("/dev/shm"), description="Directory of the shared-memory staging file (CPU transport)."
+        Path("/dev/shm"), description="Directory of the shared-memory staging file (CPU transport): "
+        "each process's file, 0600 under a random name, lies in nemo_gen-<fleet>-uid<uid>/ (0700) "
+        "here; it must hold the whole model, or a refit is refused before a byte is written.",
     )
     timeout_s: float = Field(600.0, gt=0, description="Deadline for each refit phase on a shard.")
     control_channel: bool = Field(

@@ -183,8 +183,10 @@ class Refitter:
         placed, total = layout(staged)
         where = {p.name: p for p in placed}
         staging = self.weights.staging()
-        self.weights.begin_staging()
+        # Space first: a staging directory too small refuses the refit with the staged bytes of
+        # the current version intact (a newcomer still catches up from them).
         staging.ensure(total)
+        self.weights.begin_staging()
         for bucket in buckets(staged, self.bucket_bytes):
             for name, tensor in src.read([m.name for m in bucket]):
                 staging.write(where[name], tensor, engine_dtype)

@@ -44,6 +44,15 @@ class FleetWeights:
         self._fleet_name = fleet_name
         self._record = record  # a RecordWriter
         self._lock = threading.RLock()
+        self.reclaim_staging()
+
+    def reclaim_staging(self) -> list:
+        """Remove the staging files that processes of this fleet which died without closing them
+        left behind (a SIGKILLed driver's model-sized tmpfs file); a live process's is kept. Run
+        when the fleet starts (or is attached to) and when this process closes it."""
+        from nemo_gen.refit.staging import reclaim_stale
+
+        return reclaim_stale(self._staging_dir, self._fleet_name)
 
     @property
     def version(self) -> int | None:
@@ -110,7 +119,8 @@ class FleetWeights:
 
     def close(self) -> None:
         """Wait until the record holds this process's writes; remove the staging file this
-        process wrote (the shards read it only during a refit)."""
+        process wrote (the shards read it only during a refit), and dead processes' ones."""
         self._record.close()
+        self.reclaim_staging()  # first: the directory goes with this process's file when it empties
         if self._staging is not None:
             self._staging.close()

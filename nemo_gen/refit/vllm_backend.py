@@ -193,6 +193,9 @@ class CudaIpcWeightTransferEngine(_LoadingEngine):
         self._receiver.close()
 
 
+TRAINER_STAGING = "trainer"  # the staging directory's name of trainer engines (nemo_gen.refit.staging)
+
+
 @dataclass
 class SharedMemoryTrainerInitInfo(TrainerInitInfo):
     """Trainer side of ``nemo_gen_shm``: where to stage (a tmpfs every engine's node shares
@@ -215,10 +218,12 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True,
                  staging_dir: str = "/dev/shm", dtype: str | None = None) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        from nemo_gen.refit.staging import SharedMemoryStaging
+        from nemo_gen.refit.staging import SharedMemoryStaging, reclaim_stale
 
-        os.makedirs(staging_dir, exist_ok=True)
-        self.staging = SharedMemoryStaging(staging_dir, f"trainer-{id(self):x}")
+        # Every trainer engine of this user shares one private directory, its own file in it;
+        # files of trainers that died without shutdown() are removed here.
+        reclaim_stale(staging_dir, TRAINER_STAGING)
+        self.staging = SharedMemoryStaging(staging_dir, TRAINER_STAGING)
         self.dtype = getattr(torch, dtype) if dtype else None
 
     @classmethod
