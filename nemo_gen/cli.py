@@ -58,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-prefect", action="store_true", help="call the pipeline steps directly, without Prefect")
         sp.add_argument("--verbose", "-v", action="store_true", help="show engine, Ray and Prefect logs")
         sp.add_argument("--resume", action="store_true",
-                        help="keep the lines the output already holds (an interrupted run's) and generate the rest")
+                        help="keep the lines the output already holds (an interrupted run's) and generate the rest; "
+                             "refused when the output was made with other settings (its .fingerprint.json)")
+        sp.add_argument("--overwrite", action="store_true",
+                        help="replace an output that already holds rows (without it, or --resume, such an "
+                             "output is refused before anything starts)")
 
     run = sub.add_parser("run", help="launch the fleet, generate the prompts, write JSONL, shut down")
     run_args(run)
@@ -72,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="JSONL of prompts: {\"prompt\": ...}, {\"prompt_token_ids\": [...]} or a string per line")
     gen.add_argument("--output", type=Path, required=True, metavar="FILE",
                      help="JSONL to write: one line per input line, in input order; lines are written as "
-                          "they finish, so an interrupted run keeps them (--resume continues)")
+                          "they finish, so an interrupted run keeps them (--resume continues); what made it is "
+                          "recorded beside it in FILE.fingerprint.json")
 
     serve = sub.add_parser("serve", help="launch the fleet and serve it over an OpenAI-compatible HTTP API "
                            "until Ctrl-C / SIGTERM (server.host, server.port, server.api_key)")
@@ -312,7 +317,9 @@ def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
         overrides.append(f"run.output={json.dumps(str(args.output))}")
     if args.resume:
         overrides.append("run.resume=true")
-    # Validate settings and read the input before anything is started.
+    if args.overwrite:
+        overrides.append("run.overwrite=true")
+    # Validate settings, read the input and check the output before anything is started.
     settings = NemoGenSettings.load(args.config, overrides)
     if unset := _unset_defaults(settings, _RUN_DEFAULTS):
         overrides = unset + overrides
@@ -320,7 +327,9 @@ def _run(args: argparse.Namespace, name: str, guard: SignalGuard) -> int:
     from nemo_gen import pipeline
 
     lines = pipeline.load_prompts(settings)
-    kept = pipeline.resumable(settings, lines)  # a bad output to resume, or none named, is refused here
+    # Refused here (exit 2, nothing started): a bad output to resume or none named, a fingerprint
+    # that differs, an existing output without --resume or --overwrite.
+    kept = pipeline.resumable(settings, lines)
     if settings.run.output is None:
         # Named now, so every line is written there as it finishes (and an interrupt says where).
         overrides.append(f"run.output={json.dumps(str(pipeline.default_output(settings, name)))}")

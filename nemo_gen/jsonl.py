@@ -1,13 +1,17 @@
-"""Prompts in, results out, as JSONL — one output line per input line, in order.
+"""Prompts in, results out, as JSONL — one output line per input line, in order — and the
+fingerprint file that says what produced an output.
 
 A malformed input line does not stop the job: it becomes an output line carrying its line
 number and the reason, and every other line is still generated.
 
 Nothing done is lost: while a job runs, ``OutputWriter`` appends each finished line to the
 output file (flushed, in the order lines finish); when the job ends, ``write_jsonl`` rewrites
-the file in input order (a temporary file renamed over it). A job killed in between leaves
-every line it finished; ``read_finished`` reads them back so a resumed job generates only the
-rest (a last line cut short by the kill is ignored).
+the file in input order (a temporary file, fsynced, renamed over it, the directory fsynced). A
+job killed in between leaves every line it finished; ``read_finished`` reads them back so a
+resumed job generates only the rest. A kill can cut the row being written at any byte; the next
+run's writer truncates that cut tail before it appends, and ``read_finished`` drops a cut row
+wherever it sits (an output written before the writer truncated, or by a kill in between) — the
+line is generated again.
 
 Why a log in completion order, put in order at the end, rather than writing in input order as
 the finished prefix grows: lines finish out of order (a long answer holds up nothing else), and
@@ -17,6 +21,12 @@ the readable file, and a kill at any point leaves either the log or the ordered 
 mix. A resumed job appends to the log, so a line is in it once per run that finished it: a line
 that failed and was generated again has its error row and its result row, and ``read_finished``
 takes the result; the final rewrite keeps exactly one row per input line.
+
+The fingerprint (``<output>.fingerprint.json``, beside the output; ``write_fingerprint``) records
+what produced the rows: model, sampling settings, weight version, input. It is a file of its own so
+that every line of the output stays a plain result row for its readers. It is written before the
+output's first row, so an output that holds rows and has no fingerprint was not made by this
+nemo-gen; ``check_fingerprint`` refuses a resume whose run differs, naming the field.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from nemo_gen.core.results import GenerationResult, Sample
-from nemo_gen.errors import InputFileError
+from nemo_gen.errors import ConfigError, InputFileError
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,13 @@ class PromptLine:
     def session_id(self) -> str | None:
         """The conversation the line belongs to (``session_id``): its turns share a shard."""
         return (self.record or {}).get("session_id")
+
+    @property
+    def messages(self) -> list[dict[str, str]] | None:
+        """The chat messages of a chat line (input ``messages``), else None."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], dict):
+            return self.prompt
+        return None
 
 
 def read_prompts(path: str | os.PathLike) -> list[PromptLine]:
@@ -106,6 +123,10 @@ def result_row(line: PromptLine | None, result: GenerationResult | None, error: 
         row["line"] = line.line
         if line.record and "id" in line.record:
             row["id"] = line.record["id"]
+        if line.messages is not None:
+            # The row's prompt is the rendered chat template: the messages themselves say which
+            # input line it answers (a resume matches them), and are what a reader of a chat wants.
+            row["messages"] = line.messages
     if result is not None:
         row.update(result.to_json())
         row.pop("index", None)
@@ -130,13 +151,22 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:
-    p = Path(path)
+    """``rows`` as ``path``, all or nothing: a temporary file beside it, fsynced, renamed over it."""
+    return _replace(Path(path), lambda out: out.writelines(_line(row) for row in rows))
+
+
+def _replace(p: Path, write) -> Path:
+    """``write(file)`` into a temporary file beside ``p``, then that file in ``p``'s place. The
+    file is fsynced before the rename, so the name never points at data still in the page cache
+    (after a power loss, ext4/xfs could show a renamed but empty file); the directory after it, so
+    the rename itself is on disk when this returns."""
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(_line(row))
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
         # mkstemp creates 0600; publish with the permissions a plain open() would give.
         umask = os.umask(0)
         os.umask(umask)
@@ -146,7 +176,16 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _fsync_dir(p.parent)
     return p
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 
@@ -154,14 +193,18 @@ class OutputWriter:
     """Appends finished lines to ``path`` as they come, each ``write`` flushed to the file at once
     (one line, or the lines of a batch that finished together; ``append``: after the lines already
     there, for a resumed job; else the file starts empty). Flushed is enough for a killed process:
-    the kernel has the bytes. (No fsync per line: a power loss may cost the last lines.)"""
+    the kernel has the bytes. (No fsync per line: a power loss may cost the last lines.)
+
+    Appending, a row cut short by the kill of an earlier run (the bytes after the file's last
+    newline: every row is written with its newline) is cut off first, so it never ends up in the
+    middle of the file; its line was not finished and is generated again."""
 
     def __init__(self, path: str | os.PathLike, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if append:
+            _truncate_cut_tail(self.path)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")
-        if append and self._file.tell() > 0 and not _ends_with_newline(self.path):
-            self._file.write("\n")  # a line cut short by a kill stays on its own (ignored) line
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
         self._file.write("".join(_line(row) for row in rows))
@@ -177,10 +220,25 @@ class OutputWriter:
         self.close()
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
+def _truncate_cut_tail(path: Path, chunk: int = 1 << 16) -> None:
+    """Cut ``path`` back to just after its last newline (nothing when it ends with one)."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:  # rows are short next to a chunk: this reads one chunk, seldom two
+            start = max(0, pos - chunk)
+            f.seek(start)
+            newline = f.read(pos - start).rfind(b"\n")
+            if newline >= 0:
+                pos = start + newline + 1
+                break
+            pos = start
+        if pos != end:
+            f.truncate(pos)
 
 
 def read_finished(path: str | os.PathLike, lines: Sequence[PromptLine]) -> dict[int, dict[str, Any]]:
@@ -190,22 +248,23 @@ def read_finished(path: str | os.PathLike, lines: Sequence[PromptLine]) -> dict[
     A missing file holds nothing yet."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except FileNotFoundError:
         return {}
     except OSError as exc:
         raise InputFileError(str(p), f"cannot read the output to resume: {exc.strerror or exc}") from None
     by_line = {line.line: line for line in lines}
-    raw_lines = text.split("\n")
     done: dict[int, dict[str, Any]] = {}
-    for number, raw in enumerate(raw_lines, start=1):
+    # Split the bytes, not decoded text: a kill can cut a row inside a multi-byte character, and
+    # b"\n" is never part of one.
+    for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw)
-        except json.JSONDecodeError:
-            if all(not r.strip() for r in raw_lines[number:]):
-                continue  # the last line, cut short when the job was killed
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            if _is_cut_row(raw):
+                continue  # a row cut short by a kill (here or mid-file, after later runs): redone
             raise InputFileError(str(p), f"line {number} is not valid JSON: not a nemo-gen output to resume") from None
         if not isinstance(row, dict) or not isinstance(row.get("line"), int):
             raise InputFileError(str(p), f"line {number} has no 'line' number: not a nemo-gen output to resume")
@@ -222,7 +281,20 @@ def read_finished(path: str | os.PathLike, lines: Sequence[PromptLine]) -> dict[
     return done
 
 
+_ROW_START = b'{"line": '  # every row the writers write begins so (result_row puts "line" first)
+
+
+def _is_cut_row(raw: bytes) -> bool:
+    """Whether ``raw`` (not valid JSON) is the start of a row, cut by a kill: a row begins with
+    ``_ROW_START`` and the cut may fall anywhere, even within those bytes. Anything else is not
+    a nemo-gen output, and is refused rather than dropped."""
+    raw = raw.removesuffix(b"\r")
+    return raw.startswith(_ROW_START) or _ROW_START.startswith(raw)
+
+
 def _same_prompt(line: PromptLine, row: dict[str, Any]) -> bool:
+    if line.messages is not None:
+        return row.get("messages") == line.messages
     if isinstance(line.prompt, str):
         return row.get("prompt") == line.prompt
     return row.get("prompt_token_ids") == line.prompt
@@ -241,3 +313,80 @@ def result_from_row(row: dict[str, Any], index: int) -> GenerationResult:
                          for s in row.get("samples") or []]
     kwargs["weight_versions"] = [tuple(s) for s in kwargs.get("weight_versions") or []]
     return GenerationResult(index=index, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# the fingerprint: what produced an output
+
+_FINGERPRINT_FORMAT = "nemo-gen output fingerprint 1"
+
+
+def fingerprint_path(output: str | os.PathLike) -> Path:
+    """The fingerprint file of ``output``: beside it, its name plus ``.fingerprint.json``."""
+    p = Path(output)
+    return p.with_name(p.name + ".fingerprint.json")
+
+
+def write_fingerprint(output: str | os.PathLike, fields: dict[str, Any], about: dict[str, Any] | None = None) -> Path:
+    """Record ``fields`` (dotted setting name -> JSON value; what a resume must match) as the
+    fingerprint of ``output``; ``about``: information for a person, never compared. Written as
+    the final output is (fsynced, renamed into place)."""
+    doc = {"format": _FINGERPRINT_FORMAT, "output": Path(output).name, "fields": fields, "about": about or {}}
+    return _replace(fingerprint_path(output), lambda out: out.write(json.dumps(doc, indent=2) + "\n"))
+
+
+def remove_fingerprint(output: str | os.PathLike) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(fingerprint_path(output))
+
+
+def read_fingerprint(output: str | os.PathLike) -> dict[str, Any] | None:
+    """The fields ``output``'s fingerprint recorded; None when it has none."""
+    path = fingerprint_path(output)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InputFileError(str(path), f"cannot read the fingerprint of {output}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InputFileError(str(path), "not valid JSON: not a nemo-gen output fingerprint") from None
+    if not (isinstance(doc, dict) and doc.get("format") == _FINGERPRINT_FORMAT and isinstance(doc.get("fields"), dict)):
+        raise InputFileError(str(path), f"not a nemo-gen output fingerprint (expected format {_FINGERPRINT_FORMAT!r})")
+    return doc["fields"]
+
+
+def holds_rows(output: str | os.PathLike) -> bool:
+    """Whether ``output`` exists with something in it (something a careless start would lose)."""
+    try:
+        return os.stat(output).st_size > 0
+    except FileNotFoundError:
+        return False
+
+
+_ABSENT = object()
+
+
+def check_fingerprint(output: str | os.PathLike, fields: dict[str, Any], skip: Iterable[str] = ()) -> None:
+    """Refuse to add this run's rows (``fields``: its fingerprint) to ``output`` when an earlier
+    run with another fingerprint made it: ``ConfigError`` naming the first differing field, both
+    values and the fingerprint file. ``skip``: fields not known yet (the weight version, before
+    the fleet is up). An output that holds nothing yet matches anything; one that holds rows but
+    has no fingerprint is refused (its settings are unknown)."""
+    if not holds_rows(output):
+        return
+    recorded = read_fingerprint(output)
+    fp = fingerprint_path(output)
+    restart = "run it without --resume and with --overwrite (run.overwrite) to start it over"
+    if recorded is None:
+        raise ConfigError(f"{output} holds rows but has no fingerprint ({fp} is missing): what made it is "
+                          f"unknown, so it cannot be resumed; {restart}", field="run.resume")
+    ours = json.loads(json.dumps(fields))  # as it would read back: tuples are lists
+    for name in [*ours, *(k for k in recorded if k not in ours)]:
+        if name in skip:
+            continue
+        theirs, mine = recorded.get(name, _ABSENT), ours.get(name, _ABSENT)
+        if theirs != mine:
+            said = lambda v: "nothing" if v is _ABSENT else json.dumps(v)  # noqa: E731
+            raise ConfigError(f"{output} was made with {said(theirs)}, this run has {said(mine)} (its "
+                              f"fingerprint: {fp}); resume with what made it, or {restart}", field=name)

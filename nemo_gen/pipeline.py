@@ -3,11 +3,18 @@
 Each Prefect task in ``tasks/`` is a thin call into one of these; ``run_pipeline`` chains
 them directly, which is what a library user (or the benchmark's baseline) gets with no
 orchestrator at all.
+
+It also decides what a run may do with an output that is already there (``resumable``, before
+anything starts; ``generate_lines`` again once the fleet is up): continue it (``run.resume``,
+when its fingerprint, ``run_fingerprint``, matches this run's), replace it (``run.overwrite``),
+or refuse.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,7 +22,8 @@ from typing import Any, Sequence
 
 from nemo_gen import progress
 from nemo_gen.core.results import GenerationResult
-from nemo_gen.jsonl import OutputWriter, PromptLine, read_finished, read_prompts, result_from_row, result_row, write_jsonl
+from nemo_gen.jsonl import (OutputWriter, PromptLine, check_fingerprint, holds_rows, read_finished, read_prompts,
+                            remove_fingerprint, result_from_row, result_row, write_fingerprint, write_jsonl)
 from nemo_gen.errors import ConfigError, InfraError
 from nemo_gen.settings import NemoGenSettings
 
@@ -38,15 +46,86 @@ class LineResults(list):
 
 def resumable(settings: NemoGenSettings, lines: Sequence[PromptLine]) -> dict[int, dict[str, Any]]:
     """With ``run.resume``: the lines ``run.output`` already holds (by input line number),
-    checked against ``lines``; empty otherwise. A bad output file fails here, before anything
-    starts (InputFileError naming it); so does ``run.resume`` with no ``run.output`` to continue
-    (ConfigError naming it: a fresh timestamped file would hold nothing to resume from)."""
+    checked against ``lines``; empty otherwise. Call it before anything starts: every refusal
+    about the output comes from here (a ``DataError``, exit 2) — a bad output file
+    (InputFileError naming it and its line), an output made with another fingerprint
+    (ConfigError naming the field; the weight version, known once the fleet is up, is checked by
+    ``generate_lines``), ``run.resume`` with no ``run.output`` to continue (a fresh timestamped
+    file would hold nothing to resume from), and an existing output without ``run.resume`` or
+    ``run.overwrite`` (starting would truncate it)."""
+    check_output(settings.run.output, settings.run.resume, settings.run.overwrite)
     if not settings.run.resume:
         return {}
-    if settings.run.output is None:
+    check_fingerprint(settings.run.output, run_fingerprint(settings, lines), skip=("weight_version",))
+    return read_finished(settings.run.output, lines)
+
+
+def check_output(output: str | Path | None, resume: bool, overwrite: bool) -> None:
+    """Refuse what would lose or mix rows: ``resume`` with no output named, ``resume`` and
+    ``overwrite`` together, an output that holds rows with neither (ConfigError naming the setting)."""
+    if resume and overwrite:
+        raise ConfigError("run.resume keeps the output's rows, run.overwrite discards them: choose one "
+                          "(--resume or --overwrite)", field="run.overwrite")
+    if resume and output is None:
         raise ConfigError("run.resume continues the output of an earlier run: name that file "
                           "(--output, run.output)", field="run.output")
-    return read_finished(settings.run.output, lines)
+    if not resume and not overwrite and output is not None and holds_rows(output):
+        raise ConfigError(f"{output} already exists and holds rows (an earlier run's?): --resume continues it "
+                          "(run.resume), --overwrite replaces it (run.overwrite)", field="run.output")
+
+
+# What a resumed run must share with the one that made the output: what decides the tokens.
+_SAMPLING = ("max_new_tokens", "temperature", "n", "top_p", "top_k", "stop_token_ids", "stop_strings",
+             "bad_words", "ignore_eos")
+# Checkpoint files whose change means other weights or another tokenizer at the same path.
+_MODEL_FILES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model")
+_NOT_YET = object()
+
+
+def run_fingerprint(settings: NemoGenSettings, lines: Sequence[PromptLine], weight_version: Any = _NOT_YET,
+                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What produces this run's rows, as the output's fingerprint records it (dotted names, so a
+    mismatch names the setting): the model (its directory, and each checkpoint file's name, size
+    and modification time: hashing the weights would read gigabytes), the tokenizer, the sampling
+    settings (``sampling``: per-call values over ``generation``'s), the dtype, vLLM's seed, the
+    input (a hash of its parsed lines) and ``weight_version`` (left out until the fleet is up)."""
+    g = settings.generation
+    fields: dict[str, Any] = {
+        "model.path": str(settings.model_dir().resolve()),
+        "model.files": _files_digest(settings.model_dir()),
+        "model.tokenizer": str(settings.tokenizer_dir().resolve()),
+        **{f"generation.{k}": (sampling or {}).get(k, getattr(g, k)) for k in _SAMPLING},
+        "generation.vllm_cfg.precision": g.vllm_cfg.precision,
+        "generation.vllm_kwargs.seed": g.vllm_kwargs.get("seed"),
+        "run.input": _lines_digest(lines),
+    }
+    for key in sorted(set(sampling or ()) - set(_SAMPLING)):
+        fields[f"generation.{key}"] = sampling[key]
+    if weight_version is not _NOT_YET:
+        fields["weight_version"] = weight_version
+    return fields
+
+
+def _about(settings: NemoGenSettings | None) -> dict[str, Any]:
+    """What the fingerprint file tells a person beside its fields (never compared)."""
+    if settings is None:
+        return {}
+    return {"model": settings.model_name(),
+            "input": str(settings.run.input) if settings.run.input is not None else "run.prompts (built in)"}
+
+
+def _files_digest(directory: Path) -> str:
+    try:
+        entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in Path(directory).iterdir()
+                         if e.is_file() and e.name.endswith(_MODEL_FILES))
+    except OSError:
+        return "unreadable"
+    return "sha256:" + hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def _lines_digest(lines: Sequence[PromptLine]) -> str:
+    rows = [[line.line, line.record, line.error] for line in lines]
+    return "sha256:" + hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def with_output(settings: NemoGenSettings, name: str) -> NemoGenSettings:
@@ -72,6 +151,7 @@ def generate_lines(
     batch_size: int,
     output: str | Path | None = None,
     resume: bool | None = None,
+    overwrite: bool | None = None,
     **sampling: Any,
 ) -> LineResults:
     """Generate every valid line; malformed lines get ``None`` (their error travels with the line).
@@ -79,7 +159,9 @@ def generate_lines(
     ``output`` (default: the fleet's ``run.output``): each finished line is appended to it, flushed,
     so a killed run keeps what it finished (``write_outputs`` then puts the file in input order).
     ``resume`` (default: ``run.resume``): lines that file already holds are not generated again;
-    their results are read back from it.
+    their results are read back from it, once its fingerprint matches this run's (weight version
+    included: ``fleet.weight_version``). Otherwise an output that holds rows is refused unless
+    ``overwrite`` (default: ``run.overwrite``); the fingerprint is written before the first row.
 
     On AsyncLLM shards (``serves_concurrently``) each line is its own request
     (``fleet.generate_async``), ``batch_size`` of them in flight at once and a new one sent as
@@ -91,7 +173,16 @@ def generate_lines(
         output = settings.run.output
     if resume is None:
         resume = bool(settings is not None and settings.run.resume)
-    done = read_finished(output, lines) if resume and output is not None else {}
+    if overwrite is None:
+        overwrite = bool(settings is not None and settings.run.overwrite)
+    done: dict[int, dict[str, Any]] = {}
+    if output is not None:
+        check_output(output, resume, overwrite)
+        fingerprint = run_fingerprint(settings or NemoGenSettings.load(), lines,
+                                      getattr(fleet, "weight_version", None), sampling)
+        if resume:
+            check_fingerprint(output, fingerprint)
+            done = read_finished(output, lines)
     out: list[GenerationResult | None] = [None] * len(lines)
     resumed = set()
     for i, line in enumerate(lines):
@@ -100,7 +191,15 @@ def generate_lines(
             resumed.add(i)
     valid = [i for i, line in enumerate(lines) if line.error is None]
     todo = [i for i in valid if i not in resumed]
-    writer = OutputWriter(output, append=resume) if output is not None else None
+    writer = None
+    if output is not None:
+        if not resume:
+            # Fingerprint gone before the rows are: a kill in between leaves an output that is
+            # refused (rows without a fingerprint) or empty, never old rows under a new fingerprint.
+            remove_fingerprint(output)
+        writer = OutputWriter(output, append=resume)
+        if not resume or not holds_rows(output):
+            write_fingerprint(output, fingerprint, about=_about(settings))
     report = _Progress(len(resumed), len(valid))
 
     def finished(indexes: Sequence[int]) -> None:

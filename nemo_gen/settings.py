@@ -574,7 +574,13 @@ class RunSettings(_Section):
     )
     resume: bool = Field(
         False, description="Keep the lines already in `output` that generated without error and "
-        "generate only the others (a killed or interrupted run continues where it stopped).",
+        "generate only the others (a killed or interrupted run continues where it stopped). Refused when "
+        "`output`'s fingerprint (<output>.fingerprint.json: model, sampling settings, weight version, "
+        "input) differs from this run's, naming the field.",
+    )
+    overwrite: bool = Field(
+        False, description="Replace an `output` that already holds rows. Unset (and no run.resume): such "
+        "an output is refused before anything starts, so an earlier run's rows are never lost by mistake.",
     )
 
 

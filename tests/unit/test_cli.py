@@ -286,3 +286,48 @@ def test_deploy_without_a_prefect_api_exits_2_and_starts_no_server(monkeypatch, 
     err = _fails_before_starting(["deploy"])
     assert "prefect.api_url" in err and "python -m nemo_gen.prefect_server server start" in err and "PREFECT_API_URL" in err
     assert not (tmp_path / "prefect-home").exists()  # no managed server was started for it
+
+
+# --------------------------------------------------------------------------------------------
+# an existing output: refused before anything starts unless --resume (same fingerprint) or --overwrite
+
+
+def _made_output(tmp_path) -> tuple:
+    """An input, and an output of it with one row and the fingerprint of a run with default settings."""
+    from nemo_gen.core.results import GenerationResult
+    from nemo_gen.jsonl import read_prompts, result_row, write_fingerprint
+    from nemo_gen.pipeline import run_fingerprint
+    from nemo_gen.settings import NemoGenSettings
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('"hi"\n"there"\n')
+    lines = read_prompts(inp)
+    out.write_text(json.dumps(result_row(lines[0], GenerationResult(0, "hi", [1], "x", [2]))) + "\n")
+    write_fingerprint(out, run_fingerprint(NemoGenSettings.load(overrides={"run.input": str(inp)}), lines, 0))
+    return inp, out
+
+
+@pytest.mark.parametrize("prefect", [[], ["--no-prefect"]], ids=["prefect", "no-prefect"])
+def test_generate_onto_an_existing_output_exits_2_before_anything_starts(prefect, tmp_path):
+    inp, out = _made_output(tmp_path)
+    before = out.read_bytes()
+    err = _fails_before_starting(["generate", "--input", str(inp), "--output", str(out), *prefect])
+    assert f"run.output: {out} already exists" in err and "--resume" in err and "--overwrite" in err
+    assert out.read_bytes() == before
+    assert not (tmp_path / ".nemo-gen").exists()  # no Prefect home, no tiny model: nothing was made
+
+
+def test_generate_with_resume_and_overwrite_exits_2_naming_run_overwrite(tmp_path):
+    inp, out = _made_output(tmp_path)
+    err = _fails_before_starting(["generate", "--input", str(inp), "--output", str(out), "--resume", "--overwrite"])
+    assert "run.overwrite" in err
+
+
+def test_generate_resume_with_other_sampling_exits_2_naming_the_field(tmp_path):
+    inp, out = _made_output(tmp_path)
+    before = out.read_bytes()
+    err = _fails_before_starting(["generate", "--input", str(inp), "--output", str(out), "--resume",
+                                  "--no-prefect", "--set", "generation.temperature=0.5"])
+    assert err.startswith("nemo-gen: error: generation.temperature: ")
+    assert "was made with 1.0, this run has 0.5" in err and f"{out}.fingerprint.json" in err
+    assert out.read_bytes() == before

@@ -464,6 +464,14 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
 
+def _fingerprint_as(fleet, lines, out: Path) -> None:
+    """Record ``out`` (written by hand) as made by a run of ``fleet`` over ``lines``."""
+    from nemo_gen.jsonl import write_fingerprint
+    from nemo_gen.pipeline import run_fingerprint
+
+    write_fingerprint(out, run_fingerprint(fleet.settings, lines, getattr(fleet, "weight_version", None)))
+
+
 def test_the_writer_flushes_each_batch(tmp_path):
     path = tmp_path / "out" / "o.jsonl"
     with OutputWriter(path) as w:
@@ -532,6 +540,7 @@ def test_failed_lines_are_generated_again_on_resume(tmp_path):
     out.write_text(json.dumps({"line": 1, "prompt": "p1", "text": None, "error": "InfraError: shard died"}) + "\n"
                    + json.dumps({"line": 2, "prompt": "p2", "text": "P2", "error": None}) + "\n")
     fleet = _Fleet(out, resume=True)
+    _fingerprint_as(fleet, lines, out)
     generate_lines(fleet, lines, batch_size=8)
     assert fleet.asked == [["p1"]]
 
