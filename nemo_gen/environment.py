@@ -10,16 +10,17 @@ from __future__ import annotations
 import logging
 import os
 
+from nemo_gen.core.engine_args import REAPING_FLAG
 from nemo_gen.settings import NemoGenSettings
 
 log = logging.getLogger(__name__)
 # The NeMo-RL API's logger (``maybe_configure_engine_reaping_env`` is re-exported there).
 logger = logging.getLogger("nemo_gen.generation")
 
-REAPING_FLAG = "RAY_process_group_cleanup_enabled"
-
 # Ray phones home and dedups worker logs by default; neither helps a fleet operator here.
 _RAY_DEFAULTS = {"RAY_USAGE_STATS_ENABLED": "0"}
+# Every variable set here is one vllm_cfg.env_vars may not name (core.engine_args.FLEET_ENV).
+SET_HERE = (REAPING_FLAG, *_RAY_DEFAULTS, "RAY_AUTH_MODE")
 
 
 def maybe_configure_engine_reaping_env(enabled: bool) -> None:
@@ -104,5 +105,4 @@ def configure_environment(settings: NemoGenSettings) -> dict[str, str]:
             "running (and holding memory) for debugging",
             REAPING_FLAG,
         )
-    keys = [REAPING_FLAG, *_RAY_DEFAULTS, "RAY_AUTH_MODE"]
-    return {k: os.environ[k] for k in keys if k in os.environ}
+    return {k: os.environ[k] for k in SET_HERE if k in os.environ}

@@ -137,7 +137,8 @@ class VllmCfg(_Section):
     )
     enable_vllm_metrics_logger: bool | None = Field(
         None, description="vLLM logs its engine stats (throughput, KV cache use, queue) every "
-        "vllm_metrics_logger_interval seconds, in each engine's log (Ray's log files; -v shows them). "
+        "vllm_metrics_logger_interval seconds, in each engine's log (Ray's log files; -v shows them), and "
+        "the server's /metrics serves them (as the fleet fetched them last, every health.probe_interval_s). "
         "Unset or false: stats logging off.",
     )
     vllm_metrics_logger_interval: float | None = Field(
@@ -149,7 +150,12 @@ class VllmCfg(_Section):
         "GPU only). Unset: vLLM's default.",
     )
     env_vars: dict[str, str] = Field(
-        default_factory=dict, description="Environment variables set in every engine process."
+        default_factory=dict, description="Environment variables set in every engine process, names kept "
+        "as written (from a file, NEMO_GEN_* variables or --set). A name must be letters, digits and _, "
+        "not starting with a digit; a number is taken as its text. A variable the fleet sets itself "
+        "(OMP_NUM_THREADS and the VLLM_CPU_* of a CPU fleet, VLLM_ALLOW_INSECURE_SERIALIZATION, "
+        "RAY_process_group_cleanup_enabled, ...: nemo_gen.core.engine_args.FLEET_ENV) is refused, naming "
+        "the setting that controls it.",
     )
     expose_http_server: bool = Field(
         False, description="The fleet serves itself over the OpenAI-compatible HTTP server (nemo_gen.server) "
@@ -196,6 +202,27 @@ class VllmCfg(_Section):
                 f"shards do not use (each is one engine); use 1 or tensor_parallel_size ({tp})"
             )
         return ep
+
+    @field_validator("env_vars", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, value: Any) -> Any:
+        # `--set ...env_vars.CUDA_LAUNCH_BLOCKING=1` and YAML's `KEY: 1` parse as numbers; an
+        # environment holds their text. Booleans stay refused: True would read "True", not "1".
+        if isinstance(value, Mapping):
+            return {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                    for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _env_var_names(self) -> "VllmCfg":
+        """Names an environment can hold, none the fleet sets itself (on any device; a CPU fleet's
+        own are checked where the device is known)."""
+        from nemo_gen.core.engine_args import env_var_problems
+
+        problems = env_var_problems(self.env_vars, device=None)
+        if problems:
+            raise _invalid_keys(type(self).__name__, ("env_vars",), problems, self.env_vars)
+        return self
 
 
 class GenerationSettings(_Section):
@@ -477,7 +504,8 @@ class HealthSettings(_Section):
     max_restart_attempts_per_shard: int = Field(5, ge=0, description="Restarts before RETIRED.")
     min_healthy_shards: int = Field(1, ge=1, description="Below this the fleet raises FleetExhausted.")
     probe_interval_s: float = Field(
-        5.0, gt=0, description="Seconds between real-generation probes (one token) of each serving shard."
+        5.0, gt=0, description="Seconds between real-generation probes (one token) of each serving shard; "
+        "on the same beat the fleet fetches each serving shard's vLLM stats, which /metrics serves."
     )
     probe_timeout_s: float = Field(
         10.0, gt=0, description="A probe not answered within this counts as a failure (a hung engine)."
@@ -588,7 +616,11 @@ class ServerSettings(_Section):
     """`nemo-gen serve` (and `generation.vllm_cfg.expose_http_server`): the OpenAI-compatible HTTP
     server in front of the fleet (``nemo_gen.server``)."""
 
-    host: str = Field("127.0.0.1", description="Address the HTTP server binds (127.0.0.1: this machine only).")
+    host: str = Field(
+        "127.0.0.1", description="Address the HTTP server binds (127.0.0.1: this machine only). Any other "
+        "(0.0.0.0, a name, an outside address) without server.api_key is warned about at start, and refused "
+        "with server.allow_refit.",
+    )
     port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server; 0: a free one, chosen at start.")
     api_key: SecretStr | None = Field(
         None, description="When set, every request but /health and /metrics needs `Authorization: Bearer "
@@ -596,7 +628,8 @@ class ServerSettings(_Section):
     )
     allow_refit: bool = Field(
         False, description="Serve POST /nemo_gen/refit (a checkpoint directory on this machine, loaded into "
-        "the fleet as fleet.refit does; guarded by api_key). Off: the route does not exist.",
+        "the fleet as fleet.refit does; guarded by api_key). Off: the route does not exist. On a host other "
+        "than a loopback address it needs server.api_key.",
     )
     max_in_flight: int = Field(
         512, ge=1, description="Samples the server has in flight at once (a request of k prompts with n "
@@ -616,6 +649,38 @@ class ServerSettings(_Section):
         2**20, ge=1, description="Longest prompt, in characters (a chat: all its messages' content), the "
         "server tokenizes; a longer one is answered 400 naming the field, before any tokenizing.",
     )
+
+    @model_validator(mode="after")
+    def _refit_open_to_the_network(self) -> "ServerSettings":
+        why = exposure_problem(self.host, self.allow_refit, self.api_key)
+        if why:
+            raise _invalid(type(self).__name__, ("allow_refit",), True, "allow_refit", "{why}", {"why": why})
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only: ``localhost`` or a
+    loopback address. Any other name (it may resolve anywhere), address, or "" (every interface) is not."""
+    import ipaddress
+
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(host: str, allow_refit: bool, api_key: SecretStr | None) -> str | None:
+    """Why the server may not start this way (None: it may): ``/nemo_gen/refit``, which loads a
+    directory of this machine into the fleet, open without a key beyond this machine. An empty
+    key is no key (the server then asks for none)."""
+    if allow_refit and not api_key and not is_loopback(host):
+        return (f"server.allow_refit would let anyone who reaches server.host {host!r} (not a loopback "
+                "address) load a checkpoint directory of this machine into the fleet, and server.api_key is "
+                "unset: set server.api_key, bind server.host to 127.0.0.1, or turn server.allow_refit off")
+    return None
 
 
 class _YamlSource(PydanticBaseSettingsSource):
@@ -640,6 +705,51 @@ def _invalid(title: str, loc: tuple[str, ...], value: Any, kind: str, template: 
 
     return ValidationError.from_exception_data(
         title, [InitErrorDetails(type=PydanticCustomError(kind, template, context), loc=loc, input=value)])
+
+
+def _invalid_keys(title: str, at: tuple[str, ...], problems: Sequence[tuple[str, str]],
+                  values: Mapping[str, Any]) -> ValidationError:
+    """One error per bad key of a dict field, each at ``at`` + the key, so the loader names it."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    return ValidationError.from_exception_data(title, [
+        InitErrorDetails(type=PydanticCustomError("env_var", "{why}", {"why": why}), loc=(*at, key),
+                         input=values.get(key)) for key, why in problems])
+
+
+class _EnvKeepingCase(PydanticBaseSettingsSource):
+    """The ``NEMO_GEN_*`` environment as pydantic-settings reads it, but with the keys of
+    ``generation.vllm_cfg.env_vars`` as written: the reader lowercases every variable's name
+    before splitting it at ``__`` (the sections' names need that), and an environment variable's
+    name is case-sensitive."""
+
+    KEPT = (("generation", "vllm_cfg", "env_vars"),)
+
+    def __init__(self, settings_cls: type[BaseSettings], inner: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self.inner = inner
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        data = self.inner()
+        for path in self.KEPT:
+            prefix = (ENV_PREFIX + "__".join(path) + "__").lower()
+            written: dict[str, str] = {}
+            for name in os.environ:
+                if name.lower().startswith(prefix):
+                    key = name[len(prefix):]
+                    other = written.setdefault(key.lower(), key)
+                    if other != key:
+                        raise ConfigError(f"{name[:len(prefix)]}{other} and {name} set one key: the environment "
+                                          "is read without regard to case", field=".".join((*path, key)))
+            target: Any = data
+            for part in path[:-1]:
+                target = target.get(part) if isinstance(target, dict) else None
+            if isinstance(target, dict) and isinstance(target.get(path[-1]), dict):
+                target[path[-1]] = {written.get(k, k): v for k, v in target[path[-1]].items()}
+        return data
 
 
 class NemoGenSettings(BaseSettings):
@@ -707,6 +817,18 @@ class NemoGenSettings(BaseSettings):
                             "most": int(limit / k * 1000) / 1000})
         return self
 
+    @model_validator(mode="after")
+    def _cpu_env_vars(self) -> "NemoGenSettings":
+        """On a CPU fleet each engine's threads, cores and KV cache are the fleet's to set too."""
+        from nemo_gen.core.engine_args import CPU_FLEET_ENV, env_var_problems
+
+        if self.fleet.device == "cpu":
+            env_vars = self.generation.vllm_cfg.env_vars
+            problems = [p for p in env_var_problems(env_vars, "cpu") if p[0] in CPU_FLEET_ENV]
+            if problems:
+                raise _invalid_keys(type(self).__name__, ("generation", "vllm_cfg", "env_vars"), problems, env_vars)
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -717,7 +839,7 @@ class NemoGenSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest first: overrides (passed as init kwargs) > environment > YAML > defaults.
-        return (init_settings, env_settings, _YamlSource(settings_cls))
+        return (init_settings, _EnvKeepingCase(settings_cls, env_settings), _YamlSource(settings_cls))
 
     @classmethod
     def load(

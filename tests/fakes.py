@@ -12,6 +12,7 @@ tested on real vLLM engines in tests/engine/.
     driver.set_token_s(name, 0.05)             # a token every 50 ms (batches, awaitables, streams)
     driver.set_busy(name, 2)                   # its next 2 generate calls are refused: vLLM's queue is full
     driver.clock = fake_clock                  # the shards' time (token_s, probes' step ages)
+    CountingDriver().counts                    # every driver call the fleet made, by method
 
 A shard generating with ``token_s`` makes its tokens one by one on ``driver.clock`` and stops
 when its call is cancelled (``tokens_made`` says how far each request got); its probes answer
@@ -21,6 +22,7 @@ by the real engine's liveness rule (``nemo_gen.core.liveness``) from its last to
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures, FIRST_COMPLETED
@@ -63,6 +65,18 @@ class FakeShard:
     tokens_made: dict[int, int] = field(default_factory=dict)  # request index -> tokens made so far
     steps: int = 0  # tokens made while busy (the engine's steps since it became busy)
     last_step_at: float = 0.0  # on the driver's clock
+    keeps_stats: bool = False  # its engine keeps vLLM's stats (engine_kwargs' disable_log_stats false)
+
+    def vllm_rows(self) -> list[dict[str, Any]]:
+        """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
+        if not self.keeps_stats:
+            return []
+        labels = {"engine": "0", "model_name": "fake"}
+        return [{"name": "vllm:num_requests_running", "labels": labels, "kind": "gauge", "value": self.running},
+                {"name": "vllm:request_success", "labels": labels, "kind": "counter", "value": self.generated},
+                {"name": "vllm:time_to_first_token_seconds", "labels": labels, "kind": "histogram",
+                 "count": self.generated, "sum": 0.01 * self.generated,
+                 "buckets": {"0.1": self.generated, "+Inf": self.generated}}]
 
     def info(self) -> dict[str, Any]:
         return {"slot": self.slot, "weight_version": self.weight_version, "restarts": self.restarts,
@@ -151,7 +165,8 @@ class FakeDriver:
             failure = self.launch_failures.pop(0) if self.launch_failures else None
         if failure is not None:
             raise failure
-        shard = FakeShard(spec.actor_name, None if spec.spare else spec.index, spec.weight_version)
+        shard = FakeShard(spec.actor_name, None if spec.spare else spec.index, spec.weight_version,
+                          keeps_stats=not spec.engine_kwargs.get("disable_log_stats", True))
         self.shards[shard.name] = shard
         return ShardHandle(index=spec.index, name=shard.name, actor=None, placement_group=None, info=shard.info())
 
@@ -202,6 +217,10 @@ class FakeDriver:
 
         handle.info = self._blocking(handle, "assign", assign, self.timeouts.control_s)
         return handle.info
+
+    def vllm_metrics(self, handle: ShardHandle) -> list[dict[str, Any]]:
+        shard = self.shards[handle.name]
+        return self._blocking(handle, "vllm_metrics", shard.vllm_rows, self.timeouts.control_s)
 
     def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
         manifest = {"tensors": dict(self.manifest), "optional": [], "available": target == "policy", "shared": []}
@@ -361,6 +380,32 @@ class FakeDriver:
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)
+
+
+# What the fleet calls on its driver: each one is a Ray call (or several) on the real one.
+DRIVER_METHODS = frozenset(n for n, v in vars(ShardDriver).items() if callable(v) and not n.startswith("_"))
+
+
+class CountingDriver(FakeDriver):
+    """A ``FakeDriver`` that counts the calls made to it, by method (``counts``): on the real
+    driver each one would be a call to a shard."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._counts_lock = threading.Lock()
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if name not in DRIVER_METHODS:
+            return value
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self._counts_lock:
+                self.counts[name] += 1
+            return value(*args, **kwargs)
+
+        return counted
 
 
 class CancelledByCaller(Exception):

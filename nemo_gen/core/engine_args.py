@@ -2,11 +2,13 @@
 
 Pure: it only builds dicts. The shard actor passes ``engine_kwargs`` to ``vllm.LLM`` (or
 ``AsyncEngineArgs``) and ``engine_env`` becomes the actor's ``runtime_env`` so every process
-the engine forks (EngineCore, workers) inherits it from birth.
+the engine forks (EngineCore, workers) inherits it from birth. It also owns which variables the
+fleet sets itself (``FLEET_ENV``, ``CPU_FLEET_ENV``), which ``vllm_cfg.env_vars`` may not name.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Mapping
 
 from nemo_gen.errors import ConfigError
@@ -28,6 +30,35 @@ RAY_WORKER_NICENESS = "RAY_worker_niceness"
 # handles. The channel is the engine's own (one host, one user); no other backend needs it.
 ALLOW_PICKLE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 PICKLED_HANDLE_BACKENDS = frozenset({"ipc"})
+
+# Read by the raylet once, at its own start (nemo_gen.environment sets it before Ray starts).
+REAPING_FLAG = "RAY_process_group_cleanup_enabled"
+
+# Variables the fleet sets itself, each from the setting named here. An env_vars entry would skip
+# that setting's checks (the CPU check of use_deep_gemm, the ipc backend's need for pickling) or
+# contradict it in the engines alone; the raylet's and the driver's would not even reach the
+# process that reads them. On every device:
+FLEET_ENV: dict[str, str] = {
+    REAPING_FLAG: "health.enabled (the raylet reads it where Ray starts, never in an engine; to keep a "
+                  "killed shard's processes, set it to 0 in the environment of the process that starts Ray)",
+    ALLOW_PICKLE: "refit.backend (on for vLLM's 'ipc' backend alone, whose CUDA IPC handles need it; "
+                  "'nemo_gen_ipc' does without)",
+    RAY_WORKER_NICENESS: "fleet.engine_niceness",
+    "VLLM_USE_DEEP_GEMM": "generation.vllm_cfg.use_deep_gemm",
+    "VLLM_LOG_STATS_INTERVAL": "generation.vllm_cfg.vllm_metrics_logger_interval",
+    "RAY_AUTH_MODE": "ray.address (nemo_gen.environment sets it for the driver that attaches to a cluster)",
+    "RAY_USAGE_STATS_ENABLED": "the environment of the process that starts Ray (nemo_gen.environment sets "
+                               "it to 0 there when unset)",
+}
+# ... and on a CPU fleet, where each engine's threads, cores and KV cache come from the fleet's shape:
+CPU_FLEET_ENV: dict[str, str] = {
+    "OMP_NUM_THREADS": "fleet.omp_threads_per_engine",
+    "VLLM_CPU_KVCACHE_SPACE": "fleet.cpu_kvcache_space_gb",
+    "VLLM_CPU_OMP_THREADS_BIND": "fleet.cpus_per_worker (each CPU shard is pinned to cores of its own)",
+}
+ENV_VARS_FIELD = "generation.vllm_cfg.env_vars"
+# POSIX's portable names: what a shell can export and every process reads back unchanged.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _DTYPES = {"auto", "float32", "bfloat16", "float16", "half", "float"}
 
@@ -122,8 +153,9 @@ def engine_env(
     pinned (VLLM_CPU_OMP_THREADS_BIND, ``|`` between ranks) so two engines never share a core.
     ``niceness``: the nice value Ray starts the shard actor at (its engine's processes inherit
     it); None leaves Ray's default for workers (15). ``weight_transfer_backend``: the engine's
-    (``transfer_backend(engine_kwargs)``); vLLM's ``ipc`` gets ALLOW_PICKLE, and a
-    ``vllm_cfg.env_vars`` entry that turns it off is refused.
+    (``transfer_backend(engine_kwargs)``); vLLM's ``ipc`` gets ALLOW_PICKLE. ``vllm_cfg.env_vars``
+    are added as written; an entry ``env_var_problems`` refuses, or one naming a variable computed
+    here, is a ConfigError naming the key and the setting that controls it.
     """
     vc = gen_cfg.get("vllm_cfg", {})
     env: dict[str, str] = {}
@@ -150,24 +182,40 @@ def engine_env(
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if weight_transfer_backend in PICKLED_HANDLE_BACKENDS:
         env[ALLOW_PICKLE] = "1"
-    for key, value in (vc.get("env_vars") or {}).items():
-        env[str(key)] = str(value)
-    if weight_transfer_backend in PICKLED_HANDLE_BACKENDS and not _vllm_flag_on(env[ALLOW_PICKLE]):
-        raise ConfigError(
-            f"refit.backend {weight_transfer_backend!r} sends CUDA IPC handles that the engine can only take "
-            f"with {ALLOW_PICKLE}=1 (got {env[ALLOW_PICKLE]!r}): drop it from env_vars or use refit.backend "
-            "'nemo_gen_ipc'",
-            field=f"generation.vllm_cfg.env_vars.{ALLOW_PICKLE}",
-        )
+    user = {str(key): str(value) for key, value in (vc.get("env_vars") or {}).items()}
+    # Settings refuse these at load; a NeMo-RL config handed to the API directly is checked here,
+    # and so is a variable computed above for a device settings could not know (fleet.device auto).
+    problems = env_var_problems(user, device) + [
+        (key, f"the fleet sets {key} itself" + _from(key)) for key in user if key in env]
+    if problems:
+        key, message = problems[0]
+        raise ConfigError(message, field=f"{ENV_VARS_FIELD}.{key}")
+    env.update(user)
     return env
 
 
-def _vllm_flag_on(value: str) -> bool:
-    # as vllm.envs reads its 0/1 flags: bool(int(...))
-    try:
-        return bool(int(value))
-    except ValueError:
-        return False
+def env_var_problems(env_vars: Mapping[Any, Any], device: Device | None) -> list[tuple[str, str]]:
+    """(key, why) for each entry of ``vllm_cfg.env_vars`` an engine cannot be given: a name that
+    is no environment variable's, a value no process environment can hold, or a variable the
+    fleet sets itself (``FLEET_ENV``; ``CPU_FLEET_ENV`` too on a CPU fleet, and when ``device``
+    is not known yet, None, only ``FLEET_ENV``), named with the setting that controls it."""
+    owned = {**FLEET_ENV, **(CPU_FLEET_ENV if device == "cpu" else {})}
+    problems = []
+    for key, value in env_vars.items():
+        key = str(key)
+        if not _ENV_NAME.fullmatch(key):
+            problems.append((key, f"{key!r} is not an environment variable name (letters, digits and _, "
+                                  "not starting with a digit)"))
+        elif key in owned:
+            problems.append((key, f"the fleet sets {key} itself" + _from(key)))
+        elif "\0" in str(value):
+            problems.append((key, f"the value of {key} holds a NUL character, which no environment can carry"))
+    return problems
+
+
+def _from(key: str) -> str:
+    setting = FLEET_ENV.get(key) or CPU_FLEET_ENV.get(key)
+    return f" from {setting}: set that instead of env_vars" if setting else ": drop it from env_vars"
 
 
 def transfer_backend(kwargs: Mapping[str, Any]) -> str | None:

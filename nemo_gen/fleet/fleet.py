@@ -239,8 +239,8 @@ class GenerationFleet:
         reap(pids, self.settings.health.reap_timeout_s)
 
     def _start_monitor(self) -> None:
-        h = self.settings.health
-        self.monitor = FleetMonitor(self.prober, h.watch_interval_s, h.probe_interval_s, self.settings.fleet.name)
+        h, stats = self.settings.health, not self.resolved.shards[0].engine_kwargs.get("disable_log_stats", True)
+        self.monitor = FleetMonitor(self.prober, h.watch_interval_s, h.probe_interval_s, self.settings.fleet.name, stats)
         self.recovery.watching = True
         for member, handle in self.members.members().items():
             self.monitor.watch(member, handle)
@@ -270,7 +270,7 @@ class GenerationFleet:
         return fleet_metrics(self.health, self.weights.version, self.router.rerouted, self.refitter.totals)
 
     def vllm_metrics(self) -> dict[int, list[dict[str, Any]]]:
-        """Per serving slot, vLLM's own stats of its engine (empty unless they are on)."""
+        """Per serving slot, vLLM's stats of its engine now: a call to each (/metrics: monitor.vllm_stats)."""
         return {s: self.driver.vllm_metrics(self.members.handle(s)) for s in self.health.serving_shards()}
 
     def shutdown(self, reap_timeout_s: float | None = None) -> list[int]:

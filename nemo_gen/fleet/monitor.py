@@ -11,6 +11,10 @@ nothing and is condemned this way.
 
 ``Prober`` owns what a probe answer means (shared by the monitor's thread and the heal flow's
 blocking ``probe_round``); what happens to a lost shard is the ``on_lost`` callback's business.
+
+Stats: when the engines keep vLLM's stats, each probe round also fetches every serving shard's
+(``VllmStats``, off the monitor's thread); ``/metrics`` reads that snapshot and its age, so a scrape
+makes no call to a shard however often it comes.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
@@ -108,10 +113,61 @@ class Prober:
         return out
 
 
+class VllmStats:
+    """Each serving shard's vLLM stats (``driver.vllm_metrics``) as last fetched, with when. A fetch
+    runs in this object's threads, so a silent shard holds up neither the monitor nor the other
+    shards' fetches (at most one in flight per shard); one that fails leaves the last snapshot,
+    which ages."""
+
+    def __init__(self, driver: ShardDriver, name: str, workers: int = 4):
+        self.driver = driver
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple[str, list[dict[str, Any]], float]] = {}  # slot -> (actor, rows, at)
+        self._fetching: set[str] = set()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"nemo-gen-stats-{name}")
+
+    def refresh(self, handles: Mapping[int, ShardHandle]) -> None:
+        """Fetch the stats of each slot's shard, unless its last fetch is still running."""
+        for slot, handle in handles.items():
+            with self._lock:
+                if handle.name in self._fetching:
+                    continue
+                self._fetching.add(handle.name)
+            try:
+                self._pool.submit(self._fetch, slot, handle)
+            except RuntimeError:  # closed: the fleet is going down
+                return
+
+    def _fetch(self, slot: int, handle: ShardHandle) -> None:
+        try:
+            rows = self.driver.vllm_metrics(handle)
+        except Exception as exc:  # its probes and watch judge the shard; the stats only age
+            log.debug("shard %d: vLLM stats not fetched: %s", slot, describe(exc).splitlines()[0])
+            rows = None
+        with self._lock:
+            self._fetching.discard(handle.name)
+            if rows is not None:
+                self._last[slot] = (handle.name, rows, time.monotonic())
+
+    def snapshot(self, serving: Mapping[int, str]) -> dict[int, tuple[list[dict[str, Any]], float]]:
+        """slot -> (rows, age in seconds), for each slot of ``serving`` (slot -> the actor serving it
+        now) whose last stats came from that actor: a replaced shard's are not its successor's."""
+        now = time.monotonic()
+        with self._lock:
+            return {slot: (rows, now - at) for slot, (name, rows, at) in self._last.items()
+                    if serving.get(slot) == name}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class FleetMonitor:
-    def __init__(self, prober: Prober, watch_interval_s: float, probe_interval_s: float, name: str):
+    def __init__(self, prober: Prober, watch_interval_s: float, probe_interval_s: float, name: str,
+                 stats: bool = False):
         self.prober = prober
         self.driver = prober.driver
+        # stats: the engines keep vLLM's stats (without, they answer nothing: none are fetched)
+        self.stats = VllmStats(self.driver, name) if stats else None
         self._watch_interval = watch_interval_s
         self._probe_interval = probe_interval_s
         self._lock = threading.Lock()
@@ -132,6 +188,18 @@ class FleetMonitor:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+        if self.stats is not None:
+            self.stats.close()
+
+    def vllm_stats(self) -> dict[int, tuple[list[dict[str, Any]], float]]:
+        """Per serving slot, vLLM's own stats of its engine and their age in seconds, as fetched on
+        the last probe round that reached it: no call to a shard. Empty while the engines keep no
+        stats (``generation.vllm_cfg.enable_vllm_metrics_logger``)."""
+        if self.stats is None:
+            return {}
+        members = self.prober.members
+        serving = {slot: h.name for slot in self.prober.health.serving_shards() if (h := members.handle(slot))}
+        return self.stats.snapshot(serving)
 
     def watch(self, member: Member, handle: ShardHandle) -> None:
         """Start watching ``handle`` in its role ``member``."""
@@ -141,6 +209,9 @@ class FleetMonitor:
 
     def _run(self) -> None:
         next_probe = time.monotonic() + self._probe_interval
+        if self.stats is not None:  # a scrape soon after launch finds them: the first round is later
+            self.stats.refresh({slot: h for slot in self.prober.health.serving_shards()
+                                if (h := self.prober.members.handle(slot))})
         while not self._stop.is_set():
             with self._lock:
                 calls = list(self._watches) + list(self._probes)
@@ -193,10 +264,16 @@ class FleetMonitor:
         with self._lock:
             probing = {p[0].slot for p in self._probes.values()}
         deadline = time.monotonic() + prober.timeout_s
+        serving: dict[int, ShardHandle] = {}
         for slot in prober.health.serving_shards():
             handle = prober.members.handle(slot)
-            if slot in probing or handle is None:
+            if handle is None:
+                continue
+            serving[slot] = handle
+            if slot in probing:
                 continue
             call = prober.send(handle)
             with self._lock:
                 self._probes[call] = (Member(handle.name, slot), deadline)
+        if self.stats is not None:
+            self.stats.refresh(serving)

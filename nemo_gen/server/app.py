@@ -4,7 +4,7 @@
     POST /v1/completions          prompt(s): a string, strings, token ids, lists of token ids
     POST /v1/chat/completions     messages, rendered with the tokenizer's chat template by the fleet
     GET  /health                  200 while a shard serves, else 503
-    GET  /metrics                 Prometheus text: fleet series, per-shard vLLM series, HTTP series
+    GET  /metrics                 Prometheus text: fleet series, per-shard vLLM series, HTTP series (no call to a shard)
     POST /nemo_gen/refit          only with server.allow_refit: a checkpoint directory -> fleet.refit
 
 Every request goes through ``fleet.generate_async`` — the fleet's router — so the health ledger,
@@ -86,7 +86,8 @@ def _version_text(version: int | None) -> str:
 
 class FleetApi:
     """The routes' logic over one fleet (duck-typed: ``generate_async``, ``weight_version``,
-    ``health``, ``settings``, ``refit``; ``metrics`` / ``vllm_metrics`` when the fleet has them)."""
+    ``health``, ``settings``, ``refit``; ``metrics`` / ``monitor.vllm_stats`` when the fleet has them:
+    ``nemo_gen.server.metrics``)."""
 
     def __init__(self, fleet: Any, settings: Any, tokenizer: Any):
         self.fleet = fleet

@@ -1,6 +1,7 @@
 """``/metrics``: the fleet's series, each shard's vLLM series and the server's own, as Prometheus text.
 
-Read at scrape time (nothing is polled in between):
+A scrape makes no call to a shard: the fleet series are the fleet's own counts in this process,
+the vLLM series the snapshot its monitor fetches on each probe round.
 
 - fleet series from ``fleet.metrics()`` (NeMo-RL's ledger names, ``gen_fleet/...``) as Prometheus
   series with labels: ``gen_fleet/shards/healthy`` -> ``nemo_gen_shards{state="healthy"}``,
@@ -8,12 +9,16 @@ Read at scrape time (nothing is polled in between):
   ``gen_fleet/weight_version`` -> ``nemo_gen_weight_version``; the fleet's running sums (restarts,
   re-routed requests, refits, refit seconds and bytes) are counters, the rest gauges. A key that
   already reads as a Prometheus name (``name{label="v"}``) is kept (``nemo_gen_`` prefixed).
-- vLLM's own series from ``fleet.vllm_metrics()`` — per serving shard, the rows of vLLM's metrics
-  snapshot in that shard's process (``vllm.v1.metrics.reader``: ``{"name", "labels", "kind":
-  counter | gauge | histogram | vector, ...}``; Prometheus text or a ``{key: value}`` dict are
-  read too) — under their own names (``vllm:num_requests_running``, ``vllm:prefix_cache_hits``,
-  ...) with a ``shard`` label added, families merged across shards. vLLM keeps them only with
-  ``generation.vllm_cfg.enable_vllm_metrics_logger: true`` (`nemo-gen serve` turns it on).
+- vLLM's own series from ``fleet.monitor.vllm_stats()`` (not ``fleet.vllm_metrics()``, which calls
+  every shard) — per serving shard, the rows of vLLM's metrics snapshot in that shard's process
+  (``vllm.v1.metrics.reader``: ``{"name", "labels", "kind": counter | gauge | histogram | vector,
+  ...}``; Prometheus text or a ``{key: value}`` dict are read too) — under their own names
+  (``vllm:num_requests_running``, ``vllm:prefix_cache_hits``, ...) with a ``shard`` label added,
+  families merged across shards, and ``nemo_gen_vllm_metrics_age_seconds{shard}``: how long ago
+  that shard's rows were fetched (they are as old as ``health.probe_interval_s`` at most while the
+  shard answers). vLLM keeps them only with ``generation.vllm_cfg.enable_vllm_metrics_logger:
+  true`` (`nemo-gen serve` turns it on), and the fleet fetches them only while its monitor runs
+  (``health.enabled``; a fleet attached with ``watch=False`` has none).
 - HTTP series of this server: ``nemo_gen_http_requests_total{route,code}`` and
   ``nemo_gen_http_request_duration_seconds{route}``.
 """
@@ -135,24 +140,27 @@ class _FleetCollector:
             merge(families, families_from_dict(self.fleet.metrics()))
         except Exception as exc:  # a scrape must not fail for one source
             log.warning("fleet.metrics() failed: %s", exc)
-        vllm = getattr(self.fleet, "vllm_metrics", None)
-        if callable(vllm):
+        snapshot = getattr(getattr(self.fleet, "monitor", None), "vllm_stats", None)
+        per_shard: dict[Any, tuple[Any, float]] = {}
+        try:
+            per_shard = dict(snapshot() or {}) if callable(snapshot) else {}
+        except Exception as exc:
+            log.warning("the fleet's vLLM stats could not be read: %s", exc)
+        ages = {str(shard): age for shard, (_, age) in per_shard.items()}
+        if ages:
+            merge(families, families_from_dict(
+                {f'vllm_metrics_age_seconds{{shard="{shard}"}}': age for shard, age in ages.items()}))
+        for shard, (stats, _) in per_shard.items():
+            labels = {"shard": str(shard)}
             try:
-                per_shard = vllm() or {}
+                if isinstance(stats, str):
+                    merge(families, families_from_text(stats, labels))
+                elif isinstance(stats, Mapping):
+                    merge(families, families_from_dict(stats, labels, prefix=""))
+                else:
+                    merge(families, families_from_rows(stats, labels))
             except Exception as exc:
-                log.warning("fleet.vllm_metrics() failed: %s", exc)
-                per_shard = {}
-            for shard, stats in per_shard.items():
-                labels = {"shard": str(shard)}
-                try:
-                    if isinstance(stats, str):
-                        merge(families, families_from_text(stats, labels))
-                    elif isinstance(stats, Mapping):
-                        merge(families, families_from_dict(stats, labels, prefix=""))
-                    else:
-                        merge(families, families_from_rows(stats, labels))
-                except Exception as exc:
-                    log.warning("vLLM metrics of shard %s could not be read: %s", shard, exc)
+                log.warning("vLLM metrics of shard %s could not be read: %s", shard, exc)
         return list(families.values())
 
 

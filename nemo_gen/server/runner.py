@@ -5,6 +5,9 @@ The listening socket is bound in the caller's thread, so a port that is taken fa
 the thread runs uvicorn's own event loop (uvicorn leaves signals to the main thread). The heap
 that exists at start is frozen out of the garbage collector (``gc.freeze``, as vLLM's server does). ``stop()``
 lets requests in flight finish (up to ``grace_s``), then closes the socket and joins the thread.
+
+A host other than a loopback address without ``server.api_key`` is warned about once, at start, and
+refused with ``server.allow_refit`` (as settings refuse it; here for a ``host=`` argument too).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gen.errors import ConfigError
+from nemo_gen.settings import exposure_problem, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,9 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
     settings = settings or fleet.settings
     host = settings.server.host if host is None else host
     port = settings.server.port if port is None else port
+    why = exposure_problem(host, settings.server.allow_refit, settings.server.api_key)
+    if why:
+        raise ConfigError(why, field="server.allow_refit")
     if tokenizer is None:
         tokenizer = getattr(fleet, "tokenizer", None)
     if tokenizer is None:
@@ -129,4 +136,8 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
     handle = ServerHandle(url=f"http://{shown}:{bound_port}", host=bound_host, port=bound_port,
                           server=server, thread=thread)
     log.info("OpenAI-compatible server for fleet %r at %s", getattr(settings.fleet, "name", "?"), handle.url)
+    if not settings.server.api_key and not is_loopback(host):
+        log.warning("the server at %s (server.host %r) can be reached from other machines and asks no key: "
+                    "anyone who reaches it can generate; set server.api_key, or bind server.host to 127.0.0.1",
+                    handle.url, host)
     return handle

@@ -263,11 +263,55 @@ def test_no_cores_means_nobind(cores):
 
 
 def test_env_vars_merged_and_stringified():
-    env = _env("cpu", cores=[0], env_vars={"FOO": "bar", "OMP_NUM_THREADS": "8", "N": 3})
+    env = _env("cpu", cores=[0], env_vars={"FOO": "bar", "N": 3, "Mixed_Case": "x"})
     assert env["FOO"] == "bar"
-    assert env["OMP_NUM_THREADS"] == "8"  # the user's explicit value wins
     assert env["N"] == "3"
+    assert env["Mixed_Case"] == "x"
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+
+
+@pytest.mark.parametrize("key, setting", [("OMP_NUM_THREADS", "fleet.omp_threads_per_engine"),
+                                          ("VLLM_CPU_KVCACHE_SPACE", "fleet.cpu_kvcache_space_gb"),
+                                          ("VLLM_CPU_OMP_THREADS_BIND", "fleet.cpus_per_worker")])
+def test_a_cpu_engines_computed_variable_is_refused_naming_its_setting(key, setting):
+    # a NeMo-RL config handed to the API, or fleet.device auto that resolved to cpu, never went
+    # through the settings' check: engine_env is where the device is known
+    with pytest.raises(ConfigError) as err:
+        _env("cpu", cores=[0], env_vars={key: "8"})
+    assert err.value.field == f"generation.vllm_cfg.env_vars.{key}" and setting in str(err.value)
+    assert _env("gpu", env_vars={key: "8"})[key] == "8"  # a GPU engine's are the user's to set
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_a_variable_the_fleet_sets_on_every_device_is_refused_naming_its_setting(device):
+    from nemo_gen.core.engine_args import FLEET_ENV
+
+    for key, setting in FLEET_ENV.items():
+        with pytest.raises(ConfigError) as err:
+            _env(device, cores=[0], env_vars={key: "1"})
+        assert err.value.field == f"generation.vllm_cfg.env_vars.{key}" and setting in str(err.value), key
+
+
+@pytest.mark.parametrize("key", ["", "A=B", "A\0B", "9LIVES"])
+def test_an_env_vars_key_that_is_no_variable_name_is_refused_by_engine_env(key):
+    with pytest.raises(ConfigError) as err:
+        _env("gpu", env_vars={key: "1"})
+    assert err.value.field == f"generation.vllm_cfg.env_vars.{key}" and repr(key) in str(err.value)
+
+
+def test_every_variable_the_fleet_computes_is_one_env_vars_may_not_name():
+    """engine_env with every option that adds a variable on, and nemo_gen.environment's: each is in
+    FLEET_ENV or CPU_FLEET_ENV, so a new one cannot be overridden by env_vars unnoticed."""
+    from nemo_gen.core.engine_args import CPU_FLEET_ENV, FLEET_ENV
+    from nemo_gen.environment import SET_HERE
+
+    cfg = _cfg(use_deep_gemm=False, enable_vllm_metrics_logger=True, vllm_metrics_logger_interval=5)
+    computed = set()
+    for device in ("cpu", "gpu"):
+        computed |= set(engine_env(cfg, device=device, omp_threads=1, cpu_kvcache_space_gb=1.0, cpu_cores=[0],
+                                   niceness=3, weight_transfer_backend="ipc"))
+    assert "VLLM_LOG_STATS_INTERVAL" in computed and "VLLM_ALLOW_INSECURE_SERIALIZATION" in computed
+    assert computed | set(SET_HERE) <= set(FLEET_ENV) | set(CPU_FLEET_ENV)
 
 
 def test_gpu_env_has_no_cpu_vars():
@@ -305,16 +349,15 @@ def test_vllms_ipc_backend_lets_the_engine_take_its_pickled_cuda_handles():
     assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
 
 
-@pytest.mark.parametrize("value", ["0", "", "no"])
-def test_an_env_var_that_turns_the_ipc_backends_pickling_off_is_refused_by_name(value):
+@pytest.mark.parametrize("value", ["0", "", "no", "1"])
+@pytest.mark.parametrize("backend", ["ipc", "nemo_gen_ipc", "nemo_gen_shm", None])
+def test_an_env_var_that_sets_the_engines_pickling_is_refused_by_name(value, backend):
+    # off, it breaks the ipc backend's refits; on, it lets pickle into every engine of any backend
     cfg = _cfg(env_vars={"VLLM_ALLOW_INSECURE_SERIALIZATION": value})
     with pytest.raises(ConfigError) as err:
-        engine_env(cfg, device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0, weight_transfer_backend="ipc")
+        engine_env(cfg, device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0, weight_transfer_backend=backend)
     assert err.value.field == "generation.vllm_cfg.env_vars.VLLM_ALLOW_INSECURE_SERIALIZATION"
-    assert "'ipc'" in str(err.value) and "nemo_gen_ipc" in str(err.value)
-    # the same entry with another backend is the user's own business
-    assert engine_env(cfg, device="gpu", omp_threads=1, cpu_kvcache_space_gb=1.0,
-                      weight_transfer_backend="nemo_gen_ipc")["VLLM_ALLOW_INSECURE_SERIALIZATION"] == value
+    assert "refit.backend" in str(err.value) and "'ipc'" in str(err.value) and "nemo_gen_ipc" in str(err.value)
 
 
 def test_the_transfer_backend_is_the_one_the_engine_starts_with():

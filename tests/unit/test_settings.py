@@ -839,12 +839,112 @@ def test_sections_reject_unknown_keys_directly():
 # known bugs (strict xfail: they start failing, as a reminder, once the source is fixed)
 
 
-@pytest.mark.xfail(strict=True, reason="pydantic-settings lowercases env-sourced dict keys "
-                   "(case_sensitive=False): env var names in vllm_cfg.env_vars lose their case")
 def test_env_vars_keys_from_environment_keep_their_case(monkeypatch):
     monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__CUDA_LAUNCH_BLOCKING", "1")
     s = NemoGenSettings.load()
     assert s.generation.vllm_cfg.env_vars == {"CUDA_LAUNCH_BLOCKING": "1"}
+
+
+# --------------------------------------------------------------------------------------------
+# trust boundaries (issue 31): the exposed server, env_vars
+
+
+def test_an_exposed_server_with_refit_and_no_key_is_refused_naming_both_fields():
+    # the review's probe A, line 1: this loaded silently, bad env_vars keys and all
+    err = _raises_config_error(overrides=["server.host=0.0.0.0", "server.allow_refit=true",
+                                          'generation.vllm_cfg.env_vars={"": "x", "A=B": "c"}'])
+    assert {"server.allow_refit", "generation.vllm_cfg.env_vars.", "generation.vllm_cfg.env_vars.A=B"} <= set(err.fields)
+    assert "server.api_key" in str(err) and "'0.0.0.0'" in str(err)
+    for host in ("0.0.0.0", "", "10.1.2.3", "gpu-node-7", "::"):
+        err = _raises_config_error(overrides={"server.host": host, "server.allow_refit": True})
+        assert err.field == "server.allow_refit" and "server.api_key" in str(err), host
+    # an empty key asks for none (the server's Gate): it is no key
+    assert _raises_config_error(overrides={"server.host": "0.0.0.0", "server.allow_refit": True,
+                                           "server.api_key": ""}).field == "server.allow_refit"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"server.host": "0.0.0.0", "server.allow_refit": True, "server.api_key": "k"},  # a key guards it
+    {"server.host": "0.0.0.0", "server.allow_refit": False},  # no refit route (start warns)
+    {"server.host": "127.0.0.1", "server.allow_refit": True},
+    {"server.host": "127.0.0.2", "server.allow_refit": True},
+    {"server.host": "localhost", "server.allow_refit": True},
+    {"server.host": "::1", "server.allow_refit": True},
+])
+def test_a_server_that_is_loopback_keyed_or_refit_free_loads(overrides):
+    s = NemoGenSettings.load(overrides=overrides)
+    assert s.server.host == overrides["server.host"]
+
+
+def test_the_exposure_check_holds_for_a_later_assignment():
+    s = NemoGenSettings.load(overrides={"server.allow_refit": True})
+    with pytest.raises(ValueError, match="server.api_key"):
+        s.server.host = "0.0.0.0"
+
+
+@pytest.mark.parametrize("key", ["", "A=B", "A\0B", "1ABC", "A B", "A-B", "A.B", "Ä"])
+def test_an_env_vars_key_that_is_no_variable_name_is_refused_naming_it(key):
+    err = _raises_config_error(overrides={"generation.vllm_cfg.env_vars": {key: "1", "GOOD_ONE": "2"}})
+    assert err.fields == [f"generation.vllm_cfg.env_vars.{key}"]
+    assert repr(key) in str(err)
+
+
+def test_an_env_vars_value_with_a_nul_is_refused_naming_its_key():
+    err = _raises_config_error(overrides={"generation.vllm_cfg.env_vars": {"X": "a\0b"}})
+    assert err.field == "generation.vllm_cfg.env_vars.X" and "NUL" in str(err)
+
+
+def test_env_vars_keys_keep_their_case_from_every_source(tmp_path, monkeypatch):
+    path = _write(tmp_path, """
+        generation:
+          vllm_cfg:
+            env_vars: {FromFile_Var: "a"}
+        """)
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__FromEnv_Var", "b")
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__lower_case", "c")
+    s = NemoGenSettings.load(path, overrides=["generation.vllm_cfg.env_vars.FromSet_Var=d"])
+    assert s.generation.vllm_cfg.env_vars == {"FromFile_Var": "a", "FromEnv_Var": "b", "lower_case": "c",
+                                              "FromSet_Var": "d"}
+    # the whole dict as JSON in one variable keeps its keys too
+    monkeypatch.delenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__FromEnv_Var")
+    monkeypatch.delenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__lower_case")
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS", '{"Json_Var": "e"}')
+    assert NemoGenSettings.load().generation.vllm_cfg.env_vars == {"Json_Var": "e"}
+
+
+def test_two_environment_variables_for_one_env_vars_key_are_refused(monkeypatch):
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__My_Var", "1")
+    monkeypatch.setenv("NEMO_GEN_GENERATION__VLLM_CFG__ENV_VARS__MY_VAR", "2")
+    err = _raises_config_error()
+    assert err.field.startswith("generation.vllm_cfg.env_vars.") and "My_Var" in str(err) and "MY_VAR" in str(err)
+
+
+def test_env_vars_numbers_are_their_text_and_booleans_are_refused():
+    s = NemoGenSettings.load(overrides=["generation.vllm_cfg.env_vars.CUDA_LAUNCH_BLOCKING=1",
+                                        "generation.vllm_cfg.env_vars.RATIO=0.5"])
+    assert s.generation.vllm_cfg.env_vars == {"CUDA_LAUNCH_BLOCKING": "1", "RATIO": "0.5"}
+    err = _raises_config_error(overrides=["generation.vllm_cfg.env_vars.FLAG=true"])
+    assert err.field == "generation.vllm_cfg.env_vars.FLAG"
+
+
+def test_a_variable_the_fleet_sets_itself_is_refused_naming_its_setting():
+    from nemo_gen.core.engine_args import CPU_FLEET_ENV, FLEET_ENV
+
+    for key, setting in {**FLEET_ENV, **CPU_FLEET_ENV}.items():
+        err = _raises_config_error(overrides={"fleet.device": "cpu", "generation.vllm_cfg.env_vars": {key: "1"}})
+        assert err.field == f"generation.vllm_cfg.env_vars.{key}", key
+        assert setting in str(err), key
+    assert "refit.backend" in str(_raises_config_error(
+        overrides={"generation.vllm_cfg.env_vars": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}))
+    assert "health.enabled" in str(_raises_config_error(
+        overrides={"generation.vllm_cfg.env_vars": {"RAY_process_group_cleanup_enabled": "0"}}))
+    assert "fleet.omp_threads_per_engine" in str(_raises_config_error(
+        overrides={"fleet.device": "cpu", "generation.vllm_cfg.env_vars": {"OMP_NUM_THREADS": "8"}}))
+
+
+def test_a_cpu_fleets_own_variables_are_free_on_a_gpu_fleet():
+    s = NemoGenSettings.load(overrides={"fleet.device": "gpu", "generation.vllm_cfg.env_vars": {"OMP_NUM_THREADS": "8"}})
+    assert s.generation.vllm_cfg.env_vars == {"OMP_NUM_THREADS": "8"}
 
 
 def test_dict_overrides_do_not_mutate_the_callers_dict():
