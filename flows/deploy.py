@@ -5,7 +5,8 @@ deploy (what ``prefect deploy`` runs), and install the automation that re-runs c
 Checked before anything is registered: every key of the file is one Prefect's deployment model
 holds (Prefect's own loader ignores a misspelt key; here it is an error naming it), schedules and
 triggers validate as Prefect's, and every parameter the file sets is valid and inside the
-allowed paths. Then every field reaches the API as written — name, version, version_type,
+allowed paths, and its ``overrides`` set only keys a deployment run may override
+(``flows.trust``). Then every field reaches the API as written — name, version, version_type,
 description, tags, parameters, schedules (cron / interval / rrule, timezone, anchor, active,
 their parameters, slug), paused, concurrency_limit (with collision_strategy), enforce_parameter_
 schema, work_pool.job_variables and work_queue_name, triggers, sla, pull steps — except the
@@ -35,6 +36,7 @@ from uuid import UUID
 import yaml
 
 from flows.params import PARAMS, check_allowed_paths, validate_params
+from flows.trust import check_overrides
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
 
@@ -132,6 +134,7 @@ def check_parameters(flow_name: str, entry: dict[str, Any], settings: NemoGenSet
     for where, values, partial in sets:
         try:
             validate_params(model, values, flow_name, allow_missing=partial)
+            check_overrides(values.get("overrides"))  # what each run would refuse, refused now
             # Runs start in the repository root: relative paths are taken from there.
             check_allowed_paths(values, settings, base=ROOT, fields=model.path_fields)
         except ConfigError as exc:

@@ -1,23 +1,26 @@
-"""Flow parameters of the deployments: pydantic models, per-field errors, allowed paths.
+"""Flow parameters of the deployments: pydantic models, per-field errors, and the checks a run
+passes before anything starts.
 
 Prefect already checks parameter *types* against the flow signature when a run is created
 (``prefect deployment run ... --param``). These models add what a signature cannot say (ranges,
-files that must exist) and report every bad field at once, by name. Paths are checked against
-``prefect.allowed_paths`` (empty: the current directory and ``home``) only for runs of a
-deployment: a parameter there comes from whoever can reach the API or edit a schedule, while a
-person at a terminal (``nemo-gen refit --checkpoint``) already has their own filesystem.
+files that must exist) and report every bad field at once, by name. For runs of a deployment the
+parameters are untrusted (``flows.trust``: the keys ``overrides`` may set, every path against
+``prefect.allowed_paths``): a parameter there comes from whoever can reach the API or edit a
+schedule, while a person at a terminal (``nemo-gen refit --checkpoint``) already has their own
+filesystem.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from flows.trust import allowed_roots, check_allowed_paths, deployment_settings
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
+
+__all__ = ["PARAMS", "allowed_roots", "check_allowed_paths", "checked", "fleet_settings", "validate_params"]
 
 
 class _Params(BaseModel):
@@ -63,12 +66,21 @@ class RefitParams(_Params):
     path_fields: ClassVar[tuple[str, ...]] = ("config", "checkpoint")
 
 
+class PipelineParams(_Params):
+    """generation-pipeline (not in deployments/prefect.yaml; checked all the same if deployed)."""
+
+    # names the default output file, <home>/outputs/<name>-<time>.jsonl: no separator, no dot first
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$", max_length=100,
+                      description="run name, in the default output's file name")
+
+
 PARAMS: dict[str, type[_Params]] = {
     "fleet-up": FleetParams,
     "fleet-down": FleetParams,
     "generate": GenerateParams,
     "eval": EvalParams,
     "refit": RefitParams,
+    "generation-pipeline": PipelineParams,
 }
 
 
@@ -96,39 +108,6 @@ def validate_params(model: type[_Params], values: Mapping[str, Any], flow: str,
         raise err from None
 
 
-def allowed_roots(settings: NemoGenSettings, base: Path | None = None) -> list[Path]:
-    """The directories path parameters may point into; relative ones are taken from ``base``
-    (default: the current directory, where a deployment's run starts: the repository root)."""
-    base = base or Path.cwd()
-    roots = settings.prefect.allowed_paths or [base, settings.home]
-    return [_real(r, base) for r in roots]
-
-
-def _real(path: str | Path, base: Path) -> Path:
-    return Path(os.path.realpath(base / Path(path).expanduser()))
-
-
-def check_allowed_paths(values: _Params | Mapping[str, Any], settings: NemoGenSettings,
-                        base: Path | None = None, fields: tuple[str, ...] | None = None) -> None:
-    """Raise ConfigError naming the first path parameter that resolves outside the allowed roots.
-    Symlinks and ``..`` are resolved first, so neither can step outside."""
-    base = base or Path.cwd()
-    roots = allowed_roots(settings, base)
-    if isinstance(values, _Params):
-        fields, values = values.path_fields, values.model_dump()
-    for name in fields or ():
-        value = values.get(name)
-        if value is None:
-            continue
-        real = _real(value, base)
-        if not any(real == root or root in real.parents for root in roots):
-            raise ConfigError(
-                f"{value!r} is outside the allowed paths {[str(r) for r in roots]} "
-                "(set prefect.allowed_paths to allow it)",
-                field=f"parameter {name}",
-            )
-
-
 def in_deployment() -> bool:
     """True inside a flow run created from a deployment (a worker runs it)."""
     from prefect.runtime import deployment
@@ -137,14 +116,15 @@ def in_deployment() -> bool:
 
 
 def checked(model: type[_Params], values: Mapping[str, Any], flow: str,
-            settings_for=None) -> tuple[_Params, NemoGenSettings]:
-    """Validate the parameters, load the settings they name, and — for a deployment's run —
-    check every path parameter against the allowed paths. Nothing is started before this."""
+            settings_for=None, deployment: bool | None = None) -> tuple[_Params, NemoGenSettings]:
+    """Validate the parameters and load the settings they name; for a deployment's run
+    (``deployment``; unset: ``in_deployment()``) with ``flows.trust``'s checks — override keys,
+    path parameters, config files, resolved paths. Nothing is started before this."""
     params = validate_params(model, values, flow)
-    settings = (settings_for or _settings)(params)
-    if in_deployment():
-        check_allowed_paths(params, settings)
-    return params, settings
+    load = settings_for or _settings
+    if deployment is None:
+        deployment = in_deployment()
+    return params, deployment_settings(params, load) if deployment else load(params)
 
 
 def _settings(params: _Params) -> NemoGenSettings:

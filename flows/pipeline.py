@@ -26,6 +26,7 @@ from prefect import flow
 from prefect.futures import as_completed
 
 from flows.artifacts import publish_fleet_health, publish_throughput
+from flows.params import PipelineParams, checked, in_deployment
 from flows.refit import publish_refit
 from nemo_gen import pipeline, progress
 from nemo_gen.fleet.fleet import GenerationFleet
@@ -69,7 +70,11 @@ def generation_pipeline(
 ) -> dict[str, Any]:
     """configure environment -> start Ray -> resolve config -> launch fleet -> refit (train
     mode) -> generate -> write outputs -> shut down. Returns the run summary."""
-    settings = NemoGenSettings.load(config, overrides)
+    if in_deployment():  # not in deployments/prefect.yaml, but a deployment's run is untrusted wherever it comes from
+        _, settings = checked(PipelineParams, dict(config=config, overrides=overrides, name=name),
+                              "generation-pipeline", deployment=True)
+    else:
+        settings = NemoGenSettings.load(config, overrides)
     lines = fleet_tasks.load_prompts(settings)
     pipeline.resumable(settings, lines)  # run.resume: a bad output to continue fails before anything starts
     settings = pipeline.with_output(settings, name)  # each line is written there as it finishes

@@ -16,16 +16,20 @@ nemo_gen reads but does not use.
 - NeMo-RL's generation keys that nemo_gen does not implement (``NEMO_RL_KEYS``): a value that
   asks for nothing nemo_gen lacks (null, false, what nemo_gen does anyway) is set aside as
   ``NotUsed`` with the reason; any other value is refused, naming the key.
+- Which files may be read at all, while a caller says so (``files_only_under``: a deployment
+  run's allowed paths): the file and every ``defaults:`` entry, checked before it is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from nemo_gen.errors import ConfigError
 
@@ -198,12 +202,42 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
+# The directories settings files may be read from, and what to say of a file outside them (unset:
+# anywhere). Held per context, so one deployment run's limits never leak into another's thread.
+_READABLE: ContextVar[tuple[tuple[Path, ...], str] | None] = ContextVar("nemo_gen_readable", default=None)
+
+
+@contextlib.contextmanager
+def files_only_under(roots: Sequence[Path], outside: str = "outside the allowed paths") -> Iterator[None]:
+    """While in this block, a settings file (and each file its ``defaults:`` names) must resolve —
+    symlinks and ``..`` followed — inside one of ``roots`` (real paths), or it is refused, naming
+    it, before it is opened: neither its content nor whether it exists reaches an error message.
+    ``outside``: how the refusal describes such a file."""
+    token = _READABLE.set((tuple(Path(r) for r in roots), outside))
+    try:
+        yield
+    finally:
+        _READABLE.reset(token)
+
+
+def _check_readable(path: Path, what: str, field: str) -> None:
+    limits = _READABLE.get()
+    if limits is None:
+        return
+    roots, outside = limits
+    real = Path(os.path.realpath(path))
+    if not any(real == root or root in real.parents for root in roots):
+        raise ConfigError(f"{what} is {outside}", field=field)
+
+
 def load_document(path: str | os.PathLike, _chain: tuple[Path, ...] = ()):
     """``path`` as an OmegaConf ``DictConfig``, its ``defaults:`` chain merged in (unresolved)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     p = Path(path)
+    if not _chain:
+        _check_readable(p, f"settings file {str(p)!r}", "config")
     real = p.resolve()
     if real in _chain:
         loop = " -> ".join(str(c) for c in (*_chain, real))
@@ -223,6 +257,7 @@ def load_document(path: str | os.PathLike, _chain: tuple[Path, ...] = ()):
     base = OmegaConf.create({})
     for entry in defaults:
         parent = Path(entry) if Path(entry).is_absolute() else p.parent / entry
+        _check_readable(parent, f"defaults entry {str(entry)!r} ({parent})", f"{p}: defaults")
         if not parent.is_file():
             raise ConfigError(f"defaults entry {str(entry)!r}: no such file {parent}", field=f"{p}: defaults")
         base = _merge_with_override(base, load_document(parent, (*_chain, real)))

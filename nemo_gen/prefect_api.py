@@ -6,10 +6,18 @@ would start its own temporary server on one SQLite file ("database is locked"). 
 ``prefect server start`` of our own — bound to 127.0.0.1, analytics off, its database under
 ``<home>/prefect``, with ``nemo_gen.prefect_server``'s fix for Prefect 3.7's SQLite automations
 deadlock — stopped by PID when the command ends.
+
+Authentication is Prefect's own (3.7: HTTP Basic; ``PREFECT_SERVER_API_AUTH_STRING`` on the
+server, where every route but ``GET /health`` and ``/ready`` answers 401 without it, and
+``PREFECT_API_AUTH_STRING`` on each client — flow runs, workers, ``nemo-gen deploy``). The managed
+server takes whichever of the two this process has (both: they must match) and hands it to its
+clients — this process and its children — as ``PREFECT_API_AUTH_STRING``. An external API that
+answers 401 is reported at once, naming the setting, rather than at the first run's first call.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import os
@@ -18,15 +26,19 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-from nemo_gen.errors import InfraError
+from nemo_gen.errors import ConfigError, InfraError
 from nemo_gen.settings import NemoGenSettings
 
 log = logging.getLogger(__name__)
+
+SERVER_AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"  # the server's: the credentials it accepts
+CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"  # each client's: the credentials it sends
 
 
 @dataclass(frozen=True)
@@ -105,16 +117,27 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
     """Yield the API to use, with ``PREFECT_API_URL`` exported for this process and its children."""
     url = settings.prefect.api_url or os.environ.get("PREFECT_API_URL")
     if url:
-        with _exported({"PREFECT_API_URL": url}):
+        auth = check_client_auth(url)
+        with _exported({"PREFECT_API_URL": url, **({CLIENT_AUTH_ENV: auth} if auth else {})}):
             yield PrefectApi(url=url, managed=False)
         return
+    auth = managed_auth()
     home = settings.home / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     host = settings.prefect.host
     port = settings.prefect.port or _free_port(host)
     url = f"http://{host}:{port}/api"
     log_file = home / "server.log"
+    if auth is None and not _loopback(host):
+        log.warning("the managed Prefect server binds %s, not a loopback address, and %s is unset: anyone who "
+                    "reaches it can read and change this command's runs; set %s (or bind prefect.host to "
+                    "127.0.0.1)", host, SERVER_AUTH_ENV, SERVER_AUTH_ENV)
     env = {**os.environ, **server_env(home), **SERVER_ONLY_ENV}
+    # Set explicitly (or not at all): the server runs with its own PREFECT_HOME, so a profile's
+    # string would not reach it; an empty one would make it refuse every client.
+    env.pop(SERVER_AUTH_ENV, None)
+    if auth:
+        env[SERVER_AUTH_ENV] = auth
     # `prefect server start`, with the fix for Prefect 3.7's SQLite automations deadlock
     cmd = [sys.executable, "-m", "nemo_gen.prefect_server", "server", "start", "--host", host, "--port", str(port),
            "--analytics-off"]
@@ -124,14 +147,79 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_dies_with(os.getpid()))
     try:
-        _wait_healthy(url, proc, settings.prefect.server_start_timeout_s, log_file)
-        with _exported(server_env(home, url)):
+        _wait_healthy(url, proc, settings.prefect.server_start_timeout_s, log_file)  # /health needs no auth
+        with _exported({**server_env(home, url), **({CLIENT_AUTH_ENV: auth} if auth else {})}):
             try:
                 yield PrefectApi(url=url, managed=True, home=home, log_file=log_file)
             finally:
                 _flush_logs()
     finally:
         _stop(proc)
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (``localhost``, a loopback address)."""
+    import ipaddress
+
+    host = host.strip().strip("[]")
+    try:
+        return host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _auth_setting(env_name: str, secret: Any) -> str | None:
+    """A Prefect auth string as a child process would read it: the environment first (set empty:
+    none), else Prefect's settings of this process (a profile, ``prefect.toml``)."""
+    value = os.environ.get(env_name)
+    if value is None and secret is not None:
+        value = secret.get_secret_value()
+    return value or None
+
+
+def managed_auth() -> str | None:
+    """The auth string of the managed server and its clients: ``PREFECT_SERVER_API_AUTH_STRING``
+    or ``PREFECT_API_AUTH_STRING``, whichever is set (None: the server asks for none). Both set
+    and different: ConfigError, as the server would refuse its own clients."""
+    from prefect.settings import get_current_settings
+
+    current = get_current_settings()
+    server = _auth_setting(SERVER_AUTH_ENV, current.server.api.auth_string)
+    client = _auth_setting(CLIENT_AUTH_ENV, current.api.auth_string)
+    if server and client and server != client:
+        raise ConfigError(f"{SERVER_AUTH_ENV} and {CLIENT_AUTH_ENV} differ: the managed Prefect server would "
+                          "refuse nemo-gen's own client; set one of them, or both to the same string",
+                          field=CLIENT_AUTH_ENV)
+    return server or client
+
+
+def check_client_auth(url: str, timeout_s: float = 5.0) -> str | None:
+    """This process's auth string for the self-hosted API at ``url`` (None: it has none), or
+    ConfigError naming ``PREFECT_API_AUTH_STRING`` when the API refuses it (401), before any run
+    starts. Anything else (unreachable, Prefect Cloud, which authenticates by ``PREFECT_API_KEY``)
+    is left to Prefect's client to report."""
+    from prefect.settings import get_current_settings
+
+    current = get_current_settings()
+    auth = _auth_setting(CLIENT_AUTH_ENV, current.api.auth_string)
+    if _auth_setting("PREFECT_API_KEY", current.api.key):
+        return auth
+    request = urllib.request.Request(f"{url.rstrip('/')}/admin/version")
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return auth
+    except urllib.error.HTTPError as exc:
+        if exc.code != 401:
+            return auth
+    except (OSError, ValueError):
+        return auth
+    raise ConfigError(
+        f"the Prefect API at {url} refused this client (401 Unauthorized): "
+        + (f"{CLIENT_AUTH_ENV} is not the server's {SERVER_AUTH_ENV}" if auth else
+           f"the server requires {SERVER_AUTH_ENV}; set {CLIENT_AUTH_ENV} to the same string"),
+        field=CLIENT_AUTH_ENV)
 
 
 def _dies_with(parent: int):
@@ -186,9 +274,12 @@ def _exported(values: dict[str, str]) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-        with temporary_settings(updates={PREFECT_API_URL: values.get("PREFECT_API_URL", os.environ.get("PREFECT_API_URL"))}):
+        updates: dict[Any, Any] = {PREFECT_API_URL: values.get("PREFECT_API_URL", os.environ.get("PREFECT_API_URL"))}
+        if CLIENT_AUTH_ENV in values:  # this process's client reads its settings, not the environment
+            updates[PREFECT_API_AUTH_STRING] = values[CLIENT_AUTH_ENV]
+        with temporary_settings(updates=updates):
             yield
     finally:
         for k, v in old.items():
