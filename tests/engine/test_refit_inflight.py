@@ -116,11 +116,13 @@ def test_drain_waits_for_the_batch_and_nothing_spans_two_versions(fleet, model_b
     assert {tuple(r.weight_versions) for r in results} == {((before, TOKENS),)}
 
 
-def test_keep_swaps_under_the_running_batch_and_results_span_both_versions(fleet, model_b):
+@pytest.mark.parametrize("engine", ["fleet", "async_fleet"])
+def test_keep_swaps_under_the_running_requests_and_results_span_both_versions(engine, request, model_b):
+    fleet = request.getfixturevalue(engine)  # the sync engine's fleet, then the async one's
     before = fleet.weight_version
     results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
     check_whole(results, report)
-    assert refit_at < batch_at  # the refit did not wait for the batch
+    assert refit_at < batch_at  # the refit did not wait for the requests
     assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
     two = [r.weight_versions for r in results if len(r.weight_versions) == 2]
     assert two, [r.weight_versions for r in results]
@@ -225,17 +227,6 @@ def continues_as_fresh(results, fresh, check=16):
     prefixes = [list(r.prompt_token_ids) + r.token_ids[:k] for r, k in zip(results, cut)]
     reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
     assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
-
-
-def test_async_keep_swaps_under_running_requests_and_results_span_both_versions(async_fleet, model_b):
-    before = async_fleet.weight_version
-    results, report, refit_at, batch_at = generate_then_refit(async_fleet, str(model_b), "keep")
-    check_whole(results, report)
-    assert refit_at < batch_at  # the refit did not wait for the requests
-    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
-    two = [r.weight_versions for r in results if len(r.weight_versions) == 2]
-    assert two, [r.weight_versions for r in results]
-    assert all(spans[0][0] == before and spans[1][0] == report.version for spans in two)
 
 
 def test_async_keep_with_recompute_kv_goes_on_as_a_fresh_engine_would(async_fleet, fleets, model_b):
