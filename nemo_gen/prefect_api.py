@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from nemo_gen.errors import ConfigError, InfraError
-from nemo_gen.settings import NemoGenSettings
+from nemo_gen.settings import NemoGenSettings, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
     port = settings.prefect.port or _free_port(host)
     url = f"http://{host}:{port}/api"
     log_file = home / "server.log"
-    if auth is None and not _loopback(host):
+    if auth is None and not is_loopback(host):
         log.warning("the managed Prefect server binds %s, not a loopback address, and %s is unset: anyone who "
                     "reaches it can read and change this command's runs; set %s (or bind prefect.host to "
                     "127.0.0.1)", host, SERVER_AUTH_ENV, SERVER_AUTH_ENV)
@@ -155,17 +155,6 @@ def prefect_api(settings: NemoGenSettings) -> Iterator[PrefectApi]:
                 _flush_logs()
     finally:
         _stop(proc)
-
-
-def _loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine only (``localhost``, a loopback address)."""
-    import ipaddress
-
-    host = host.strip().strip("[]")
-    try:
-        return host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _auth_setting(env_name: str, secret: Any) -> str | None:
