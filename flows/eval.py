@@ -22,11 +22,12 @@ def evaluate(
     config: str | None = None,
     overrides: list[str] | None = None,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Generate over ``input`` at exactly ``weight_version``; returns the run summary. ``resume``:
-    continue a killed run's ``output``."""
+    continue a killed run's ``output``; ``overwrite``: replace an earlier run's."""
     _, settings = checked(EvalParams, dict(input=input, weight_version=weight_version, output=output,
                                            batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                           config=config, overrides=overrides, resume=resume), "eval",
-                          settings_for)
+                                           config=config, overrides=overrides, resume=resume,
+                                           overwrite=overwrite), "eval", settings_for)
     return run_generation(settings, f"eval-v{weight_version}", pinned_version=weight_version)

@@ -2,10 +2,11 @@
 counterpart of ``nemo-gen generate``. ``run_generation`` is shared with ``eval``.
 
 Parameters: ``input`` (JSONL), ``output`` (unset: ``<home>/outputs/generate-<time>.jsonl``),
-``batch_size``, ``max_new_tokens``, ``config``, ``overrides``, ``resume``. Malformed lines are
-reported in the output and the summary; the other lines are still generated. Each line is written
-to ``output`` as it finishes (``pipeline.generate_lines``); ``resume`` (``run.resume``) keeps the
-lines a killed run left there and generates the rest.
+``batch_size``, ``max_new_tokens``, ``config``, ``overrides``, ``resume``, ``overwrite``.
+Malformed lines are reported in the output and the summary; the other lines are still
+generated. Each line is written to ``output`` as it finishes (``pipeline.generate_lines``);
+``resume`` (``run.resume``) keeps the lines a killed run left there and generates the rest;
+``overwrite`` (``run.overwrite``) replaces an earlier run's output, which is otherwise refused.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def settings_for(params: GenerateParams) -> NemoGenSettings:
         extra.append(f"generation.max_new_tokens={params.max_new_tokens}")
     if params.resume:
         extra.append("run.resume=true")
+    if params.overwrite:
+        extra.append("run.overwrite=true")
     return NemoGenSettings.load(params.config, [*params.overrides, *extra])
 
 
@@ -78,10 +81,13 @@ def generate(
     config: str | None = None,
     overrides: list[str] | None = None,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Generate over ``input`` on the running fleet; returns the run summary. ``resume``: continue
-    the killed or interrupted run whose ``output`` this is (its finished lines are kept)."""
+    the killed or interrupted run whose ``output`` this is (its finished lines are kept);
+    ``overwrite``: replace an ``output`` that holds an earlier run's rows (else it is refused)."""
     _, settings = checked(GenerateParams, dict(input=input, output=output, batch_size=batch_size,
                                                max_new_tokens=max_new_tokens, config=config,
-                                               overrides=overrides, resume=resume), "generate", settings_for)
+                                               overrides=overrides, resume=resume, overwrite=overwrite),
+                          "generate", settings_for)
     return run_generation(settings, "generate")

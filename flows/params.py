@@ -49,6 +49,8 @@ class GenerateParams(_Params):
     max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate per prompt")
     resume: bool = Field(False, description="keep the lines `output` already holds (a killed run's) and "
                                             "generate only the rest (run.resume)")
+    overwrite: bool = Field(False, description="replace an `output` that already holds rows (run.overwrite); "
+                                               "unset, such an output is refused before anything starts")
 
     path_fields: ClassVar[tuple[str, ...]] = ("config", "input", "output")
 

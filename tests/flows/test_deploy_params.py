@@ -67,3 +67,15 @@ def test_redact_masks_credentials():
     text = redact("http://bob:hunter2@host/api token=abc123 Authorization: Bearer xyz hf_" + "a" * 30)
     assert "hunter2" not in text and "abc123" not in text and "xyz" not in text and "hf_aaa" not in text
     assert redact("shard 0 died: ActorDiedError") == "shard 0 died: ActorDiedError"
+
+
+def test_resume_and_overwrite_reach_the_runs_settings(tmp_path):
+    """A scheduled run with a fixed ``output`` is refused on its second run unless it says what to do
+    with the earlier rows: continue them (``resume``) or replace them (``overwrite``)."""
+    from flows.generate import settings_for
+
+    base = {"input": str(tmp_path / "p.jsonl"), "output": str(tmp_path / "o.jsonl")}
+    plain = settings_for(GenerateParams(**base))
+    assert not plain.run.resume and not plain.run.overwrite
+    assert settings_for(GenerateParams(**base, overwrite=True)).run.overwrite
+    assert settings_for(GenerateParams(**base, resume=True)).run.resume
