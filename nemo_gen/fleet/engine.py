@@ -85,6 +85,13 @@ def _sample_dict(comp, spans: list[tuple[int | None, int]]) -> dict[str, Any]:
             "finish_reason": comp.finish_reason, "weight_versions": spans}
 
 
+def _samples_of(processor: Any, internal: str) -> tuple[Any, list[str]]:
+    """The sync engine's request ``internal`` as vLLM's output processor runs it: (its
+    ParentRequest, or None for n = 1; the ids of its samples' requests, "{i}_{parent id}" for n > 1)."""
+    parent = processor.parent_requests.get(internal)
+    return parent, [internal] if parent is None else [f"{i}_{internal}" for i in range(parent.n)]
+
+
 def _error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
     return {"index": req.index, "error": f"RequestError: {exc}"}
 
@@ -560,8 +567,7 @@ class Engine:
         processor = self._llm.llm_engine.output_processor
         most = 0
         for internal, _ in track.parts.values():
-            parent = processor.parent_requests.get(internal)
-            for child in [internal] if parent is None else [f"{i}_{internal}" for i in range(parent.n)]:
+            for child in _samples_of(processor, internal)[1]:
                 if (state := processor.request_states.get(child)) is not None:
                     most = max(most, sum(n for v, n in self._state_spans(state) if v != current))
         return most
@@ -574,9 +580,7 @@ class Engine:
         processor = self._llm.llm_engine.output_processor
         pieces: dict[int, Piece] = {}
         for internal, sample in track.parts.values():
-            # n > 1: vLLM runs the samples as child requests "{i}_{parent id}" (ParentRequest).
-            parent = processor.parent_requests.get(internal) if sample is None else None
-            children = [internal] if parent is None else [f"{i}_{internal}" for i in range(parent.n)]
+            parent, children = _samples_of(processor, internal) if sample is None else (None, [internal])
             for i, child in enumerate(children):
                 state, at = processor.request_states.get(child), i if sample is None else sample
                 if state is not None:
@@ -703,8 +707,7 @@ class Engine:
         # cost the step loop 1.3 s of a 6.3 s batch on an H200 (2026-12-01-h200-pipelined.md).
         final_only = on_step is None
         params.output_kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
-        if self._poisoned is not None:
-            raise ShardDiedError(-1, f"weights half-loaded: {self._poisoned}")
+        self._check_weights()
         results: dict[int, dict] = {}
         tracks: list[Track] = []
         self._tracks = {}
@@ -720,8 +723,7 @@ class Engine:
         if tracks:
             self._on_step = (lambda: on_step(tracks)) if on_step is not None else None
             self._run_to_completion()
-            if self._poisoned is not None:
-                raise ShardDiedError(-1, f"weights half-loaded: {self._poisoned}")
+            self._check_weights()
             for t in tracks:
                 if t.result is None:
                     raise RuntimeError(f"vLLM returned no output for request {t.req.index}")

@@ -197,9 +197,12 @@ class FleetMonitor:
         stats (``generation.vllm_cfg.enable_vllm_metrics_logger``)."""
         if self.stats is None:
             return {}
+        return self.stats.snapshot({slot: h.name for slot, h in self._serving().items()})
+
+    def _serving(self) -> dict[int, ShardHandle]:
+        """Each serving slot's shard now (slots between two shards left out)."""
         members = self.prober.members
-        serving = {slot: h.name for slot in self.prober.health.serving_shards() if (h := members.handle(slot))}
-        return self.stats.snapshot(serving)
+        return {slot: h for slot in self.prober.health.serving_shards() if (h := members.handle(slot)) is not None}
 
     def watch(self, member: Member, handle: ShardHandle) -> None:
         """Start watching ``handle`` in its role ``member``."""
@@ -210,8 +213,7 @@ class FleetMonitor:
     def _run(self) -> None:
         next_probe = time.monotonic() + self._probe_interval
         if self.stats is not None:  # a scrape soon after launch finds them: the first round is later
-            self.stats.refresh({slot: h for slot in self.prober.health.serving_shards()
-                                if (h := self.prober.members.handle(slot))})
+            self.stats.refresh(self._serving())
         while not self._stop.is_set():
             with self._lock:
                 calls = list(self._watches) + list(self._probes)
@@ -264,12 +266,8 @@ class FleetMonitor:
         with self._lock:
             probing = {p[0].slot for p in self._probes.values()}
         deadline = time.monotonic() + prober.timeout_s
-        serving: dict[int, ShardHandle] = {}
-        for slot in prober.health.serving_shards():
-            handle = prober.members.handle(slot)
-            if handle is None:
-                continue
-            serving[slot] = handle
+        serving = self._serving()
+        for slot, handle in serving.items():
             if slot in probing:
                 continue
             call = prober.send(handle)

@@ -60,8 +60,11 @@ def fleets(ray_cluster, make_settings, model_b):
 @pytest.fixture
 def fleet(fleets, tiny_model_dir):
     """The fleet under test, back on the tiny model after each test whatever the test did (a
-    test that failed half-way must not hand the next one model B's weights as its "before")."""
+    test that failed half-way must not hand the next one model B's weights as its "before"), and
+    on its refit settings."""
+    refit = fleets["main"].settings.refit.model_copy()
     yield fleets["main"]
+    fleets["main"].settings.refit = refit
     fleets["main"].refit(str(tiny_model_dir))
 
 
@@ -106,6 +109,29 @@ def check_whole(results, report):
         assert sum(n for _, n in r.weight_versions) == len(r.token_ids)
         assert r.weight_version == r.weight_versions[-1][0]
     assert [s.ok for s in report.shards] == [True]
+
+
+def resumed_on_fresh_kv(fleet, fresh, source, mode):
+    """A refit in ``mode`` lands on a long batch whose requests it resumes with recomputed KV: it
+    returns first, every result is whole, its tokens span the old version then the new one, and
+    after the cut they go on as a fresh engine on the new weights would (``continues_as_fresh``)."""
+    before = fleet.weight_version
+    results, report, refit_at, batch_at = generate_then_refit(fleet, source, mode)
+    check_whole(results, report)
+    assert refit_at < batch_at
+    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
+    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
+        [r.weight_versions for r in results]
+    continues_as_fresh(results, fresh)
+
+
+def continues_as_fresh(results, fresh, check=16):
+    """Each of the first two results' tokens after its cut are what a fresh engine on the new
+    weights makes from its prompt and the tokens it had: its KV was recomputed, not kept."""
+    cut = [r.weight_versions[0][1] for r in results[:2]]
+    prefixes = [list(r.prompt_token_ids) + r.token_ids[:k] for r, k in zip(results, cut)]
+    reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
+    assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
 
 
 def test_drain_waits_for_the_batch_and_nothing_spans_two_versions(fleet, model_b):
@@ -155,54 +181,32 @@ def test_abort_resumes_every_sample_of_a_group(fleet, model_b):
     assert any(s.weight_versions[0][0] == before for s in samples)
 
 
-def test_abort_without_resume_returns_the_partial_results(fleet, model_b):
+@pytest.mark.parametrize("engine", ["fleet", "async_fleet"])
+def test_abort_without_resume_returns_the_partial_results(engine, request, model_b):
+    fleet = request.getfixturevalue(engine)
     fleet.settings.refit.resume_aborted = False
-    try:
-        results, report, _, _ = generate_then_refit(fleet, str(model_b), "abort")
-    finally:
-        fleet.settings.refit.resume_aborted = True
+    results, report, _, _ = generate_then_refit(fleet, str(model_b), "abort")
     check_whole(results, report)
     cut = [r for r in results if r.finish_reason == "abort"]
     assert cut and all(0 < len(r.token_ids) < TOKENS for r in cut)
+    assert all(r.weight_versions[-1][0] != report.version for r in cut)  # no token from the new weights
 
 
 def test_keep_past_max_staleness_resumes_each_request_on_fresh_kv(fleet, fleets, model_b):
     """refit.max_staleness 0: every running request has tokens from the old weights, so each is
     cut and resumed: its tokens after the cut are what a fresh engine on the new weights makes
     from its prompt and the tokens it had (its prefix re-computed, not kept as in plain keep)."""
-    fresh = fleets["fresh_b"]
-    before = fleet.weight_version
     fleet.settings.refit.max_staleness = 0
-    try:
-        results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
-    finally:
-        fleet.settings.refit.max_staleness = None
-    check_whole(results, report)
-    assert refit_at < batch_at
-    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
-    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
-        [r.weight_versions for r in results]
-    cut = [r.weight_versions[0][1] for r in results[:2]]
-    prefixes = [list(r.prompt_token_ids) + r.token_ids[:k] for r, k in zip(results, cut)]
-    check = 16  # greedy continuations agree on their first tokens; the test needs no more
-    reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
-    assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
+    resumed_on_fresh_kv(fleet, fleets["fresh_b"], str(model_b), "keep")
 
 
-def test_keep_with_recompute_kv_goes_on_as_a_fresh_engine_would(fleet, fleets, model_b):
-    """refit.recompute_kv on the sync engine: the batch is kept, and vLLM preempts its requests
-    so their KV is recomputed on the new weights as they resume."""
-    before = fleet.weight_version
+@pytest.mark.parametrize("engine", ["fleet", "async_fleet"])
+def test_keep_with_recompute_kv_goes_on_as_a_fresh_engine_would(engine, request, fleets, model_b):
+    """refit.recompute_kv: the running requests are kept, and vLLM preempts them so their KV is
+    recomputed on the new weights as they resume."""
+    fleet = request.getfixturevalue(engine)
     fleet.settings.refit.recompute_kv = True
-    try:
-        results, report, refit_at, batch_at = generate_then_refit(fleet, str(model_b), "keep")
-    finally:
-        fleet.settings.refit.recompute_kv = False
-    check_whole(results, report)
-    assert refit_at < batch_at
-    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
-        [r.weight_versions for r in results]
-    continues_as_fresh(results, fleets["fresh_b"])
+    resumed_on_fresh_kv(fleet, fleets["fresh_b"], str(model_b), "keep")
 
 
 def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleet, fleets, model_b):
@@ -220,44 +224,8 @@ def test_after_a_version_change_no_prompt_is_answered_from_the_old_cache(fleet, 
     assert [r.token_ids for r in again] == [r.token_ids for r in reference]
 
 
-def continues_as_fresh(results, fresh, check=16):
-    """Each of the first two results' tokens after its cut are what a fresh engine on the new
-    weights makes from its prompt and the tokens it had: its KV was recomputed, not kept."""
-    cut = [r.weight_versions[0][1] for r in results[:2]]
-    prefixes = [list(r.prompt_token_ids) + r.token_ids[:k] for r, k in zip(results, cut)]
-    reference = fresh.generate(prefixes, temperature=0, max_new_tokens=check, ignore_eos=True)
-    assert [r.token_ids[k:k + check] for r, k in zip(results, cut)] == [ref.token_ids for ref in reference]
-
-
-def test_async_keep_with_recompute_kv_goes_on_as_a_fresh_engine_would(async_fleet, fleets, model_b):
-    before = async_fleet.weight_version
-    async_fleet.settings.refit.recompute_kv = True
-    results, report, refit_at, batch_at = generate_then_refit(async_fleet, str(model_b), "keep")
-    check_whole(results, report)
-    assert refit_at < batch_at
-    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
-        [r.weight_versions for r in results]
-    continues_as_fresh(results, fleets["fresh_b"])
-
-
 def test_async_abort_resumes_each_request_on_the_new_weights(async_fleet, fleets, model_b):
-    before = async_fleet.weight_version
-    results, report, refit_at, batch_at = generate_then_refit(async_fleet, str(model_b), "abort")
-    check_whole(results, report)
-    assert refit_at < batch_at
-    assert all(len(r.token_ids) == TOKENS and r.finish_reason == "length" for r in results)
-    assert all([v for v, _ in r.weight_versions] == [before, report.version] for r in results), \
-        [r.weight_versions for r in results]
-    continues_as_fresh(results, fleets["fresh_b"])
-
-
-def test_async_abort_without_resume_returns_the_partial_results(async_fleet, model_b):
-    async_fleet.settings.refit.resume_aborted = False
-    results, report, _, _ = generate_then_refit(async_fleet, str(model_b), "abort")
-    check_whole(results, report)
-    cut = [r for r in results if r.finish_reason == "abort"]
-    assert cut and all(0 < len(r.token_ids) < TOKENS for r in cut)
-    assert all(r.weight_versions[-1][0] != report.version for r in cut)  # no token from the new weights
+    resumed_on_fresh_kv(async_fleet, fleets["fresh_b"], str(model_b), "abort")
 
 
 def test_async_stream_across_a_keep_refit_tells_each_token_its_version(async_fleet, model_b):
