@@ -140,7 +140,7 @@ def result_row(line: PromptLine | None, result: GenerationResult | None, error: 
 # json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings (valid JSON),
 # and str.splitlines() — as well as editors and JavaScript — break lines there: a sampled token
 # that decodes to one of them (a random model's sometimes do) split a result row in two for such
-# a reader (a clean clone's CI failed so in tests/e2e/test_cli.py, 2026-12-02). Written as \u
+# a reader (tests/e2e/test_cli.py reads rows so). Written as \u
 # escapes, every row is one line for every reader and parses back the same.
 _LINE_BREAKS = {0x2028: "\\u2028", 0x2029: "\\u2029", 0x85: "\\u0085"}
 

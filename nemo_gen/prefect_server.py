@@ -5,8 +5,8 @@ automation created, updated or deleted runs a listener that refreshes the server
 automations by *blocking its event-loop thread* on a coroutine that needs the automations lock —
 and the triggers service, on that same loop, may hold that lock at that moment (its periodic
 reconcile). The loop never runs again: every later request times out. ``nemo-gen deploy``
-re-creates its crash automation on each run, so this is its path (a clean clone's CI saw the
-test harness's server hang so, 2026-12-02). Prefect 3.8 schedules the refresh on the running
+re-creates its crash automation on each run, so this is its path (tests/flows/test_prefect_server.py
+stages the race). Prefect 3.8 schedules the refresh on the running
 loop instead; we cannot take 3.8 (it needs fastapi >= 0.139, vLLM 0.32 pins < 0.137), so
 ``fix_automation_listener`` installs 3.8's listener into the 3.7 server.
 

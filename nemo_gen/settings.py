@@ -350,8 +350,8 @@ class FleetSettings(_Section):
         "forkserver", description="How a shard starts its vLLM EngineCore process. forkserver: forked from a "
         "server the shard actor starts first thing, which imports vLLM while the actor does, so the "
         "EngineCore starts with vLLM imported, as a bare vllm.LLM's does. spawn: vLLM's own start inside a "
-        "Ray actor, a fresh interpreter that imports vLLM and torch again (21 s of a 134 s launch on an "
-        "H200, ~11 s on a 2-core CPU machine). An engine with numa_bind is always spawned.",
+        "Ray actor, a fresh interpreter that imports vLLM and torch again before it can load (see "
+        "docs/performance.md). An engine with numa_bind is always spawned.",
     )
     engine_start_timeout_s: float = Field(600.0, gt=0, description="Deadline for one engine to load.")
     placement_timeout_s: float = Field(
@@ -391,9 +391,9 @@ class FleetSettings(_Section):
     )
     engine_stop_grace_s: float = Field(
         1.0, ge=0, description="In a clean stop, how long the engine's processes get to exit after vLLM "
-        "signals them before vLLM kills them (its shutdown timeout; vLLM's own default is 5 s). vLLM's "
-        "clean teardown took 4.4 s on a 2-core CPU machine and 5 s on an H200 (killed at the grace); the "
-        "processes hold nothing that outlives them, and the fleet checks they are gone.",
+        "signals them before vLLM kills them (its shutdown timeout; vLLM's own default is 5 s, which its "
+        "clean teardown uses up). The processes hold nothing that outlives them, and the fleet checks "
+        "they are gone.",
     )
     spares: int = Field(
         0, ge=0, description="Warm spares: extra engines loaded and refit with the fleet but given no "
@@ -433,9 +433,9 @@ class RefitSettings(_Section):
     timeout_s: float = Field(600.0, gt=0, description="Deadline for each refit phase on a shard.")
     control_channel: bool = Field(
         True, description="The refit's calls to a shard on the driver's own node go over a Unix socket "
-        "the shard actor serves (authenticated, weight_sync only), not a Ray actor call: ~1.2-1.5 ms each "
-        "way on an H200 host, most of a colocated nemo_gen_ipc refit of a mid-sized model. Shards on "
-        "other nodes, and any call the line cannot carry, go over Ray.",
+        "the shard actor serves (authenticated, weight_sync only), not a Ray actor call, whose task "
+        "submission and reply each way cost more than the copy of a colocated nemo_gen_ipc refit of a "
+        "mid-sized model. Shards on other nodes, and any call the line cannot carry, go over Ray.",
     )
     backend: str = Field(
         "nemo_gen_shm",

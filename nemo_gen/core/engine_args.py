@@ -25,8 +25,8 @@ RAY_WORKER_NICENESS = "RAY_worker_niceness"
 # vLLM's own ``ipc`` weight-transfer backend hands the update RPC its CUDA IPC handles as
 # they are (tuples holding torch classes and dtypes). The engine's msgpack channel between the
 # shard actor and its EngineCore refuses those unless vLLM may fall back to pickle: every refit
-# failed with "Object of type <class 'torch._C._TensorMeta'> is not serializable" on the H200
-# (2026-12-02) until this was set. vLLM's HTTP refit routes need the same switch for the same
+# fails with "Object of type <class 'torch._C._TensorMeta'> is not serializable" on a CUDA
+# engine unless this is set. vLLM's HTTP refit routes need the same switch for the same
 # handles. The channel is the engine's own (one host, one user); no other backend needs it.
 ALLOW_PICKLE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 PICKLED_HANDLE_BACKENDS = frozenset({"ipc"})
