@@ -62,19 +62,21 @@ def fleet(fleets, tiny_model_dir):
     """The fleet under test, back on the tiny model after each test whatever the test did (a
     test that failed half-way must not hand the next one model B's weights as its "before"), and
     on its refit settings."""
-    refit = fleets["main"].settings.refit.model_copy()
-    yield fleets["main"]
-    fleets["main"].settings.refit = refit
-    fleets["main"].refit(str(tiny_model_dir))
+    yield from restored_after(fleets["main"], tiny_model_dir)
 
 
 @pytest.fixture
 def async_fleet(fleets, tiny_model_dir):
     """The async engine's fleet, back on the tiny model and its settings after each test."""
-    refit = fleets["async"].settings.refit.model_copy()
-    yield fleets["async"]
-    fleets["async"].settings.refit = refit
-    fleets["async"].refit(str(tiny_model_dir))
+    yield from restored_after(fleets["async"], tiny_model_dir)
+
+
+def restored_after(fleet, tiny_model_dir):
+    """Yield ``fleet``; then put back its refit settings and the tiny model's weights."""
+    refit = fleet.settings.refit.model_copy()
+    yield fleet
+    fleet.settings.refit = refit
+    fleet.refit(str(tiny_model_dir))
 
 
 def generate_then_refit(fleet, source, mode, **sampling):
