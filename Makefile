@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup chromium postgresql run test unit bench bench-refit bench-recovery bench-serve bench-sessions clean
+.PHONY: setup chromium postgresql run test check unit bench bench-refit bench-recovery bench-serve bench-sessions clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ test: setup chromium postgresql
 
 unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# The loop to run while working: the unit and fake tiers (pure logic, the real Shard rules over a
+# fake engine), no Ray, no vLLM engine; two workers.
+check: setup
+	$(PY) -m pytest tests/unit -q -n 2 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/fleet_overhead.py
