@@ -51,7 +51,9 @@ from vllm.distributed.weight_transfer.factory import (
 
 from nemo_gen.core.refit import IPC_BACKEND
 from nemo_gen.core.refit import SHM_BACKEND as BACKEND
-from nemo_gen.refit.worker_ext import CopyPlan, ScratchPool, WeightLoad, open_staged, shared_with_policy
+from nemo_gen.refit.copy_plan import CopyPlan
+from nemo_gen.refit.direct_load import ScratchPool
+from nemo_gen.refit.worker_ext import WeightLoad, open_staged, shared_with_policy
 
 
 

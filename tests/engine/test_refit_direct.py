@@ -1,4 +1,4 @@
-"""The CPU refit's direct load path (``nemo_gen.refit.worker_ext.DirectLoad``) against vLLM's own
+"""The CPU refit's direct load path (``nemo_gen.refit.direct_load.DirectLoad``) against vLLM's own
 ``reload_weights``, which stays the fallback for models the direct path does not handle.
 
 One vLLM engine, in a subprocess (no Ray, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the script can
@@ -100,7 +100,7 @@ def test_direct_load_matches_reload_weights_and_round_trips(tiny_model_dir, tmp_
 def test_models_the_direct_path_does_not_handle_fall_back_to_reload_weights():
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    from nemo_gen.refit.worker_ext import DirectLoad
+    from nemo_gen.refit.direct_load import DirectLoad
 
     class OtherMethod(QuantizeMethodBase):  # e.g. a quantized linear: its own packing
         def create_weights(self, *args, **kwargs):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_gen.refit.worker_ext import DirectLoad, ScratchPool
+from nemo_gen.refit.direct_load import DirectLoad, ScratchPool
 
 
 class Model(torch.nn.Module):

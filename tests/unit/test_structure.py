@@ -17,16 +17,17 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/refit/vllm_backend.py", "WeightTransferEngineFactory._registry"),
     ("nemo_gen/refit/vllm_backend.py", "WeightTransferTrainerFactory._registry"),
     # torch's own parameter table, written in place by the direct refit path.
-    ("nemo_gen/refit/worker_ext.py", "module._parameters"),
+    ("nemo_gen/refit/direct_load.py", "module._parameters"),
+    ("nemo_gen/refit/copy_plan.py", "module._parameters"),
     # the sync engine's core client: its input socket is shared by the step thread and an
     # in-flight refit's control calls (a send lock), and the step thread marks its output waits.
     ("nemo_gen/fleet/engine.py", "core._send_input"),
     # our scratch buffers, kept on vLLM's worker object between refits.
     ("nemo_gen/refit/worker_ext.py", "worker._nemo_gen_scratch"),
     # torch's batched copy: every copy of a replayed refit launched at once (no public form).
-    ("nemo_gen/refit/worker_ext.py", "torch._foreach_copy_"),
+    ("nemo_gen/refit/direct_load.py", "torch._foreach_copy_"),
     # an op's schema, the only place that says which arguments an op writes (dispatch modes read it).
-    ("nemo_gen/refit/worker_ext.py", "func._schema"),
+    ("nemo_gen/refit/copy_plan.py", "func._schema"),
     # multiprocessing's forkserver and resource tracker: their PIDs and the server's stop (a shard
     # starts its EngineCore from that server, and must tell it from the engine's processes).
     ("nemo_gen/fleet/engine_start.py", "forkserver._forkserver"),
