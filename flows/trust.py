@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from nemo_gen import config_loader
+from nemo_gen import config_document, config_loader
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings, parse_override
 
@@ -245,7 +245,7 @@ def deployment_settings(params: Any, load: Callable[[Any], NemoGenSettings],
     worker = NemoGenSettings.load()  # the worker's environment and the defaults: the operator's
     check_allowed_paths(params, worker, base)
     roots = allowed_roots(worker, base)
-    with config_loader.files_only_under(roots, _outside(roots)):
+    with config_document.files_only_under(roots, _outside(roots)):
         settings = load(params)
     check_resolved(settings, worker, base)
     return settings

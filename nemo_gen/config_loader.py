@@ -16,305 +16,31 @@ nemo_gen reads but does not use.
 - NeMo-RL's generation keys that nemo_gen does not implement (``NEMO_RL_KEYS``): a value that
   asks for nothing nemo_gen lacks (null, false, what nemo_gen does anyway) is set aside as
   ``NotUsed`` with the reason; any other value is refused, naming the key.
-- Which files may be read at all, while a caller says so (``files_only_under``: a deployment
-  run's allowed paths): the file and every ``defaults:`` entry, checked before it is read.
+- Which files may be read at all, while a caller says so (``config_document.files_only_under``: a
+  deployment run's allowed paths): the file and every ``defaults:`` entry, checked before it is read.
+
+The reading itself (YAML, inheritance, resolvers) is ``nemo_gen.config_document``'s; the NeMo-RL keys
+and their reasons are ``nemo_gen.nemo_rl_keys``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import os
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
+from nemo_gen.config_document import load_document, register_resolvers, resolved
 from nemo_gen.errors import ConfigError
-
-# --------------------------------------------------------------------------------------------
-# NeMo-RL generation keys nemo_gen reads but does not use
-
-
-def _any(value: Any) -> bool:
-    return True
-
-
-def _null(value: Any) -> bool:
-    return value is None
-
-
-def _off(value: Any) -> bool:
-    return value is None or value is False or value == 0
-
-
-@dataclass(frozen=True)
-class ForeignKey:
-    """A NeMo-RL key with no nemo_gen field: why, and which values ask for nothing missing."""
-
-    reason: str
-    accepts: Callable[[Any], bool] = _any
-    accepted: str = "any value"
-
-
-_HTTP = ("not supported yet: part of NeMo-RL's per-shard HTTP servers (nemo_gen serves the whole fleet through one "
-         "OpenAI-compatible server: vllm_cfg.expose_http_server, server.*)")
-_OTHER_BACKEND = "configures another NeMo-RL backend; nemo_gen implements backend=vllm"
-_QUANT = ("NeMo-RL's ModelOpt quantization is not supported; vllm_cfg.precision=fp8 or "
-          "vllm_kwargs.quantization select vLLM's own")
-
-#: Dotted keys under nemo_gen's tree (``generation.…``) that NeMo-RL defines and nemo_gen does not.
-NEMO_RL_KEYS: dict[str, ForeignKey] = {
-    "generation.colocated": ForeignKey(
-        "NeMo-RL's trainer/generation GPU sharing (engines sleep while the trainer runs); a nemo_gen "
-        "fleet owns its devices, and a trainer on the engines' GPU refits them through "
-        "refit.backend=nemo_gen_ipc"),
-    "generation.port_range_low": ForeignKey("ports of NeMo-RL's per-worker servers; nemo_gen's engines open none"),
-    "generation.port_range_high": ForeignKey("ports of NeMo-RL's per-worker servers; nemo_gen's engines open none"),
-    "generation.use_async_rollouts": ForeignKey("SGLang's switch; with vLLM, vllm_cfg.async_engine decides"),
-    "generation.refit_transport": ForeignKey(
-        "NeMo-RL's refit transports (nixl, nccl_reshard, sparse deltas, plugins) are not supported; "
-        "nemo_gen refits through refit.backend (nemo_gen_shm, nemo_gen_ipc, or vLLM's ipc / nccl)",
-        _null, "null"),
-    "generation.refit_cfg": ForeignKey("configures NeMo-RL's refit transports (refit_transport)"),
-    "generation.quant_cfg": ForeignKey(_QUANT, _null, "null"),
-    "generation.real_quant": ForeignKey(_QUANT, _off, "false or null"),
-    "generation.real_quant_export_cpu_offload": ForeignKey("only read with real_quant"),
-    "generation.real_quant_ignore": ForeignKey("only read with real_quant"),
-    "generation.val_temperature": ForeignKey(
-        "NeMo-RL's validation sampling: a trainer passes it per call (fleet.generate(..., "
-        "temperature=...)); nemo-gen runs sample with temperature / top_p / top_k"),
-    "generation.val_top_p": ForeignKey("NeMo-RL's validation sampling (see val_temperature)"),
-    "generation.val_top_k": ForeignKey("NeMo-RL's validation sampling (see val_temperature)"),
-    "generation.num_prompts_per_step": ForeignKey("NeMo-RL's eval batching; nemo-gen batches with run.batch_size"),
-    "generation.mcore_generation_config": ForeignKey(_OTHER_BACKEND),
-    "generation.sglang_cfg": ForeignKey(_OTHER_BACKEND),
-    "generation.trtllm_cfg": ForeignKey(_OTHER_BACKEND),
-    "generation.dynamo_cfg": ForeignKey(_OTHER_BACKEND),
-    "generation.vllm_cfg.http_refit_api_key_env_var": ForeignKey(_HTTP, _null, "null"),
-    "generation.vllm_cfg.http_refit_server_port": ForeignKey(_HTTP, _null, "null"),
-    "generation.vllm_cfg.zmq_refit_server_port": ForeignKey(_HTTP, _null, "null"),
-    "generation.vllm_cfg.http_server_serving_chat_kwargs": ForeignKey(_HTTP, _null, "null"),
-    "generation.vllm_cfg.tool_parser_plugin": ForeignKey(_HTTP, _null, "null"),
-    "generation.vllm_cfg.reasoning_parser_plugin": ForeignKey(_HTTP, _null, "null"),
-    "generation.vllm_cfg.use_tqdm": ForeignKey("vLLM's own progress bars; nemo-gen shows its own progress"),
-    "generation.vllm_cfg.is_mx": ForeignKey("MX-format weights are not supported", _off, "false or null"),
-    "generation.vllm_cfg.enable_return_routed_experts": ForeignKey(
-        "results do not carry MoE routing (routed experts); not supported", _off, "false or null"),
-    "generation.vllm_cfg.num_first_layers_in_bf16": ForeignKey(
-        "NeMo-RL's fp8 layer exclusions are not supported (precision=fp8 quantizes every layer)", _off, "0 or null"),
-    "generation.vllm_cfg.num_last_layers_in_bf16": ForeignKey(
-        "NeMo-RL's fp8 layer exclusions are not supported (precision=fp8 quantizes every layer)", _off, "0 or null"),
-    "generation.vllm_cfg.video": ForeignKey("video inputs are not supported (prompts are text or token ids)", _null, "null"),
-    "generation.vllm_cfg.reset_encoder_cache_after_weight_update": ForeignKey(
-        "nemo_gen resets the encoder cache after every refit anyway (as vLLM's reload_weights does)"),
-    "generation.vllm_cfg.cap_max_tokens_to_context": ForeignKey(
-        "vLLM stops a request at max_model_len (finish_reason 'length'); false (fail instead) is not "
-        "supported", lambda v: v is None or v is True, "true or null"),
-}
-
-#: NeMo-RL keys with another name in nemo_gen: the value moves to the nemo_gen field.
-NEMO_RL_ALIASES: dict[str, str] = {
-    "generation.worker_extension_cls_fqn": "generation.vllm_cfg.worker_extension_cls",
-}
-
-#: Top-level sections of NeMo-RL recipes (training and eval). One of them (or ``policy``) marks a
-#: document as a recipe; in a recipe, every top-level key nemo_gen does not read is not used.
-NEMO_RL_SECTIONS = frozenset({
-    "policy", "grpo", "sft", "dpo", "rm", "distillation", "eval", "loss_fn", "checkpointing", "data",
-    "env", "logger", "cluster", "tokenizer", "teacher", "async_rl", "reward_model", "profiler",
-})
-
-_SECTION_REASONS = {
-    "cluster": "NeMo-RL's cluster shape; a nemo_gen fleet is sized by fleet.num_shards on the Ray "
-               "cluster it finds (ray.address)",
-    "eval": "NeMo-RL's scoring loop (metric, k); nemo-gen writes samples, scoring is the caller's",
-    "data": "NeMo-RL's datasets; nemo-gen reads prompts from run.input (JSONL)",
-    "tokenizer": "tokenizer options besides the name (chat template); nemo-gen sends prompts as given",
-}
-
-#: policy.* keys nemo_gen maps (the rest of policy is the trainer's).
-_POLICY_MAPPED = ("generation", "model_name", "tokenizer", "max_total_sequence_length", "precision")
-
-
-@dataclass(frozen=True)
-class NotUsed:
-    """A key from the settings sources that nemo_gen read and does not use, and why."""
-
-    key: str
-    value: Any
-    reason: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "value": self.value, "reason": self.reason}
-
-
-# --------------------------------------------------------------------------------------------
-# reading a document: YAML through OmegaConf, with NeMo-RL's inheritance and resolvers
-
-_RESOLVERS: dict[str, Callable[..., Any]] = {
-    "add": lambda a, b: a + b,
-    "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
-    "div": lambda a, b: a / b,
-    "max": lambda a, b: max(a, b),
-}
-
-
-def register_resolvers() -> None:
-    """NeMo-RL's resolvers, registered once (a process that imported NeMo-RL already has them)."""
-    from omegaconf import OmegaConf
-
-    register = getattr(OmegaConf, "register_resolver", None)  # omegaconf >= 2.4
-    for name, fn in _RESOLVERS.items():
-        if OmegaConf.has_resolver(name):
-            continue
-        if register is not None:
-            register(name, fn, annotation_validation="off")
-        else:  # pragma: no cover - omegaconf < 2.4
-            OmegaConf.register_new_resolver(name, fn)
-
-
-def _yaml_loader():
-    try:
-        from omegaconf._yaml import get_yaml_loader  # omegaconf >= 2.4
-    except ImportError:  # pragma: no cover - omegaconf 2.1-2.3
-        from omegaconf._utils import get_yaml_loader
-    return get_yaml_loader()
-
-
-def _read_mapping(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read settings file: {exc.strerror or exc}", field=str(path)) from None
-    try:
-        data = yaml.load(text, Loader=_yaml_loader())  # OmegaConf's loader: 1e-8 is a float
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}", field=str(path)) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"the top level must be a mapping, got {type(data).__name__}", field=str(path))
-    return data
-
-
-# The directories settings files may be read from, and what to say of a file outside them (unset:
-# anywhere). Held per context, so one deployment run's limits never leak into another's thread.
-_READABLE: ContextVar[tuple[tuple[Path, ...], str] | None] = ContextVar("nemo_gen_readable", default=None)
-
-
-@contextlib.contextmanager
-def files_only_under(roots: Sequence[Path], outside: str = "outside the allowed paths") -> Iterator[None]:
-    """While in this block, a settings file (and each file its ``defaults:`` names) must resolve —
-    symlinks and ``..`` followed — inside one of ``roots`` (real paths), or it is refused, naming
-    it, before it is opened: neither its content nor whether it exists reaches an error message.
-    ``outside``: how the refusal describes such a file."""
-    token = _READABLE.set((tuple(Path(r) for r in roots), outside))
-    try:
-        yield
-    finally:
-        _READABLE.reset(token)
-
-
-def _check_readable(path: Path, what: str, field: str) -> None:
-    limits = _READABLE.get()
-    if limits is None:
-        return
-    roots, outside = limits
-    real = Path(os.path.realpath(path))
-    if not any(real == root or root in real.parents for root in roots):
-        raise ConfigError(f"{what} is {outside}", field=field)
-
-
-def load_document(path: str | os.PathLike, _chain: tuple[Path, ...] = ()):
-    """``path`` as an OmegaConf ``DictConfig``, its ``defaults:`` chain merged in (unresolved)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    p = Path(path)
-    if not _chain:
-        _check_readable(p, f"settings file {str(p)!r}", "config")
-    real = p.resolve()
-    if real in _chain:
-        loop = " -> ".join(str(c) for c in (*_chain, real))
-        raise ConfigError(f"defaults chain loops: {loop}", field=str(_chain[-1]))
-    data = _read_mapping(p)
-    defaults = data.pop("defaults", None)
-    try:
-        doc = OmegaConf.create(data)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot load: {exc}", field=str(p)) from None
-    if defaults is None:
-        return doc if _chain else _strip_markers(doc)
-    if isinstance(defaults, (str, os.PathLike)):
-        defaults = [defaults]
-    if not isinstance(defaults, list) or not all(isinstance(d, (str, os.PathLike)) for d in defaults):
-        raise ConfigError(f"defaults must be a path or a list of paths, got {defaults!r}", field=f"{p}: defaults")
-    base = OmegaConf.create({})
-    for entry in defaults:
-        parent = Path(entry) if Path(entry).is_absolute() else p.parent / entry
-        _check_readable(parent, f"defaults entry {str(entry)!r} ({parent})", f"{p}: defaults")
-        if not parent.is_file():
-            raise ConfigError(f"defaults entry {str(entry)!r}: no such file {parent}", field=f"{p}: defaults")
-        base = _merge_with_override(base, load_document(parent, (*_chain, real)))
-    merged = _merge_with_override(base, doc)
-    return merged if _chain else _strip_markers(merged)
-
-
-def _marker_paths(tree: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of the mappings in ``tree`` (a plain container) marked ``_override_: true``."""
-    found = []
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                if value.get("_override_") is True:
-                    found.append(f"{prefix}{key}")
-                found += _marker_paths(value, f"{prefix}{key}.")
-    return found
-
-
-def _merge_with_override(base, override):
-    """NeMo-RL's merge: a section marked ``_override_: true`` replaces the inherited one (NeMo-RL
-    honours the marker on top-level sections; nemo_gen at any depth)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    for dotted in _marker_paths(OmegaConf.to_container(override, resolve=False)):
-        parent, _, key = dotted.rpartition(".")
-        holder = OmegaConf.select(base, parent) if parent else base
-        if isinstance(holder, DictConfig) and key in holder:
-            del holder[key]
-        marked = OmegaConf.select(override, dotted)
-        del marked["_override_"]
-    return OmegaConf.merge(base, override)
-
-
-def _strip_markers(doc):
-    """A marker with nothing inherited to replace is dropped (it is not a setting)."""
-    from omegaconf import OmegaConf
-
-    for dotted in _marker_paths(OmegaConf.to_container(doc, resolve=False)):
-        del OmegaConf.select(doc, dotted)["_override_"]
-    return doc
-
-
-def _resolved(doc, dotted: str, source: str) -> Any:
-    """The value at ``dotted`` as plain data, every interpolation resolved (None when absent)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        node = OmegaConf.select(doc, dotted, throw_on_missing=True) if dotted else doc
-        if isinstance(node, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(node, resolve=True)
-        return node
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or dotted
-        msg = str(exc).splitlines()[0]
-        raise ConfigError(f"{source}: cannot resolve {key}: {msg}", field=key) from None
+from nemo_gen.nemo_rl_keys import (
+    NEMO_RL_ALIASES,
+    NEMO_RL_KEYS,
+    NEMO_RL_SECTIONS,
+    POLICY_MAPPED,
+    SECTION_REASONS,
+    NotUsed,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +90,7 @@ def prepare(
         if out.recipe and key.split(".", 1)[0] not in sections:
             continue
         if doc is not None and isinstance(value, str) and "${" in value:
-            value = _resolved(doc, _doc_key(key, gen_at), f"--set {key}")
+            value = resolved(doc, _doc_key(key, gen_at), f"--set {key}")
         override_pairs.append((key, value))
     out.override_data = _nested(override_pairs)
 
@@ -372,7 +98,7 @@ def prepare(
         if out.recipe:
             out.file_data = _recipe_to_settings(doc, gen_at, sections, source, out)
         else:
-            out.file_data = _resolved(doc, "", source)
+            out.file_data = resolved(doc, "", source)
     out.file_data = _split_foreign(out.file_data, out.not_used, gen_at if out.recipe else "generation",
                                    known, lenient=out.recipe, source=source)
     out.override_data = _split_foreign(out.override_data, out.not_used, "generation", known,
@@ -429,18 +155,18 @@ def _recipe_to_settings(doc, gen_at: str, sections: set[str], source: str, out: 
         key = str(key)
         if key in sections:
             if key != "generation" or gen_at == "generation":
-                data[key] = _resolved(doc, key, source)
+                data[key] = resolved(doc, key, source)
         elif key == "policy":
             continue
         elif key == "tokenizer":
             rest = {k: v for k, v in value.items() if k != "name"} if isinstance(value, dict) else value
             if rest:
-                out.not_used.append(NotUsed("tokenizer", _summary(rest), _SECTION_REASONS["tokenizer"]))
+                out.not_used.append(NotUsed("tokenizer", _summary(rest), SECTION_REASONS["tokenizer"]))
         else:
             close = difflib.get_close_matches(key, sorted(sections), n=1, cutoff=0.8)
             if close and key not in NEMO_RL_SECTIONS:
                 raise ConfigError(f"{source}: unknown section {key!r}; did you mean {close[0]!r}?", field=key)
-            reason = _SECTION_REASONS.get(key) or (
+            reason = SECTION_REASONS.get(key) or (
                 f"NeMo-RL's {key} section (the trainer's)" if key in NEMO_RL_SECTIONS else "not a key nemo_gen knows")
             out.not_used.append(NotUsed(key, _summary(value), reason))
     policy = raw.get("policy")
@@ -449,17 +175,17 @@ def _recipe_to_settings(doc, gen_at: str, sections: set[str], source: str, out: 
             if key == "tokenizer" and isinstance(value, dict):
                 rest = {k: v for k, v in value.items() if k != "name"}
                 if rest:
-                    out.not_used.append(NotUsed("policy.tokenizer", _summary(rest), _SECTION_REASONS["tokenizer"]))
-            elif key not in _POLICY_MAPPED:
+                    out.not_used.append(NotUsed("policy.tokenizer", _summary(rest), SECTION_REASONS["tokenizer"]))
+            elif key not in POLICY_MAPPED:
                 out.not_used.append(NotUsed(f"policy.{key}", _summary(value), "NeMo-RL policy (trainer) setting"))
         if gen_at == "policy.generation":
-            data["generation"] = _resolved(doc, "policy.generation", source)
+            data["generation"] = resolved(doc, "policy.generation", source)
     gen = data.setdefault("generation", {})
     if not isinstance(gen, dict):
         raise ConfigError(f"{source}: {gen_at} must be a mapping, got {type(gen).__name__}", field=gen_at)
 
     def mapped(dotted: str) -> Any:
-        return _resolved(doc, dotted, source) if OmegaConf.select(doc, dotted, throw_on_resolution_failure=False,
+        return resolved(doc, dotted, source) if OmegaConf.select(doc, dotted, throw_on_resolution_failure=False,
                                                                   default=None) is not None else None
 
     # NeMo-RL's GRPO setup copies policy.model_name into the generation config.
