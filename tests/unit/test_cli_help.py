@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nemo_gen.cli import EXIT_BAD_INPUT, EXIT_OK, _parser, main
+from nemo_gen.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from nemo_gen.cli_parser import build_parser
 from nemo_gen.settings import ENV_PREFIX, NemoGenSettings, describe_settings
 
 RECIPE = Path(__file__).resolve().parents[1] / "data" / "nemo_rl" / "recipes" / "llm" / "grpo-qwen2.5-math-1.5b-2n8g-megatron.yaml"
@@ -45,7 +46,7 @@ def _parsers(parser: argparse.ArgumentParser, path: str = "nemo-gen"):
 
 def test_every_option_of_every_command_has_help():
     seen, missing = [], []
-    for path, parser in _parsers(_parser()):
+    for path, parser in _parsers(build_parser()):
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for choice in action._choices_actions:
