@@ -66,7 +66,7 @@ from nemo_gen.core.fleet_health import (
     ShardState,
 )
 from nemo_gen.core.placement import ClusterResources, plan_fleet_placement
-from nemo_gen.core.refit import (
+from nemo_gen.core.manifest import (
     RefitReport,
     ShardRefit,
     TensorMeta,

@@ -11,7 +11,7 @@ buckets, only metadata (names, offsets) goes over a pipe. Two shapes are measure
 - ``packed``: scattered trainer tensors are packed into two reused staging buckets (double
   buffered, so packing bucket k+1 overlaps unpacking bucket k) — two copies per byte.
 
-- ``nemo_gen_ipc``: the shipped transport (``nemo_gen.refit.cuda_ipc``) on scattered tensors
+- ``nemo_gen_ipc``: the shipped transport (``nemo_gen.vllm_ext.cuda_ipc``) on scattered tensors
   (each its own allocation, as a torch module's parameters are): every storage's handle
   exported and opened once, a refit sends metadata and the engine copies out of the trainer's
   memory — one device copy per byte, like ``flat``, whatever the trainer's layout.
@@ -97,7 +97,7 @@ def engine(conn, shapes, dtype_name):
             conn.send(("done", None))
             continue
         if kind == "ipc_info":  # ("ipc_info", IpcSender.update_info(...), [param index per name])
-            from nemo_gen.refit.cuda_ipc import IpcReceiver
+            from nemo_gen.vllm_ext.cuda_ipc import IpcReceiver
 
             _, info, indices = msg
             receiver = buckets.setdefault("receiver", IpcReceiver(torch.device("cuda", 0)))
@@ -231,7 +231,7 @@ def run(args):
     results["packed_fraction_of_copy"] = (total / packed_s) / copy_bw
 
     # nemo_gen_ipc: the shipped sender/receiver on the scattered tensors.
-    from nemo_gen.refit.cuda_ipc import IpcSender
+    from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
     sender = IpcSender()
     named = [(f"p{i}", t) for i, t in enumerate(scattered)]

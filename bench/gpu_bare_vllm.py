@@ -40,7 +40,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     import_s = time.monotonic() - t0
-    from nemo_gen.fleet.gpu_memory import engine_start_lock
+    from nemo_gen.host.gpu_memory import engine_start_lock
 
     t1 = time.monotonic()
     with engine_start_lock() as lock:  # as a fleet's engine would, on a shared GPU

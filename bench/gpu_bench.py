@@ -233,7 +233,7 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from nemo_gen.fleet.engine import sampling_params
+        from nemo_gen.shard.engine import sampling_params
 
         engine = actor.engine
         vllm_params = SamplingParams(temperature=0.0, max_tokens=resolved["max_new_tokens"], ignore_eos=True, logprobs=0)
@@ -448,7 +448,7 @@ def main() -> None:
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo, vllm_steps_only
+        from nemo_gen.vllm_ext.vllm_backend import CudaIpcTrainerInitInfo, vllm_steps_only
 
         policy, handle = state["policy"], fleet.shards[0]
         before = greedy()
@@ -639,7 +639,7 @@ def main() -> None:
 
     @step("restart_after_sigkill", out, args.deadline_s, 200)
     def _():
-        from nemo_gen.fleet import gpu_memory
+        from nemo_gen.host import gpu_memory
 
         victim = fleet.status()[0]
         dead = [victim.actor_pid, *victim.engine_pids]

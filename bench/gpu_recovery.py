@@ -53,7 +53,7 @@ def wait_until(pred, timeout_s: float, what: str, poll_s: float = 0.005) -> floa
 
 def spare(work: Path) -> dict:
     from nemo_gen import GenerationFleet
-    from nemo_gen.fleet import gpu_memory
+    from nemo_gen.host import gpu_memory
 
     t = time.monotonic()
     fleet = GenerationFleet.launch(settings(work, "spare", **{"fleet.spares": 1}))
@@ -94,7 +94,7 @@ sys.path.insert(0, os.path.dirname(sys.argv[1]))
 from gpu_recovery import settings, wait_until
 from pathlib import Path
 from nemo_gen import GenerationFleet
-from nemo_gen.fleet import gpu_memory
+from nemo_gen.host import gpu_memory
 
 fleet = GenerationFleet.launch(settings(Path(sys.argv[2]), "orphan"))
 out = {}

@@ -154,7 +154,7 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = POLL_S):
 
 
 def alive(pids) -> list[int]:
-    from nemo_gen.fleet.processes import alive as running
+    from nemo_gen.host.processes import alive as running
 
     return [pid for pid in pids if running(pid)]
 

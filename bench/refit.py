@@ -61,9 +61,9 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
     import ray
     import torch
 
-    from nemo_gen import policies
-    from nemo_gen.core.refit import layout
-    from nemo_gen.refit.sources import CheckpointSource
+    from nemo_gen.config import policies
+    from nemo_gen.core.manifest import layout
+    from nemo_gen.fleet.weight_sources import CheckpointSource
 
     src = CheckpointSource(path)
     metas = src.manifest()
@@ -96,7 +96,7 @@ def trainer_api_refits(fleet, model_dir: Path, rounds: int) -> list[float]:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import SharedMemoryTrainerInitInfo
 
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     client = fleet.weight_sync_client()
@@ -132,7 +132,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from nemo_gen import GenerationFleet, NemoGenSettings
-    from nemo_gen.refit.worker_ext import FORCE_RELOAD_ENV
+    from nemo_gen.vllm_ext.worker_ext import FORCE_RELOAD_ENV
     from nemo_gen.tiny_model import make_tiny_model
 
     home = Path(os.environ.get("NEMO_GEN_BENCH_HOME", Path(tempfile.gettempdir()) / "nemo-gen-bench"))

@@ -44,7 +44,7 @@ def main() -> None:
     from local_cpu import LocalCpu
 
     from nemo_gen import GenerationFleet
-    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import SharedMemoryTrainerInitInfo
 
     local = LocalCpu("refit-call")
     settings = local.settings(**{"fleet.num_shards": args.shards})

@@ -261,7 +261,7 @@ class WeightPusher:
             from vllm.distributed.weight_transfer.base import ModuleSource
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-            from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo, SharedMemoryTrainerInitInfo
+            from nemo_gen.vllm_ext.vllm_backend import CudaIpcTrainerInitInfo, SharedMemoryTrainerInitInfo
 
             init = CudaIpcTrainerInitInfo() if device == "gpu" else SharedMemoryTrainerInitInfo()
             self.client = fleet.weight_sync_client(in_flight=in_flight)

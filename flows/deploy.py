@@ -81,7 +81,7 @@ def check_file(data: dict[str, Any], path: Path = SPEC) -> None:
     )
     from pydantic import TypeAdapter, ValidationError
 
-    from nemo_gen.config_loader import suggest
+    from nemo_gen.config.loader import suggest
 
     def unknown(keys, model, where: str, extra: set[str] = frozenset()) -> None:
         known = set(extra)

@@ -29,7 +29,8 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from nemo_gen import config_document, config_loader
+from nemo_gen.config import document as config_document
+from nemo_gen.config import loader as config_loader
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings, parse_override
 

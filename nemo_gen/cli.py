@@ -175,7 +175,7 @@ def _fleet(args: argparse.Namespace, guard: SignalGuard) -> int:
 
 
 def _refit(args: argparse.Namespace, guard: SignalGuard) -> int:
-    from nemo_gen.refit.sources import CheckpointSource
+    from nemo_gen.fleet.weight_sources import CheckpointSource
 
     settings = _persistent_settings(args)
     checkpoint = str(args.checkpoint.resolve())

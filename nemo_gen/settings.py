@@ -5,12 +5,12 @@ variables (``__`` nests: ``NEMO_GEN_FLEET__NUM_SHARDS=4``) < overrides (the CLI'
 ``--set fleet.num_shards=4``, or a dict of dotted keys). ``NemoGenSettings.load`` validates once
 and turns every problem into one ``ConfigError`` that names the dotted field and the file.
 
-The YAML file is read as NeMo-RL reads its recipes (``nemo_gen.config_loader``: OmegaConf,
+The YAML file is read as NeMo-RL reads its recipes (``nemo_gen.config.loader``: OmegaConf,
 ``defaults:`` inheritance, interpolations, NeMo-RL's resolvers). The ``generation`` section holds
 the keys of NeMo-RL's ``GenerationConfig``/``VllmConfig`` that nemo_gen acts on; NeMo-RL's others
 are accepted only with values that ask for nothing missing, and listed in ``settings.not_used``.
 Enumerated values are checked against what exists: the installed vLLM's dtypes, KV cache dtypes,
-load formats, engine arguments and weight-transfer backends (``nemo_gen.vllm_choices``), and the
+load formats, engine arguments and weight-transfer backends (``nemo_gen.config.vllm_choices``), and the
 generation backends ``resolve_generation_class`` knows. ``to_generation_config()`` hands the
 plain dict that NeMo-RL's functions (``configure_generation_config``) expect.
 """
@@ -72,7 +72,7 @@ class ModelSettings(_Section):
 
 # --------------------------------------------------------------------------------------------
 # generation: NeMo-RL's GenerationConfig + VllmConfig, the keys nemo_gen acts on. NeMo-RL's
-# other keys (colocation, HTTP server, its refit transports, ...) are nemo_gen.config_loader's
+# other keys (colocation, HTTP server, its refit transports, ...) are nemo_gen.config.loader's
 # NEMO_RL_KEYS: read, shown as not used, or refused when they ask for something missing.
 
 
@@ -80,7 +80,7 @@ def _one_of(value: str, choices: Sequence[str] | None, what: str, hint: str = ""
     """``value`` if it is one of ``choices`` (None: vLLM is not installed here, nothing to
     check against), else a ValueError listing them."""
     if choices is not None and value not in choices:
-        from nemo_gen.config_loader import suggest
+        from nemo_gen.config.loader import suggest
 
         raise ValueError(f"{value!r} is not {what}{suggest(value, choices)} (known: {', '.join(choices)}){hint}")
     return value
@@ -165,27 +165,27 @@ class VllmCfg(_Section):
     worker_extension_cls: str | None = Field(
         None,
         description="Class mixed into vLLM workers (vLLM backend only); must subclass "
-        "nemo_gen.refit.worker_ext.NemoGenWorkerExtension, which refit relies on.",
+        "nemo_gen.vllm_ext.worker_ext.NemoGenWorkerExtension, which refit relies on.",
     )
 
     @field_validator("precision")
     @classmethod
     def _known_precision(cls, value: str) -> str:
-        from nemo_gen import vllm_choices
+        from nemo_gen.config import vllm_choices
 
         return _one_of(value, vllm_choices.precisions(), "a precision vLLM knows")
 
     @field_validator("kv_cache_dtype")
     @classmethod
     def _known_kv_cache_dtype(cls, value: str) -> str:
-        from nemo_gen import vllm_choices
+        from nemo_gen.config import vllm_choices
 
         return _one_of(value, vllm_choices.kv_cache_dtypes(), "a KV cache dtype of the installed vLLM")
 
     @field_validator("load_format")
     @classmethod
     def _known_load_format(cls, value: str | None) -> str | None:
-        from nemo_gen import vllm_choices
+        from nemo_gen.config import vllm_choices
 
         if value is None:
             return value
@@ -282,8 +282,8 @@ class GenerationSettings(_Section):
     @field_validator("vllm_kwargs")
     @classmethod
     def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from nemo_gen import vllm_choices
-        from nemo_gen.config_loader import suggest
+        from nemo_gen.config import vllm_choices
+        from nemo_gen.config.loader import suggest
 
         known = vllm_choices.engine_arg_names()
         unknown = [k for k in value if known is not None and k not in known]
@@ -488,7 +488,7 @@ class RefitSettings(_Section):
     @field_validator("backend")
     @classmethod
     def _registered_backend(cls, value: str) -> str:
-        from nemo_gen import vllm_choices
+        from nemo_gen.config import vllm_choices
 
         return _one_of(value, vllm_choices.weight_transfer_backends(), "a registered weight-transfer backend")
 
@@ -848,13 +848,13 @@ class NemoGenSettings(BaseSettings):
         overrides: Sequence[str] | Mapping[str, Any] | None = None,
     ) -> "NemoGenSettings":
         """Read ``path`` (YAML through OmegaConf: ``defaults:`` inheritance, ``${...}``
-        interpolations; a NeMo-RL recipe is mapped, see ``nemo_gen.config_loader``), then
+        interpolations; a NeMo-RL recipe is mapped, see ``nemo_gen.config.loader``), then
         ``NEMO_GEN_*`` env vars, then ``overrides``; validate once.
 
         Raises ``ConfigError`` naming every bad dotted field (and the file it came from). Keys
         read but not used by nemo_gen are in ``settings.not_used``.
         """
-        from nemo_gen import config_loader
+        from nemo_gen.config import loader as config_loader
 
         known = {"": cls.model_fields, "generation": GenerationSettings.model_fields,
                  "generation.vllm_cfg": VllmCfg.model_fields}
@@ -933,7 +933,7 @@ def _fields_at(loc: Sequence[Any]) -> list[str]:
 
 
 def _config_error(exc: ValidationError, path: str | os.PathLike | None) -> ConfigError:
-    from nemo_gen.config_loader import NEMO_RL_KEYS, suggest
+    from nemo_gen.config.loader import NEMO_RL_KEYS, suggest
 
     problems = []
     for err in exc.errors():
@@ -986,7 +986,7 @@ def describe_settings(prefix: str = "") -> list[dict[str, Any]]:
     values it accepts (``type`` "not used"). Raises ConfigError for an unknown prefix."""
     import json
 
-    from nemo_gen.config_loader import NEMO_RL_KEYS, suggest
+    from nemo_gen.config.loader import NEMO_RL_KEYS, suggest
 
     rows: list[dict[str, Any]] = []
 

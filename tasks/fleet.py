@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from nemo_gen import pipeline
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.fleet import driver
-from nemo_gen.fleet.shard import ShardHandle, ShardSpec
+from nemo_gen.shard.actor import ShardHandle, ShardSpec
 from nemo_gen.jsonl import PromptLine
 
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from nemo_gen.core.liveness import busy_answer
-from nemo_gen.core.refit import chunk_of, needs_whole
+from nemo_gen.core.manifest import chunk_of, needs_whole
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.fleet.batch import add_span
+from nemo_gen.shard.batch import add_span
 from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify
-from nemo_gen.fleet.shard import LAYOUT_UNKNOWN, ShardHandle, ShardSpec
+from nemo_gen.shard.actor import LAYOUT_UNKNOWN, ShardHandle, ShardSpec
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
 
@@ -261,7 +261,7 @@ class FakeDriver:
         if method == "load_refit":
             self._load(shard, args[3])
             return 0.001
-        if method == "weight_sync":  # the shard actor's rules (nemo_gen.fleet.shard.ShardActor.weight_sync)
+        if method == "weight_sync":  # the shard actor's rules (nemo_gen.shard.actor.ShardActor.weight_sync)
             step, payload = args[0], args[1]
             update = chunk_of(step, payload)
             if update is not None and needs_whole(update, shard.layout):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from nemo_gen.fleet.processes import alive as running
+from nemo_gen.host.processes import alive as running
 
 
 def alive(pids) -> list[int]:

@@ -15,9 +15,9 @@ from nemo_gen.errors import ConfigError
 
 Device = Literal["cpu", "gpu"]
 
-# Refit runs inside every vLLM worker through this mixin (nemo_gen/refit/worker_ext.py); the
+# Refit runs inside every vLLM worker through this mixin (nemo_gen/vllm_ext/worker_ext.py); the
 # module named here also registers nemo_gen's weight-transfer backends in the worker.
-WORKER_EXTENSION = "nemo_gen.refit.worker_entry.NemoGenWorkerExtension"
+WORKER_EXTENSION = "nemo_gen.vllm_ext.worker_entry.NemoGenWorkerExtension"
 
 # The nice value the raylet starts a worker process at (Ray's default: 15).
 RAY_WORKER_NICENESS = "RAY_worker_niceness"

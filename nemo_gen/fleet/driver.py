@@ -9,7 +9,7 @@ went unanswered) becomes ``ShardDiedError``; *busy* (the shard refused admission
 as they are. A call waiting on several shards waits once, for all of them, never once each.
 
 A refit's ``weight_sync`` calls to a shard on this node go over the shard's direct line
-(``nemo_gen.fleet.control_channel``, ``refit.control_channel``), which costs a socket round trip
+(``nemo_gen.shard.control_channel``, ``refit.control_channel``), which costs a socket round trip
 instead of a Ray call's ~1.2-1.5 ms each way; the driver opens one per shard on first use, drops it
 when it breaks or a call outlives its deadline, and Ray carries every call it cannot.
 
@@ -37,8 +37,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_gen.core.retry import is_retriable, kind_of
 from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardBusy, ShardDiedError
-from nemo_gen.fleet.control_channel import Channel, ChannelBroken, FrameUnread, describe
-from nemo_gen.fleet.shard import ShardActor, ShardHandle, ShardSpec, slot_from_name
+from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread, describe
+from nemo_gen.shard.actor import ShardActor, ShardHandle, ShardSpec, slot_from_name
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ ProgressFn = Callable[[int, str, dict[str, Any]], None]
 
 @dataclass(frozen=True)
 class DriverTimeouts:
-    """Deadlines of the calls the driver makes (built from settings by ``nemo_gen.policies``)."""
+    """Deadlines of the calls the driver makes (built from settings by ``nemo_gen.config.policies``)."""
 
     control_s: float  # info / assign: a live actor answers at once
     stop_s: float  # a clean engine stop before the actor is killed
@@ -148,7 +148,7 @@ class ShardDriver:
     def __init__(self, timeouts: DriverTimeouts, channels: bool = True):
         self.timeouts = timeouts
         # refit.control_channel: weight_sync calls to a shard on this host go over its direct
-        # line (nemo_gen.fleet.control_channel); actor name -> the line, None where there is none.
+        # line (nemo_gen.shard.control_channel); actor name -> the line, None where there is none.
         self.channels = channels
         self._channels: dict[str, Channel | None] = {}
 

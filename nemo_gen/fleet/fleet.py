@@ -17,11 +17,11 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Sequence
 
-from nemo_gen import policies
+from nemo_gen.config import policies
 from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.members import Member
 from nemo_gen.core.planner import attach_seeds, seed_ledger
-from nemo_gen.core.refit import RefitReport
+from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
@@ -30,13 +30,13 @@ from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, s
 from nemo_gen.fleet.driver import ProgressFn, ShardDriver
 from nemo_gen.fleet.members import Membership, claimed_slots
 from nemo_gen.fleet.monitor import FleetMonitor, Prober
-from nemo_gen.fleet.processes import reap
+from nemo_gen.host.processes import reap
 from nemo_gen.fleet.record import RecordWriter, create_record, find_record, remove_record
 from nemo_gen.fleet.recovery import Recovery
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.router import Prompt, Router
-from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.shard.actor import ShardHandle
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
 from nemo_gen.fleet.weight_sync import FleetWeightSyncClient

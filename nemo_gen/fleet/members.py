@@ -13,7 +13,7 @@ import threading
 from typing import Iterable
 
 from nemo_gen.core.members import Member
-from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.shard.actor import ShardHandle
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from nemo_gen.core.retry import describe
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.shard.actor import ShardHandle
 
 log = logging.getLogger(__name__)
 

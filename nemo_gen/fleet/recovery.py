@@ -34,13 +34,13 @@ from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Restart, Retire
 from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.environment import REAPING_FLAG
 from nemo_gen.errors import ShardRetired, StaleShard
-from nemo_gen.fleet import gpu_memory
+from nemo_gen.host import gpu_memory
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.processes import processes, wait_exit, wait_or_kill
+from nemo_gen.host.processes import processes, wait_exit, wait_or_kill
 from nemo_gen.fleet.refit import Refitter
-from nemo_gen.fleet.shard import ShardHandle, ShardSpec
+from nemo_gen.shard.actor import ShardHandle, ShardSpec
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.weights import FleetWeights
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from nemo_gen.core.fleet_health import ABSENT_STATES, GenerationFleetHealth
 from nemo_gen.core.members import Member
-from nemo_gen.core.refit import (
+from nemo_gen.core.manifest import (
     DRAFT_PREFIX,
     RefitError,
     RefitReport,
@@ -39,9 +39,9 @@ from nemo_gen.core.refit import (
 from nemo_gen.errors import NemoGenError, ShardDiedError, StaleShard
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.shard.actor import ShardHandle
 from nemo_gen.fleet.weights import FleetWeights, StagedRefit
-from nemo_gen.refit.sources import as_source
+from nemo_gen.fleet.weight_sources import as_source
 
 log = logging.getLogger(__name__)
 

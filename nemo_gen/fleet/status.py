@@ -13,10 +13,10 @@ from typing import Any, Callable
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.fleet import gpu_memory
+from nemo_gen.host import gpu_memory
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.processes import alive
+from nemo_gen.host.processes import alive
 
 
 @dataclass

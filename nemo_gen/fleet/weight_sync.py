@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nemo_gen.core.members import Member
-from nemo_gen.core.refit import (
+from nemo_gen.core.manifest import (
     OWN_BACKENDS,
     RefitError,
     RefitReport,
@@ -43,7 +43,7 @@ from nemo_gen.core.refit import (
     nccl_rank_offsets,
 )
 from nemo_gen.fleet.refit import Refitter, metas_of
-from nemo_gen.fleet.shard import LAYOUT_UNKNOWN, ShardHandle
+from nemo_gen.shard.actor import LAYOUT_UNKNOWN, ShardHandle
 
 log = logging.getLogger(__name__)
 

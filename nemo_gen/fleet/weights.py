@@ -50,7 +50,7 @@ class FleetWeights:
         """Remove the staging files that processes of this fleet which died without closing them
         left behind (a SIGKILLed driver's model-sized tmpfs file); a live process's is kept. Run
         when the fleet starts (or is attached to) and when this process closes it."""
-        from nemo_gen.refit.staging import reclaim_stale
+        from nemo_gen.vllm_ext.staging import reclaim_stale
 
         return reclaim_stale(self._staging_dir, self._fleet_name)
 
@@ -91,7 +91,7 @@ class FleetWeights:
         """The fleet's shared-memory staging file, created on first use and reused (first touch
         of fresh pages is slow: reuse is what makes a refit run at copy speed)."""
         if self._staging is None:
-            from nemo_gen.refit.staging import SharedMemoryStaging
+            from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
             self._staging = SharedMemoryStaging(self._staging_dir, self._fleet_name)
         return self._staging

@@ -60,7 +60,7 @@ from vllm.utils import random_uuid
 
 from nemo_gen.core.attempts import Admission
 from nemo_gen.core.fleet_health import SERVING_STATES
-from nemo_gen.core.refit import RefitError
+from nemo_gen.core.manifest import RefitError
 from nemo_gen.core.results import Delta
 from nemo_gen.errors import (DataError, FleetBusy, InfraError, NemoGenError, RequestError, RequestTimeout,
                              ShardDiedError, ShardRetired, StaleShard)

@@ -53,7 +53,7 @@ from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 
 from nemo_gen.core.detokenize import IncrementalText
-from nemo_gen.fleet.batch import add_span
+from nemo_gen.shard.batch import add_span
 
 # OpenAI (and vLLM-extension) request fields -> the fleet's sampling keywords.
 SAMPLING = {

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_gen import GenerationFleet
 from nemo_gen.core.fleet_health import ShardState
-from nemo_gen.core.refit import RefitError
+from nemo_gen.core.manifest import RefitError
 from nemo_gen.tiny_model import make_tiny_model
 from tests.helpers import shutdown_all
 
@@ -155,7 +155,7 @@ def _trainer(fleet, model_dir, tmp_path, mutate=None):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import SharedMemoryTrainerInitInfo
 
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     if mutate is not None:
@@ -183,7 +183,7 @@ def test_a_vllm_trainer_engine_refits_the_fleet_through_its_weight_sync_client(f
     calls = _direct_calls(fleet)
     client, engine = _trainer(fleet, model_b, tmp_path)
     if protocol == "three steps":
-        from nemo_gen.refit.vllm_backend import vllm_steps_only
+        from nemo_gen.vllm_ext.vllm_backend import vllm_steps_only
 
         engine.client = vllm_steps_only(client)
     try:

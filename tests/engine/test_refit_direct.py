@@ -1,4 +1,4 @@
-"""The CPU refit's direct load path (``nemo_gen.refit.direct_load.DirectLoad``) against vLLM's own
+"""The CPU refit's direct load path (``nemo_gen.vllm_ext.direct_load.DirectLoad``) against vLLM's own
 ``reload_weights``, which stays the fallback for models the direct path does not handle.
 
 One vLLM engine, in a subprocess (no Ray, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the script can
@@ -34,13 +34,13 @@ def main():
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
-    import nemo_gen.refit.worker_ext as ext
-    from nemo_gen.core.refit import TensorMeta, layout
-    from nemo_gen.refit.staging import SharedMemoryStaging
+    import nemo_gen.vllm_ext.worker_ext as ext
+    from nemo_gen.core.manifest import TensorMeta, layout
+    from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
     a, b, home = sys.argv[1:4]
     llm = LLM(model=a, dtype="float32", enforce_eager=True, max_model_len=256,
-              worker_extension_cls="nemo_gen.refit.worker_ext.NemoGenWorkerExtension")
+              worker_extension_cls="nemo_gen.vllm_ext.worker_ext.NemoGenWorkerExtension")
     prompts = ["The quick brown fox", "Once upon a time", "Hello, my name is"]
     sampling = SamplingParams(temperature=0, max_tokens=12)
     greedy = lambda: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sampling, use_tqdm=False)]
@@ -100,7 +100,7 @@ def test_direct_load_matches_reload_weights_and_round_trips(tiny_model_dir, tmp_
 def test_models_the_direct_path_does_not_handle_fall_back_to_reload_weights():
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    from nemo_gen.refit.direct_load import DirectLoad
+    from nemo_gen.vllm_ext.direct_load import DirectLoad
 
     class OtherMethod(QuantizeMethodBase):  # e.g. a quantized linear: its own packing
         def create_weights(self, *args, **kwargs):

@@ -8,7 +8,7 @@ import ray
 from safetensors.torch import load_file
 
 from nemo_gen import GenerationFleet
-from nemo_gen.core.refit import RefitError
+from nemo_gen.core.manifest import RefitError
 from nemo_gen.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -64,7 +64,7 @@ def test_a_vllm_trainer_engine_refits_the_drafter_only(spec_fleet, tiny_model_di
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from nemo_gen.refit.vllm_backend import SharedMemoryTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import SharedMemoryTrainerInitInfo
 
     fleet = spec_fleet
     before = [r.token_ids for r in fleet.generate(PROMPTS, temperature=0)]

@@ -1,5 +1,5 @@
 """Settings that reach the engines act there, on a real vLLM CPU engine: bad_words (per call and
-from the generation config) keep a token out of the output, and what nemo_gen.vllm_choices read
+from the generation config) keep a token out of the output, and what nemo_gen.config.vllm_choices read
 from vLLM's source is what the installed vLLM registers when imported."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.model_executor.model_loader import LoadFormats
 import dataclasses, typing
-import nemo_gen.refit.worker_entry  # registers nemo_gen's backends, as engines do
+import nemo_gen.vllm_ext.worker_entry  # registers nemo_gen's backends, as engines do
 print(json.dumps({
     "kv": list(typing.get_args(CacheDType)), "dtypes": list(typing.get_args(ModelDType)),
     "loads": list(typing.get_args(LoadFormats)),
@@ -81,7 +81,7 @@ print(json.dumps({
 
 
 def test_what_is_read_from_vllms_source_is_what_vllm_has():
-    from nemo_gen import vllm_choices
+    from nemo_gen.config import vllm_choices
 
     out = subprocess.run([sys.executable, "-c", _REGISTRY], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_gen import GenerationFleet
-from nemo_gen.core.refit import RefitError
+from nemo_gen.core.manifest import RefitError
 from nemo_gen.tiny_model import make_tiny_model
 from tests.unit.test_staging import _child_staging, _fake_free, _sigkill, small_tmpfs
 

@@ -25,7 +25,7 @@ from tests.helpers import wait_until
 
 def main(work: Path) -> None:
     from nemo_gen import GenerationFleet
-    from nemo_gen.fleet import gpu_memory
+    from nemo_gen.host import gpu_memory
     from nemo_gen.settings import NemoGenSettings
     from nemo_gen.tiny_model import make_tiny_model
 

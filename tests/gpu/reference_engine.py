@@ -37,11 +37,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    import nemo_gen.refit.worker_ext as ext
+    import nemo_gen.vllm_ext.worker_ext as ext
     from nemo_gen.core.engine_args import WORKER_EXTENSION
-    from nemo_gen.core.refit import TensorMeta, layout
-    from nemo_gen.fleet.gpu_memory import engine_start_lock
-    from nemo_gen.refit.staging import SharedMemoryStaging
+    from nemo_gen.core.manifest import TensorMeta, layout
+    from nemo_gen.host.gpu_memory import engine_start_lock
+    from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
     prompts = json.loads(prompts_json)
     t0 = time.monotonic()
@@ -50,7 +50,7 @@ def main() -> None:
                   gpu_memory_utilization=float(util), disable_log_stats=True,
                   worker_extension_cls=WORKER_EXTENSION)  # what the fleet's engines load
     start_s = time.monotonic() - t0
-    # As the fleet's shards sample (nemo_gen.fleet.engine.sampling_params), EOS ignored.
+    # As the fleet's shards sample (nemo_gen.shard.engine.sampling_params), EOS ignored.
     sampling = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=int(max_tokens),
                               ignore_eos=True, logprobs=0)
 

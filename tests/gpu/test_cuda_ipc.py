@@ -34,7 +34,7 @@ def named(policy: torch.nn.Module, flat: torch.Tensor) -> list[tuple[str, torch.
 
 def engine(conn) -> None:
     """The engine process: its own copy of every tensor, loaded from the trainer's views."""
-    from nemo_gen.refit.cuda_ipc import IpcReceiver
+    from nemo_gen.vllm_ext.cuda_ipc import IpcReceiver
 
     torch.cuda.set_device(0)
     receiver = IpcReceiver(torch.device("cuda", 0))
@@ -71,8 +71,8 @@ def sums(tensors: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
 
 
 def test_engine_loads_the_trainers_tensors_in_place_and_handles_are_shared_once(engine_proc):
-    from nemo_gen.core.refit import layout_only
-    from nemo_gen.refit.cuda_ipc import IpcSender
+    from nemo_gen.core.manifest import layout_only
+    from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
     policy, flat = make_policy(0), torch.randn(4096, device="cuda")
     sender = IpcSender()
@@ -125,14 +125,14 @@ def test_engine_loads_the_trainers_tensors_in_place_and_handles_are_shared_once(
 
 
 def test_a_cpu_tensor_is_refused_by_name():
-    from nemo_gen.refit.cuda_ipc import IpcSender
+    from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
     with pytest.raises(ValueError, match="lm_head.weight is on cpu"):
         IpcSender().update_info([("lm_head.weight", torch.ones(2))])
 
 
 def test_an_engine_on_another_gpu_is_told_to_use_nccl(engine_proc):
-    from nemo_gen.refit.cuda_ipc import IpcSender
+    from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
     info = dict(IpcSender().update_info([("w", torch.ones(4, device="cuda"))]))
     handles = pickle.loads(info["handles"])

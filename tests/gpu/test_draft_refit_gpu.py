@@ -83,7 +83,7 @@ def test_a_colocated_trainer_refits_the_cuda_drafter_only(spec_fleet, models, at
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import CudaIpcTrainerInitInfo
 
     fleet = spec_fleet
     assert fleet.resolved.generation_config["_draft_weights_from_refit"] is True

@@ -123,7 +123,7 @@ def greedy_each(fleet, prompt_ids) -> dict[int, list[list[int]]]:
 
 
 def test_two_shards_share_one_gpu_each_within_its_share(fleet):
-    from nemo_gen.fleet import gpu_memory
+    from nemo_gen.host import gpu_memory
 
     status = fleet.status()
     assert [s.state for s in status] == ["healthy", "healthy"] and status[0].actor_pid != status[1].actor_pid
@@ -168,7 +168,7 @@ def _ipc_trainer(fleet, model_dir, mutate=None):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import CudaIpcTrainerInitInfo
 
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda()
     if mutate is not None:
@@ -181,7 +181,7 @@ def _ipc_trainer(fleet, model_dir, mutate=None):
 def test_a_bad_manifest_is_rejected_with_nothing_changed(fleet, models, prompt_ids, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from nemo_gen.core.refit import RefitError
+    from nemo_gen.core.manifest import RefitError
 
     version = fleet.weight_version
     tensors = load_file(str(models[1] / "model.safetensors"))
@@ -269,7 +269,7 @@ class GpuWatch:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        from nemo_gen.fleet import gpu_memory
+        from nemo_gen.host import gpu_memory
 
         while not self._stop.is_set():
             procs = gpu_memory.gpu_processes()
@@ -292,7 +292,7 @@ class GpuWatch:
 
 
 def _kill_mid_generation(fleet, prompt_ids, victim_pid, dead_pids):
-    from nemo_gen.fleet import gpu_memory
+    from nemo_gen.host import gpu_memory
 
     victim_name = fleet.handle(1).name
     others = [p for s in fleet.status() for p in (s.actor_pid, *s.engine_pids)]

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_the_1b_trainer_steps_in_place_beside_the_engine(tmp_path):
-    from nemo_gen.refit.cuda_ipc import IpcSender
+    from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
     grpo = load_example("grpo")
     args = grpo.parse_args(["--device", "gpu", "--model-size", "1b", "--prompts", "64", "--group", "8",

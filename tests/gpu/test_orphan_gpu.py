@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_an_orphan_engine_is_reported_with_its_gpu_memory_and_freed_when_killed(tmp_path):
-    from nemo_gen.fleet import gpu_memory
+    from nemo_gen.host import gpu_memory
 
     env = dict(os.environ, RAY_process_group_cleanup_enabled="0",
                PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))

@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from nemo_gen import GenerationFleet
-    from nemo_gen.refit.vllm_backend import CudaIpcTrainerInitInfo
+    from nemo_gen.vllm_ext.vllm_backend import CudaIpcTrainerInitInfo
     from nemo_gen.settings import NemoGenSettings
     from nemo_gen.tiny_model import make_tiny_model
 

@@ -1,4 +1,4 @@
-"""``nemo_gen.fleet.control_channel`` with real sockets: a server running its handler on an event
+"""``nemo_gen.shard.control_channel`` with real sockets: a server running its handler on an event
 loop (as a shard actor's runs ``weight_sync`` on Ray's), and a driver's line to it. The line
 inside a fleet, with real engines, is tested in tests/engine/test_refit.py."""
 
@@ -15,7 +15,7 @@ from multiprocessing.connection import AuthenticationError
 
 import pytest
 
-from nemo_gen.fleet.control_channel import Channel, ChannelBroken, ChannelServer
+from nemo_gen.shard.control_channel import Channel, ChannelBroken, ChannelServer
 
 # fleet.control_timeout_s of these lines: connecting and each handshake give up after it.
 TIMEOUT_S = 5.0
@@ -204,7 +204,7 @@ class _LocalDriver:
 
 
 def _handle():
-    from nemo_gen.fleet.shard import ShardHandle
+    from nemo_gen.shard.actor import ShardHandle
 
     return ShardHandle(index=0, name="fleet-shard-0", actor=None, placement_group=None)
 
@@ -243,7 +243,7 @@ def test_a_frame_that_does_not_unpickle_is_answered_and_the_line_goes_on(server)
     """An authenticated frame the actor cannot read (bytes that are no pickle, a class the actor
     cannot import) was left unanswered: the refit waited out its deadline and quarantined a
     healthy shard. It is answered "unread" at once, and the next call is served."""
-    from nemo_gen.fleet.control_channel import FrameUnread
+    from nemo_gen.shard.control_channel import FrameUnread
 
     line = Channel(server.address, server.key, TIMEOUT_S)
     try:
@@ -324,7 +324,7 @@ def test_a_call_the_line_cannot_read_goes_over_ray(server):
     """fan_out sends a call the actor answered "unread" over Ray at once (Ray's pickling carries
     a trainer's own classes by value): the shard is not lost, and the line is dropped."""
     from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
-    from nemo_gen.fleet.shard import ShardHandle
+    from nemo_gen.shard.actor import ShardHandle
 
     sent_over_ray = []
 
@@ -365,7 +365,7 @@ def test_fan_out_over_frozen_shards_waits_its_deadline_once():
     import ray as ray_module
 
     from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
-    from nemo_gen.fleet.shard import ShardHandle
+    from nemo_gen.shard.actor import ShardHandle
 
     class Actor:
         def __getattr__(self, name):

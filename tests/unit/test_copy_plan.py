@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_gen.refit.direct_load import DirectLoad, ScratchPool
+from nemo_gen.vllm_ext.direct_load import DirectLoad, ScratchPool
 
 
 class Model(torch.nn.Module):
@@ -103,7 +103,7 @@ def test_a_weight_load_given_the_plan_replays_it_without_classifying_the_model_a
     """What the engine's backend does per refit (``_LoadingEngine``): the last plan goes to the
     next ``WeightLoad``, which checks once that the parameters did not move and then replays it
     for the very same source tensors — and records afresh for any other tensors or a moved one."""
-    from nemo_gen.refit.worker_ext import WeightLoad
+    from nemo_gen.vllm_ext.worker_ext import WeightLoad
 
     model, weights = Model(), sources(0)
     _, plan = load(model, weights)

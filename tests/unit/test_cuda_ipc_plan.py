@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_gen.refit.cuda_ipc import plan
+from nemo_gen.vllm_ext.cuda_ipc import plan
 
 
 def test_tensors_sharing_a_storage_are_one_export_with_byte_offsets():
@@ -28,7 +28,7 @@ def test_a_cpu_tensor_is_refused_by_name_before_any_cuda_call():
     """The refusal needs no GPU: it happens before anything touches CUDA (on this CPU build of
     torch, any CUDA call would raise "Torch not compiled with CUDA enabled" instead). The same
     check as tests/gpu/test_cuda_ipc.py's, which skips here with the rest of that module."""
-    from nemo_gen.refit.cuda_ipc import IpcSender
+    from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
     sender = IpcSender()
     with pytest.raises(ValueError, match="nemo_gen_ipc sends CUDA tensors; lm_head.weight is on cpu"):

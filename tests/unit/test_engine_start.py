@@ -1,4 +1,4 @@
-"""``nemo_gen.fleet.engine_start`` with real processes: a forkserver started the way a shard
+"""``nemo_gen.shard.engine_start`` with real processes: a forkserver started the way a shard
 actor starts it, and children started through its context. The server preloads a light module
 here, where the shard's would preload vLLM, so each test takes well under a second. The patch of
 vLLM's EngineCore start is tested on a stand-in module. With the real vLLM it is tested in
@@ -18,7 +18,8 @@ import types
 import psutil
 import pytest
 
-from nemo_gen.fleet import engine_start, processes
+from nemo_gen.shard import engine_start
+from nemo_gen.host import processes
 
 
 def _child_report(path: str) -> None:
@@ -40,7 +41,7 @@ def _child_report(path: str) -> None:
 _DRIVER = textwrap.dedent("""
     import json, os, sys, time
     import torch  # the server imports it too, as the shard's imports vLLM with torch
-    from nemo_gen.fleet import engine_start
+    from nemo_gen.shard import engine_start
     from tests.unit.test_engine_start import _child_report
 
     os.environ["NEMO_GEN_GONE"] = "set when the server started"
@@ -86,7 +87,7 @@ def test_a_child_is_forked_by_the_server_with_the_environment_of_its_start(tmp_p
 
 _ORPHANING = textwrap.dedent("""
     import sys, time
-    from nemo_gen.fleet import engine_start
+    from nemo_gen.shard import engine_start
     engine_start.start_server(preload=[])
     proc = engine_start.CONTEXT.Process(target=time.sleep, args=(30,))
     proc.start()

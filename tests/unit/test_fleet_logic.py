@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from nemo_gen.core.fleet_health import ShardState
-from nemo_gen.core.refit import RefitError
+from nemo_gen.core.manifest import RefitError
 from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, RequestError, ShardUnavailableError
 from tests import helpers
 from tests.fakes import fake_fleet

@@ -1,4 +1,4 @@
-"""nemo_gen.fleet.gpu_memory over a fake NVML (the real one runs in tests/gpu on an H200)."""
+"""nemo_gen.host.gpu_memory over a fake NVML (the real one runs in tests/gpu on an H200)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from nemo_gen.fleet import gpu_memory as gm
+from nemo_gen.host import gpu_memory as gm
 
 GiB = 2**30
 

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from nemo_gen.cli_view import status_table
-from nemo_gen.fleet import gpu_memory, recovery, status
-from nemo_gen.fleet.shard import ShardHandle
+from nemo_gen.fleet import recovery, status
+from nemo_gen.host import gpu_memory
+from nemo_gen.shard.actor import ShardHandle
 from tests.fakes import FakeDriver, FakeShard, fake_fleet
 
 

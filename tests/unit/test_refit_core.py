@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gen.core.refit import (
+from nemo_gen.core.manifest import (
     ALIGN,
     RefitError,
     RefitReport,

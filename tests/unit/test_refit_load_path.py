@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import nemo_gen.refit.worker_ext as ext
+import nemo_gen.vllm_ext.worker_ext as ext
 
 
 class Worker(ext.NemoGenWorkerExtension):

@@ -419,7 +419,7 @@ def test_nemo_rl_generation_block_loads(tmp_path):
 def test_every_nemo_rl_key_is_a_field_or_accounted_for():
     """NeMo-RL's GenerationConfig / VllmConfig / VllmSpecificArgs keys: each is one nemo_gen acts
     on (a field), or one the loader knows it does not use (NEMO_RL_KEYS) — never unknown."""
-    from nemo_gen.config_loader import NEMO_RL_ALIASES, NEMO_RL_KEYS
+    from nemo_gen.config.loader import NEMO_RL_ALIASES, NEMO_RL_KEYS
     from nemo_gen.generation.interfaces import GenerationConfig, VllmConfig, VllmSpecificArgs
 
     internal = {"_pad_token_id", "_mtp_weights_from_refit", "_debug_payload_metrics", "_draft_weights_from_refit",
@@ -498,7 +498,7 @@ def test_a_nemo_rl_key_from_the_environment_is_named_as_such(monkeypatch):
 
 
 def test_kv_cache_dtype_is_any_of_the_installed_vllms():
-    from nemo_gen import vllm_choices
+    from nemo_gen.config import vllm_choices
 
     assert {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"} <= set(vllm_choices.kv_cache_dtypes())
     for dtype in vllm_choices.kv_cache_dtypes():
@@ -547,7 +547,7 @@ def test_engine_core_start_is_forkserver_or_spawn_and_reaches_every_shard(make_s
 
 
 def test_refit_control_channel_reaches_the_driver():
-    from nemo_gen import policies
+    from nemo_gen.config import policies
 
     assert NemoGenSettings.load().refit.control_channel is True
     assert policies.shard_driver(NemoGenSettings.load()).channels is True
@@ -968,7 +968,7 @@ def test_the_backends_settings_accept_are_the_ones_that_resolve():
 
 
 def test_the_engine_stop_grace_reaches_the_driver():
-    from nemo_gen import policies
+    from nemo_gen.config import policies
 
     s = NemoGenSettings.load(overrides={"fleet.engine_stop_grace_s": 0.25})
     assert policies.driver_timeouts(s).engine_grace_s == 0.25

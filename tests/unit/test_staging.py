@@ -1,4 +1,4 @@
-"""The shared-memory staging file (``nemo_gen.refit.staging``): private names and modes, planted
+"""The shared-memory staging file (``nemo_gen.vllm_ext.staging``): private names and modes, planted
 symlinks never followed, the sweep of dead processes' files, and free space checked before a
 byte is written (invariant 8; reliability review 2026-12-04, finding 9)."""
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_gen.core.refit import RefitError, TensorMeta, layout
-from nemo_gen.refit import staging as staging_mod
-from nemo_gen.refit.staging import SharedMemoryStaging
+from nemo_gen.core.manifest import RefitError, TensorMeta, layout
+from nemo_gen.vllm_ext import staging as staging_mod
+from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
 FLEET = "unit-fleet"
 VICTIM_BYTES = b"precious" * 125  # 1000 bytes
@@ -57,7 +57,7 @@ def _child_staging(directory: Path, name: str, nbytes: int = 4096) -> tuple[subp
     """A real process that stages a file and then waits to be killed: (process, its file)."""
     code = textwrap.dedent(f"""
         import sys, time
-        from nemo_gen.refit.staging import SharedMemoryStaging
+        from nemo_gen.vllm_ext.staging import SharedMemoryStaging
         s = SharedMemoryStaging({str(directory)!r}, {name!r})
         s.ensure({nbytes})
         print(s.path, flush=True)
@@ -332,8 +332,8 @@ def test_a_first_staging_with_no_room_leaves_no_file(tmp_path, monkeypatch):
 
 _FULL_TMPFS = """
 import os, sys, types
-from nemo_gen.core.refit import RefitError, TensorMeta, layout
-from nemo_gen.refit import staging as m
+from nemo_gen.core.manifest import RefitError, TensorMeta, layout
+from nemo_gen.vllm_ext import staging as m
 import torch
 if sys.argv[2] == "lie":  # statvfs claims room: the reservation itself must catch ENOSPC
     os.statvfs = lambda p: types.SimpleNamespace(f_bavail=1 << 30, f_frsize=4096)

@@ -3,7 +3,7 @@
 the shard lost after it, the shard's load while a stream is read, cancellation, sessions, and the
 per-token weight-version spans of a refit landing mid-stream. The engine paths (vLLM's deltas
 through a Ray streaming generator) are tested in tests/e2e/test_serve.py; the pure pieces that cut
-deltas out of a request's track (nemo_gen.fleet.streaming) at the end of this file."""
+deltas out of a request's track (nemo_gen.shard.streaming) at the end of this file."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.errors import RequestError, ShardDiedError
-from nemo_gen.fleet.batch import Track, sampled_by
-from nemo_gen.fleet.streaming import Cursor, merge, span_slice
+from nemo_gen.shard.batch import Track, sampled_by
+from nemo_gen.shard.streaming import Cursor, merge, span_slice
 from tests import helpers
 from tests.fakes import fake_fleet
 
@@ -201,7 +201,7 @@ def test_a_final_only_track_cut_without_resume_closes_from_what_the_engine_holds
     """An unstreamed batch's request reports only its final output: a cut that does not resume
     reads what each sample had made (``Piece``s, as vLLM's request state holds them) and closes
     the partial result, the unfinished samples ending with "abort"."""
-    from nemo_gen.fleet.batch import Piece
+    from nemo_gen.shard.batch import Piece
 
     req = GenerationRequest(index=3, prompt_token_ids=[1, 2])
     track = Track.start(req, SimpleNamespace(n=2, max_tokens=5), "r", "i", final_only=True)
@@ -219,7 +219,7 @@ def test_a_final_only_track_cut_without_resume_closes_from_what_the_engine_holds
 
 
 def test_spans_between_cuts_a_samples_labels_to_a_delta():
-    from nemo_gen.fleet.batch import spans_between
+    from nemo_gen.shard.batch import spans_between
 
     starts = [("a", 0), ("b", 5)]  # label a from token 0, b from token 5
     assert spans_between(starts, 0, 3) == [("a", 3)]

@@ -14,28 +14,28 @@ PACKAGE = ROOT / "nemo_gen"
 # Private attributes of other libraries' objects that nemo_gen must touch, each with its reason.
 FOREIGN_PRIVATE = {
     # vLLM keeps its weight-transfer registries private; registering twice must be idempotent.
-    ("nemo_gen/refit/vllm_backend.py", "WeightTransferEngineFactory._registry"),
-    ("nemo_gen/refit/vllm_backend.py", "WeightTransferTrainerFactory._registry"),
+    ("nemo_gen/vllm_ext/vllm_backend.py", "WeightTransferEngineFactory._registry"),
+    ("nemo_gen/vllm_ext/vllm_backend.py", "WeightTransferTrainerFactory._registry"),
     # torch's own parameter table, written in place by the direct refit path.
-    ("nemo_gen/refit/direct_load.py", "module._parameters"),
-    ("nemo_gen/refit/copy_plan.py", "module._parameters"),
+    ("nemo_gen/vllm_ext/direct_load.py", "module._parameters"),
+    ("nemo_gen/vllm_ext/copy_plan.py", "module._parameters"),
     # the sync engine's core client: its input socket is shared by the step thread and an
     # in-flight refit's control calls (a send lock), and the step thread marks its output waits.
-    ("nemo_gen/fleet/engine.py", "core._send_input"),
+    ("nemo_gen/shard/engine.py", "core._send_input"),
     # our scratch buffers, kept on vLLM's worker object between refits.
-    ("nemo_gen/refit/worker_ext.py", "worker._nemo_gen_scratch"),
+    ("nemo_gen/vllm_ext/worker_ext.py", "worker._nemo_gen_scratch"),
     # torch's batched copy: every copy of a replayed refit launched at once (no public form).
-    ("nemo_gen/refit/direct_load.py", "torch._foreach_copy_"),
+    ("nemo_gen/vllm_ext/direct_load.py", "torch._foreach_copy_"),
     # an op's schema, the only place that says which arguments an op writes (dispatch modes read it).
-    ("nemo_gen/refit/copy_plan.py", "func._schema"),
+    ("nemo_gen/vllm_ext/copy_plan.py", "func._schema"),
     # multiprocessing's forkserver and resource tracker: their PIDs and the server's stop (a shard
     # starts its EngineCore from that server, and must tell it from the engine's processes).
-    ("nemo_gen/fleet/engine_start.py", "forkserver._forkserver"),
-    ("nemo_gen/fleet/engine_start.py", "resource_tracker._resource_tracker"),
-    ("nemo_gen/fleet/engine_start.py", "_SERVER._forkserver_pid"),
-    ("nemo_gen/fleet/engine_start.py", "_SERVER._stop"),
-    ("nemo_gen/fleet/engine_start.py", "_TRACKER._pid"),
-    ("nemo_gen/fleet/engine_start.py", "_SERVER._forkserver_alive_fd"),
+    ("nemo_gen/shard/engine_start.py", "forkserver._forkserver"),
+    ("nemo_gen/shard/engine_start.py", "resource_tracker._resource_tracker"),
+    ("nemo_gen/shard/engine_start.py", "_SERVER._forkserver_pid"),
+    ("nemo_gen/shard/engine_start.py", "_SERVER._stop"),
+    ("nemo_gen/shard/engine_start.py", "_TRACKER._pid"),
+    ("nemo_gen/shard/engine_start.py", "_SERVER._forkserver_alive_fd"),
     # Prefect 3.7's automations listener, replaced by 3.8's (PrefectHQ/prefect#23055, a server deadlock).
     ("nemo_gen/prefect_server.py", "automations._notify"),
 }
@@ -135,7 +135,7 @@ def test_the_fleet_facade_is_small_and_no_fleet_module_imports_it():
 
 
 def test_the_nemo_rl_compatibility_layer_sits_at_the_edge():
-    below = ("nemo_gen.core", "nemo_gen.fleet", "nemo_gen.refit", "nemo_gen.settings", "nemo_gen.policies",
+    below = ("nemo_gen.core", "nemo_gen.fleet", "nemo_gen.vllm_ext", "nemo_gen.settings", "nemo_gen.config.policies",
              "nemo_gen.environment", "nemo_gen.errors")
     offenders = sorted(
         f"{m} imports {d}" for m, deps in graph().items() if m.startswith(below)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_gen.core.fleet_health import ShardState
-from nemo_gen.core.refit import RefitError
+from nemo_gen.core.manifest import RefitError
 from tests.fakes import fake_fleet
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]] * 2

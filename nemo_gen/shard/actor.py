@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util import get_node_ip_address
 
-from nemo_gen.core.refit import chunk_of, needs_whole
+from nemo_gen.core.manifest import chunk_of, needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.errors import ShardBusy
@@ -89,7 +89,7 @@ class ShardActor:
         fleet: str = "",
         engine_core_start: str = "forkserver",
     ):
-        from nemo_gen.fleet import engine_start
+        from nemo_gen.shard import engine_start
 
         # First thing: the server imports vLLM for the EngineCore while this actor imports its own.
         if engine_core_start == "forkserver":
@@ -117,9 +117,9 @@ class ShardActor:
     async def start(self) -> dict[str, Any]:
         import asyncio
 
-        from nemo_gen.fleet.engine import Engine
-        from nemo_gen.fleet.engine_start import engine_core_context
-        from nemo_gen.fleet.gpu_memory import engine_start_lock
+        from nemo_gen.shard.engine import Engine
+        from nemo_gen.shard.engine_start import engine_core_context
+        from nemo_gen.host.gpu_memory import engine_start_lock
 
         if self.engine is None:
             # Engines sharing a GPU start one at a time: vLLM sizes its KV cache from the
@@ -214,7 +214,7 @@ class ShardActor:
     async def generate_stream(self, request: GenerationRequest, sampling: dict[str, Any]):
         """One request as it is generated — a Ray streaming generator (an async generator method
         of an async actor): ``{"deltas": [...]}`` items, then ``{"result", "shard",
-        "weight_version", "seconds"}`` as ``generate`` answers (``nemo_gen.fleet.streaming``).
+        "weight_version", "seconds"}`` as ``generate`` answers (``nemo_gen.shard.streaming``).
         Cancelling the call (``ray.cancel``) aborts the request in the engine."""
         version = self.weight_version
         t0 = time.perf_counter()
@@ -300,11 +300,11 @@ class ShardActor:
 
     async def control_channel(self, timeout_s: float) -> dict[str, Any]:
         """Where a driver on this node reaches ``weight_sync`` without Ray (``address``, ``key``;
-        ``nemo_gen.fleet.control_channel``), and this node's IP, to tell whether it is its own.
+        ``nemo_gen.shard.control_channel``), and this node's IP, to tell whether it is its own.
         ``timeout_s`` (``fleet.control_timeout_s``) bounds each connection's handshake."""
         import asyncio
 
-        from nemo_gen.fleet.control_channel import ChannelServer
+        from nemo_gen.shard.control_channel import ChannelServer
 
         if self._channel is None:
             self._channel = ChannelServer(self.weight_sync, asyncio.get_running_loop(), timeout_s)
@@ -409,7 +409,7 @@ class ShardActor:
     def shutdown(self, grace_s: float) -> list[int]:
         """Stop the engine's processes (``grace_s`` to exit before vLLM kills them); returns the
         PIDs that were running, for the caller to check."""
-        from nemo_gen.fleet.engine_start import stop_server
+        from nemo_gen.shard.engine_start import stop_server
 
         if self._channel is not None:
             self._channel.close()

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from nemo_gen.core.refit import RefitError, TensorMeta
+from nemo_gen.core.manifest import RefitError, TensorMeta
 
 INDEX_FILE = "model.safetensors.index.json"
 

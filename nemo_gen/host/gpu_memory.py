@@ -5,7 +5,7 @@ actor (``RAY_process_group_cleanup_enabled=0``, a wedged teardown) keeps its who
 device, and a replacement placed on that GPU then fails vLLM's startup check ("Free memory on
 device ... is less than desired GPU memory utilization"). These functions answer from NVML,
 per process, so the fleet can report it (``fleet.status()``, orphans) and wait for it (the
-reaper) — the GPU counterpart of ``nemo_gen.fleet.processes``. No Ray, no torch: pure queries
+reaper) — the GPU counterpart of ``nemo_gen.host.processes``. No Ray, no torch: pure queries
 over ``pynvml`` (the ``nvidia-ml-py`` package, which vLLM's CUDA build depends on).
 
 API (every function takes ``nvml=`` for tests; default: the real ``pynvml``, initialised once):

@@ -1,4 +1,4 @@
-"""What a shard's forkserver imports before it forks the EngineCore (``nemo_gen.fleet.engine_start``).
+"""What a shard's forkserver imports before it forks the EngineCore (``nemo_gen.shard.engine_start``).
 
 These are the modules a spawned EngineCore would import after its start (~11 s on a 2-core
 CPU machine, ~21 s with CUDA's libraries on the H200). On a GPU this is no more than a bare

@@ -19,8 +19,8 @@ nemo_gen reads but does not use.
 - Which files may be read at all, while a caller says so (``config_document.files_only_under``: a
   deployment run's allowed paths): the file and every ``defaults:`` entry, checked before it is read.
 
-The reading itself (YAML, inheritance, resolvers) is ``nemo_gen.config_document``'s; the NeMo-RL keys
-and their reasons are ``nemo_gen.nemo_rl_keys``'s.
+The reading itself (YAML, inheritance, resolvers) is ``nemo_gen.config.document``'s; the NeMo-RL keys
+and their reasons are ``nemo_gen.config.nemo_rl_keys``'s.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from nemo_gen.config_document import load_document, register_resolvers, resolved
+from nemo_gen.config.document import load_document, register_resolvers, resolved
 from nemo_gen.errors import ConfigError
-from nemo_gen.nemo_rl_keys import (
+from nemo_gen.config.nemo_rl_keys import (
     NEMO_RL_ALIASES,
     NEMO_RL_KEYS,
     NEMO_RL_SECTIONS,

@@ -7,7 +7,7 @@ installed package's files with ``ast``: the cache dtypes (``vllm/config/cache.py
 ``CacheDType``), model dtypes (``vllm/config/model.py`` ``ModelDType``), load formats
 (``vllm/model_executor/model_loader/__init__.py`` ``LoadFormats``), the weight-transfer
 backends registered in ``vllm/distributed/weight_transfer/factory.py`` (plus nemo_gen's own,
-registered by ``nemo_gen.refit.vllm_backend``), and the ``EngineArgs`` fields
+registered by ``nemo_gen.vllm_ext.vllm_backend``), and the ``EngineArgs`` fields
 (``vllm/engine/arg_utils.py``) that ``vllm_kwargs`` may name.
 
 Every function returns ``None`` when vLLM is not installed here (a host that only renders
@@ -21,9 +21,9 @@ import functools
 import importlib.util
 from pathlib import Path
 
-from nemo_gen.core.refit import OWN_BACKENDS
+from nemo_gen.core.manifest import OWN_BACKENDS
 
-#: nemo_gen's own weight-transfer backends (registered in vLLM by nemo_gen.refit.vllm_backend)
+#: nemo_gen's own weight-transfer backends (registered in vLLM by nemo_gen.vllm_ext.vllm_backend)
 NEMO_GEN_BACKENDS = OWN_BACKENDS
 
 #: ``generation.vllm_cfg.precision`` values nemo_gen adds to vLLM's dtypes: bf16 weights with

@@ -1,7 +1,7 @@
 """The direct refit path: checkpoint-format weights written straight into a running model's
 parameters (and the CPU kernel's repacking redone per complete layer), instead of vLLM's layerwise
 reload. Owns the reused scratch buffers and the worker's malloc tuning the path relies on; the
-record-and-replay of a load lives in ``nemo_gen.refit.copy_plan``.
+record-and-replay of a load lives in ``nemo_gen.vllm_ext.copy_plan``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import contextlib
 import time
 from typing import Any
 
-from nemo_gen.refit.copy_plan import CopyPlan, CopyRecorder
+from nemo_gen.vllm_ext.copy_plan import CopyPlan, CopyRecorder
 
 
 class ScratchPool:

@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable
 
-from nemo_gen.core.refit import RefitError, StagedTensor
+from nemo_gen.core.manifest import RefitError, StagedTensor
 
 log = logging.getLogger(__name__)
 

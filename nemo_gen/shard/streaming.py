@@ -9,7 +9,7 @@ delta is one sample's progress since the previous item:
      "weight_versions": [[version, count], ...], "finish_reason": None | "length" | ...}
 
 its ``weight_versions`` the spans of those tokens only. ``Cursor`` cuts deltas out of a request's
-``Track`` (``nemo_gen.fleet.batch``) — a sample that a refit cut and resumed on new weights goes
+``Track`` (``nemo_gen.shard.batch``) — a sample that a refit cut and resumed on new weights goes
 on in the same track, so its stream goes on too, under the new version. ``merge`` joins the
 deltas of steps a slow reader let pile up into one per sample.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from nemo_gen.fleet.batch import Track, add_span
+from nemo_gen.shard.batch import Track, add_span
 
 
 def span_slice(spans: Iterable[Any], start: int, end: int) -> list[list[Any]]:

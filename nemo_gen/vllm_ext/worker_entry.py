@@ -8,7 +8,7 @@ extension's loaders, and the extension do not import each other.
 
 from __future__ import annotations
 
-import nemo_gen.refit.vllm_backend  # noqa: F401  (registers the backends)
-from nemo_gen.refit.worker_ext import NemoGenWorkerExtension
+import nemo_gen.vllm_ext.vllm_backend  # noqa: F401  (registers the backends)
+from nemo_gen.vllm_ext.worker_ext import NemoGenWorkerExtension
 
 __all__ = ["NemoGenWorkerExtension"]

@@ -16,14 +16,14 @@ both sides:
   shared-memory file and drives one update through any ``VLLMWeightSyncClient``.
 - ``"nemo_gen_ipc"`` (``CudaIpcWeightTransferEngine`` / ``CudaIpcTrainerEngine``): a colocated
   GPU trainer's storages shared once through CUDA IPC, metadata only per refit, the engine's
-  loaders copying straight out of the trainer's memory (``nemo_gen.refit.cuda_ipc``).
+  loaders copying straight out of the trainer's memory (``nemo_gen.vllm_ext.cuda_ipc``).
 
 So a trainer written against vLLM's API refits a nemo_gen fleet the same way on CPU
 (``nemo_gen_shm``) and on GPU (``nemo_gen_ipc``, or vLLM's ``ipc`` / ``nccl``): only the
 ``TrainerInitInfo`` changes, and the fleet's ``weight_sync_client()`` is the client either way.
 
 Importing this module registers the engines (idempotent). Worker processes import it through
-``nemo_gen.refit.worker_entry``; a trainer imports it for ``SharedMemoryTrainerInitInfo`` /
+``nemo_gen.vllm_ext.worker_entry``; a trainer imports it for ``SharedMemoryTrainerInitInfo`` /
 ``CudaIpcTrainerInitInfo``.
 """
 
@@ -49,11 +49,11 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
-from nemo_gen.core.refit import IPC_BACKEND
-from nemo_gen.core.refit import SHM_BACKEND as BACKEND
-from nemo_gen.refit.copy_plan import CopyPlan
-from nemo_gen.refit.direct_load import ScratchPool
-from nemo_gen.refit.worker_ext import WeightLoad, open_staged, shared_with_policy
+from nemo_gen.core.manifest import IPC_BACKEND
+from nemo_gen.core.manifest import SHM_BACKEND as BACKEND
+from nemo_gen.vllm_ext.copy_plan import CopyPlan
+from nemo_gen.vllm_ext.direct_load import ScratchPool
+from nemo_gen.vllm_ext.worker_ext import WeightLoad, open_staged, shared_with_policy
 
 
 
@@ -183,7 +183,7 @@ class CudaIpcWeightTransferEngine(_LoadingEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from nemo_gen.refit.cuda_ipc import IpcReceiver
+        from nemo_gen.vllm_ext.cuda_ipc import IpcReceiver
 
         self._receiver = IpcReceiver(self.device)
 
@@ -195,7 +195,7 @@ class CudaIpcWeightTransferEngine(_LoadingEngine):
         self._receiver.close()
 
 
-TRAINER_STAGING = "trainer"  # the staging directory's name of trainer engines (nemo_gen.refit.staging)
+TRAINER_STAGING = "trainer"  # the staging directory's name of trainer engines (nemo_gen.vllm_ext.staging)
 
 
 @dataclass
@@ -220,7 +220,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True,
                  staging_dir: str = "/dev/shm", dtype: str | None = None) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        from nemo_gen.refit.staging import SharedMemoryStaging, reclaim_stale
+        from nemo_gen.vllm_ext.staging import SharedMemoryStaging, reclaim_stale
 
         # Every trainer engine of this user shares one private directory, its own file in it;
         # files of trainers that died without shutdown() are removed here.
@@ -239,7 +239,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
         return engine
 
     def send_weights(self) -> None:
-        from nemo_gen.core.refit import TensorMeta, layout
+        from nemo_gen.core.manifest import TensorMeta, layout
 
         metas = self.source.metadata()
         staged = []
@@ -280,7 +280,7 @@ class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
 
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        from nemo_gen.refit.cuda_ipc import IpcSender
+        from nemo_gen.vllm_ext.cuda_ipc import IpcSender
 
         self.sender = IpcSender()
 

@@ -12,8 +12,8 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-from nemo_gen.refit.copy_plan import CopyPlan
-from nemo_gen.refit.direct_load import DirectLoad, ScratchPool
+from nemo_gen.vllm_ext.copy_plan import CopyPlan
+from nemo_gen.vllm_ext.direct_load import DirectLoad, ScratchPool
 
 Entry = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset
 
@@ -22,7 +22,7 @@ def open_staged(path: str, total: int, entries: list[Entry]) -> Iterator[tuple[s
     """(name, tensor) views over the staging file; no copy until the model loads them."""
     import torch
 
-    from nemo_gen.refit.views import typed_view
+    from nemo_gen.vllm_ext.views import typed_view
 
     buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
     for name, shape, dtype, offset in entries:

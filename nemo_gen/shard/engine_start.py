@@ -8,7 +8,7 @@ A bare ``vllm.LLM`` forks instead, and its child starts with everything imported
 
 ``forkserver`` (the default) gets the shard the same start. The actor starts a multiprocessing
 forkserver first thing: a fresh, single-threaded interpreter. While the actor imports vLLM for
-itself, the server imports the EngineCore's modules (``nemo_gen.fleet.engine_preload``). When
+itself, the server imports the EngineCore's modules (``nemo_gen.shard.engine_preload``). When
 vLLM starts the EngineCore, the server forks it, already imported. Nothing is forked from the
 actor.
 
@@ -44,13 +44,13 @@ from multiprocessing import forkserver, resource_tracker
 from typing import Any, Iterator
 
 from nemo_gen.environment import REAPING_FLAG
-from nemo_gen.fleet import processes
+from nemo_gen.host import processes
 
 log = logging.getLogger(__name__)
 
 METHODS = ("forkserver", "spawn")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PRELOAD = "nemo_gen.fleet.engine_preload"
+PRELOAD = "nemo_gen.shard.engine_preload"
 
 
 class EngineCoreProcess(mp_context.ForkServerProcess):

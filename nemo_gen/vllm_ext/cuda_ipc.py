@@ -1,7 +1,7 @@
 """The colocated GPU transport: a trainer's CUDA tensors read in place by engines on the same
 GPU through CUDA IPC, with every memory handle shared once and only metadata per refit.
 
-Torch only (no vLLM, no Ray): ``nemo_gen.refit.vllm_backend`` wraps it as the ``nemo_gen_ipc``
+Torch only (no vLLM, no Ray): ``nemo_gen.vllm_ext.vllm_backend`` wraps it as the ``nemo_gen_ipc``
 weight-transfer backend, and ``bench/cuda_ipc_refit.py`` measures it on a GPU.
 
 Why not vLLM's ``ipc`` backend: per refit it either exports and opens one IPC handle per tensor
@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
-from nemo_gen.refit.views import typed_view
+from nemo_gen.vllm_ext.views import typed_view
 
 _serials = itertools.count(1)
 # Layout numbers and storage keys name things across processes (an engine may take weights from

@@ -24,8 +24,8 @@ from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.fleet.batch import Piece, Track, sampled_by, spans_between
-from nemo_gen.fleet.streaming import Cursor, merge
+from nemo_gen.shard.batch import Piece, Track, sampled_by, spans_between
+from nemo_gen.shard.streaming import Cursor, merge
 
 
 def sampling_params(s: dict[str, Any]):
@@ -104,7 +104,7 @@ class Engine:
     prefix-cached under a salt of their version, so after a version change no new request reuses
     KV computed by older weights. A refit with ``in_flight`` ``keep`` or ``abort`` swaps the
     weights while requests run (``begin_swap`` / ``end_swap``): the sync engine's batch is cut
-    and resumed as ``nemo_gen.fleet.batch`` says; the async engine's requests are frozen by vLLM's
+    and resumed as ``nemo_gen.shard.batch`` says; the async engine's requests are frozen by vLLM's
     own pause and, where the mode says, preempted so that their KV is recomputed on the new
     weights. On both, vLLM labels each step's outputs with the version that sampled them."""
 
@@ -300,7 +300,7 @@ class Engine:
                 self._on_step = None
 
     async def stream(self, req: GenerationRequest, sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """One request as it is generated (``nemo_gen.fleet.streaming``): ``{"deltas": [...]}``
+        """One request as it is generated (``nemo_gen.shard.streaming``): ``{"deltas": [...]}``
         items, per sample the tokens since the last item with the versions that sampled them,
         then ``{"result": ...}``, what ``generate`` returns for it. Steps made while the reader
         was busy come merged in one item. On the sync engine a refit under ``keep``/``abort``
@@ -847,7 +847,7 @@ class Engine:
     def child_pids(self) -> list[int]:
         """PIDs of the processes vLLM started for this engine (EngineCore, workers), not the
         helpers that start them (``engine_start.helper_pids``)."""
-        from nemo_gen.fleet.engine_start import helper_pids
+        from nemo_gen.shard.engine_start import helper_pids
 
         try:
             children = psutil.Process(os.getpid()).children(recursive=True)

@@ -231,7 +231,7 @@ class RefitReport:
 
 # -- vLLM's weight-sync protocol, driven across a fleet (nemo_gen.fleet.weight_sync) ---------
 
-# nemo_gen's own weight-transfer backends (nemo_gen.refit.vllm_backend). Their worker engines
+# nemo_gen's own weight-transfer backends (nemo_gen.vllm_ext.vllm_backend). Their worker engines
 # skip the tensors an EAGLE-style drafter shares with the policy; vLLM's would write through.
 SHM_BACKEND = "nemo_gen_shm"
 IPC_BACKEND = "nemo_gen_ipc"
