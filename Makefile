@@ -44,10 +44,9 @@ run: setup
 # Two pytest-xdist workers by default, whole files each (--dist loadfile: a module's engines and
 # fixtures stay in one process), slow tiers first (tests/conftest.py orders them; xdist's own
 # reorder is off: it sorted files by their number of tests, so the single-test two-minute e2e
-# files went last). The suite is CPU-bound on 2 cores: on the quiet machine two workers took 20.6
-# minutes against 27.8 in one process (2026-12-01, before the slow-first order); their processes
-# peaked at ~10 GB. On the machine saturated by other work they gained nothing measurable (39.0
-# minutes against 36.6 for one process, load 20-30 in both). TEST_WORKERS=0: one process.
+# files went last). The suite is CPU-bound: two workers pay off on an idle 2-core machine, gain
+# nothing on a saturated one, and hold more memory at once (docs/testing.md has the figures).
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup chromium postgresql
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)

@@ -158,7 +158,7 @@ def _fleet(args: argparse.Namespace, guard: SignalGuard) -> int:
         fleet.detach()
     else:
         # Not watching: a dead shard's replacement would be loaded only to be stopped (the
-        # shutdown waits for a recovery in progress: ~35 s here for the tiny model).
+        # shutdown waits for a recovery in progress: a whole engine start).
         fleet = GenerationFleet.attach(settings, watch=False)
         rows = [s.to_json() for s in fleet.status()]
         killed = fleet.shutdown()

@@ -6,8 +6,8 @@ weight-transfer backend, and ``bench/cuda_ipc_refit.py`` measures it on a GPU.
 
 Why not vLLM's ``ipc`` backend: per refit it either exports and opens one IPC handle per tensor
 (unpacked) or packs every tensor into one reused buffer, waits for each chunk to be consumed,
-and clones every tensor out of it before the model copies it into place (packed) — measured on
-an H200 at 0.18 of the device's copy bandwidth (``bench/results/``). Here the trainer's own
+and clones every tensor out of it before the model copies it into place (packed): more copies
+and handles than the bytes need (docs/performance.md compares the two). Here the trainer's own
 storages are exported once (a ``reduce_tensor`` per storage, kept while the trainer keeps the
 storage) and opened once per engine; a refit is a list of (storage, offset, shape, dtype) and
 the model's loaders copy straight out of the trainer's memory: one device copy per byte.

@@ -5,8 +5,8 @@ vLLM (``vllm/distributed/weight_transfer/``) defines the refit protocol a traine
 ``update_weights`` (one or more chunks) -> ``finish_weight_update``, with a worker-side engine
 and a trainer-side engine per backend, picked by name. Its own backends move GPU tensors (CUDA
 IPC for colocated engines, NCCL for separate ones); none moves CPU bytes between processes,
-and vLLM's IPC path re-exports or repacks and clones every tensor on every refit (0.18 of an
-H200's copy bandwidth, ``bench/cuda_ipc_refit.py``). This module registers two of ours, on
+and vLLM's IPC path re-exports or repacks and clones every tensor on every refit
+(``bench/cuda_ipc_refit.py`` measures it against ours). This module registers two of ours, on
 both sides:
 
 - ``SharedMemoryWeightTransferEngine`` (worker): an update names a staging file and the

@@ -1,5 +1,5 @@
 """Operations on Prefect, for real: a Prefect server, a process worker, a Ray head and ONE fleet of
-one tiny-model shard, shared by the module. The README's operator path is run line by line as
+one tiny-model shard, shared by the module. docs/operations.md's operator path is run line by line as
 written (server, deploy, worker, schedule, fleet-up --watch, generate/refit/eval with --param,
 artifacts, fleet-down); between its lines the test checks artifacts through the API, rejected
 parameters, the eval pin, and a flow run that is SIGKILLed and brought back by the automation.
@@ -29,9 +29,9 @@ CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = ROOT / "test-artifacts" / "prefect-ui"
 
 
-def readme_commands() -> list[str]:
-    """The fenced ```bash operator-path block of the README, one command per line."""
-    return fenced_commands(ROOT / "README.md", "operator-path")
+def operator_path_commands() -> list[str]:
+    """The fenced ```bash operator-path block of docs/operations.md, one command per line."""
+    return fenced_commands(ROOT / "docs" / "operations.md", "operator-path")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def stack(tmp_path_factory, tiny_model_dir):
         s.stop()
 
 
-def test_operator_path_from_the_readme(stack):
+def test_operator_path_from_the_docs(stack):
     fleet_pids: list[int] = []
 
     def before(line: str) -> None:
@@ -58,7 +58,7 @@ def test_operator_path_from_the_readme(stack):
 
     killed: list[int] = []
 
-    stack.run_lines(readme_commands(), lambda line, out: _check_after(stack, line, out), before)
+    stack.run_lines(operator_path_commands(), lambda line, out: _check_after(stack, line, out), before)
     assert fleet_pids and wait_gone(fleet_pids, 30) == [], "fleet-down left engine processes"
 
 
