@@ -19,8 +19,9 @@ FOREIGN_PRIVATE = {
     # torch's own parameter table, written in place by the direct refit path.
     ("nemo_gen/refit/worker_ext.py", "module._parameters"),
     # the sync engine's core client: its input socket is shared by the step thread and an
-    # in-flight refit's control calls (a send lock), and the step thread marks its output waits.
-    ("nemo_gen/fleet/engine.py", "core._send_input"),
+    # in-flight refit's control calls (a send lock, and utility calls sent without waiting), and
+    # the step thread marks its output waits. Every engine touch of vLLM internals is here.
+    ("nemo_gen/fleet/vllm_compat.py", "core._send_input"),
     # our scratch buffers, kept on vLLM's worker object between refits.
     ("nemo_gen/refit/worker_ext.py", "worker._nemo_gen_scratch"),
     # torch's batched copy: every copy of a replayed refit launched at once (no public form).
