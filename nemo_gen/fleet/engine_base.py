@@ -25,8 +25,8 @@ from nemo_gen.fleet.step_clock import StepClock
 
 # A stream hands out what its request made at most this often (the first token at once): steps in
 # between are merged into one item. Each item costs the shard actor and the driver CPU (a Ray
-# object, a chunk): one per decode step made a lone stream markedly slower than unstreamed on a
-# 2-core machine; one per 10 ms costs far less (tests/unit/test_streaming.py, bench/front_end.py).
+# object, a chunk), so one per decode step would slow the stream it serves; merged, a reader still
+# sees each token within this interval.
 STREAM_INTERVAL_S = 0.01
 
 
