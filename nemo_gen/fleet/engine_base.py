@@ -7,6 +7,7 @@ the few methods each engine fills in.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import itertools
@@ -67,7 +68,7 @@ def error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
     return {"index": req.index, "error": f"RequestError: {exc}"}
 
 
-class BaseEngine:
+class BaseEngine(abc.ABC):
     """A started vLLM engine (``nemo_gen.fleet.engine.Engine.start`` makes one). Subclasses fill in
     how requests run (``_generate``, ``_stream``, ``_busy_probe``), control calls
     (``_collective_rpc``), ``set_version``, the swap (``self.swap``) and ``shutdown``."""
@@ -91,32 +92,40 @@ class BaseEngine:
 
     # -- filled in by each engine ---------------------------------------------------------------
 
+    @abc.abstractmethod
     def _front(self) -> Any:
         """vLLM's engine object with the output processor, model config and stats."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[dict]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _busy_probe(self, stall_s: float, warmup_s: float) -> dict[str, Any] | None:
         """A probe's answer from the engine's progress while it is busy; None: try a real token."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def _collective_rpc(self, method: str, args: tuple, timeout: float | None) -> list[Any]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     async def set_version(self, version: int | None) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def shutdown(self, grace_s: float) -> None:
-        raise NotImplementedError
+        ...
 
     @property
+    @abc.abstractmethod
     def generating(self) -> bool:
-        raise NotImplementedError
+        ...
 
     # -- shared ------------------------------------------------------------------------------------
 
