@@ -15,7 +15,7 @@ can be the bound. ``FrontEndClock`` splits a batch's wall time in that process i
 Used by ``gpu_bare_vllm.py`` and ``gpu_bench.py`` (GPU) and, as a CPU benchmark, by this file's
 ``main``: a one-shard CPU fleet and a plain process on the fleet shard's own engine arguments,
 their batches interleaved; the plain process (``gpu_bare_vllm.py``'s ``serve``) runs first as vLLM
-leaves it, then with its heap frozen as the shard actor's is (``nemo_gen.shard.engine._freeze_heap``).
+leaves it, then with its heap frozen as the shard actor's is (``nemo_gen.shard.vllm_compat.freeze_heap``).
 
 Run: ``.venv/bin/python bench/front_end.py [--prompts 512] [--tokens 64] [--rounds 3] [--json out.json]``.
 """

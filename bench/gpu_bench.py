@@ -215,7 +215,7 @@ def summarize_rounds(rounds: list[dict], nbytes: int, copy_gbps: float) -> dict:
 
 def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int = 2) -> dict:
     """Where a fleet's generation time goes, measured inside its shard actor on its own engine
-    (no Ray call, no router): ``step_loop`` is nemo_gen's batch loop (``Engine._generate_sync``:
+    (no Ray call, no router): ``step_loop`` is nemo_gen's batch loop (``SyncEngine._generate_sync``:
     final outputs, versions from the engine core's labels, results as dicts); ``step_loop_per_step``
     the same with every step's outputs (what a stream gets); ``llm_generate`` is
     vLLM's own ``LLM.generate`` on the same engine (final outputs only), the same sampling as the

@@ -7,8 +7,8 @@ fresh engine also kernel selection) can take far longer than a decode step. A 30
 generation that makes a token a second is alive for all of its 30 minutes; an engine that made
 no step for ``stall_s`` is not, and a streak of such answers condemns its shard.
 
-Shared by the real engine (``nemo_gen.shard.engine``) and the fake tier's shards, so the fast
-tests judge liveness by the same rule.
+Shared by the real engine's step clock (``nemo_gen.shard.step_clock``) and the fake tier's
+shards, so the fast tests judge liveness by the same rule.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ under.
 The engine runs a request as one vLLM request (n samples share one prefill). A refit that lands
 while it runs (``refit.in_flight``: ``keep`` past ``refit.max_staleness``, or ``abort``) may cut
 it: resumed, vLLM preempts it and it goes on under the same request, its KV recomputed on the
-new weights (``Engine._cut``); not resumed (``refit.resume_aborted`` off), it is aborted and
+new weights (``swap.Swap``); not resumed (``refit.resume_aborted`` off), it is aborted and
 ``Track`` closes its partial result. Either way the result's ``weight_versions`` spans cover
 every token of every sample in generation order. Plain data: no vLLM types beyond the
 completion outputs it reads.
@@ -154,3 +154,31 @@ class Track:
         samples = [s.as_dict() for s in self.samples]
         self.result = {"index": self.req.index, **samples[0], "samples": samples, "error": None}
         return self.result
+
+
+class Running:
+    """The sync engine's running batch, as its step thread and a swap's cut share it: whether a
+    batch runs, its requests by the id their outputs carry (a request may be several engine
+    requests), and ``on_step``: a streamed request's callback after each step and after a cut."""
+
+    def __init__(self) -> None:
+        self.generating = False
+        self.tracks: dict[str, Track] = {}
+        self.on_step: Callable[[], None] | None = None
+
+    def tracks_now(self) -> list[Track]:
+        """Each running request once."""
+        return list({id(t): t for t in self.tracks.values()}.values())
+
+    def drop(self, track: Track) -> None:
+        """``track``'s engine requests are no longer followed (cut)."""
+        for rid in list(track.parts):
+            del self.tracks[rid]
+
+    def stepped(self) -> None:
+        if self.on_step is not None:
+            self.on_step()
+
+    def clear(self) -> None:
+        self.tracks = {}
+        self.on_step = None

@@ -20,8 +20,9 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/vllm_ext/direct_load.py", "module._parameters"),
     ("nemo_gen/vllm_ext/copy_plan.py", "module._parameters"),
     # the sync engine's core client: its input socket is shared by the step thread and an
-    # in-flight refit's control calls (a send lock), and the step thread marks its output waits.
-    ("nemo_gen/shard/engine.py", "core._send_input"),
+    # in-flight refit's control calls (a send lock, and utility calls sent without waiting), and
+    # the step thread marks its output waits. Every engine touch of vLLM internals is here.
+    ("nemo_gen/shard/vllm_compat.py", "core._send_input"),
     # our scratch buffers, kept on vLLM's worker object between refits.
     ("nemo_gen/vllm_ext/worker_ext.py", "worker._nemo_gen_scratch"),
     # torch's batched copy: every copy of a replayed refit launched at once (no public form).

@@ -1,0 +1,129 @@
+"""The async engine: vLLM's ``AsyncLLM`` (``vllm_cfg.async_engine``), which serves concurrent
+requests natively. Each request is one ``AsyncLLM.generate``; its outputs are the engine's
+evidence of progress (the step clock counts them), and every token is counted under the version
+whose label vLLM gave it. An in-flight refit pauses vLLM's scheduler and, where the mode says,
+preempts or aborts the running requests (``swap.AsyncSwap``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+
+from nemo_gen.core.results import GenerationRequest
+from nemo_gen.shard import vllm_compat
+from nemo_gen.shard.batch import Track, spans_between
+from nemo_gen.shard.engine_base import BaseEngine, error_dict
+from nemo_gen.shard.swap import AsyncSwap
+from nemo_gen.shard.streaming import Cursor
+
+
+class AsyncEngine(BaseEngine):
+    async_engine = True
+
+    def __init__(self, llm: Any, load_s: float, version: int | None):
+        super().__init__(llm, load_s, version)
+        self.running: set[str] = set()  # its requests, by the id they were added with
+        self.swap = AsyncSwap(llm, self.gate, self.weights, self.running)
+
+    def _front(self) -> Any:
+        return self._llm
+
+    @property
+    def generating(self) -> bool:
+        """Any request is running."""
+        return self.clock.active > 0
+
+    async def set_version(self, version: int | None) -> None:
+        """The engine serves ``version`` from now on; its core is told (vLLM's
+        ``set_weight_version``) so that every later step's outputs carry its label. Awaited, so
+        that no request added from this loop can overtake it."""
+        self.weights.version = version
+        await self._llm.engine_core.set_weight_version_async(self.weights.label(version))
+
+    async def _collective_rpc(self, method: str, args: tuple, timeout: float | None) -> list[Any]:
+        async with self._rpc_lock:
+            return await self._llm.collective_rpc(method, timeout=timeout, args=args)
+
+    def _busy_probe(self, stall_s: float, warmup_s: float) -> dict[str, Any] | None:
+        if self.clock.active:
+            answer = self.clock.evidence(stall_s, warmup_s)
+            if answer["ok"]:
+                return answer
+            # No output for that long: a real token says whether the engine still steps.
+        return None
+
+    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[dict]:
+        return list(await asyncio.gather(*(self._one(r, params) for r in requests)))
+
+    def _version_spans(self, comp: Any) -> list[tuple[int | None, int]]:
+        return vllm_compat.label_spans(comp, self.weights.version_of)
+
+    async def _one(self, req: GenerationRequest, params: Any) -> dict:
+        request_id = f"nemo-gen-{next(self._ids)}"
+        latest: dict[int, Any] = {}
+        self.weights.check()
+        self.running.add(request_id)
+        try:
+            with self.clock.running():
+                prompt = vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt)
+                async for out in self._llm.generate(prompt, params, request_id):
+                    self.clock.output()
+                    # With n > 1 an output carries the samples that moved (one child each, unless the
+                    # reader lagged and they were merged): keep each sample's latest (cumulative) state.
+                    for comp in out.outputs:
+                        latest[comp.index] = comp
+        except (ValueError, TypeError) as exc:
+            return error_dict(req, exc)
+        finally:
+            self.running.discard(request_id)
+        self.weights.check()
+        # Each token under the version that sampled it: a refit under keep or abort may land
+        # while the request runs, and vLLM's final output carries its spans of labels.
+        samples = [vllm_compat.sample_dict(latest[i], self._version_spans(latest[i])) for i in sorted(latest)]
+        return {"index": req.index, **samples[0], "samples": samples, "error": None}
+
+    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+        rid = f"nemo-gen-{next(self._ids)}"
+        track = Track.start(req, params, rid, rid)
+        cursor = Cursor(track)
+        self.weights.check()
+        outputs = self._llm.generate(vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt), params, rid)
+        made: dict[int, int] = {}  # tokens told so far, by sample
+
+        def spans_of(comp) -> list[tuple[int | None, int]]:
+            # A delta's tokens by the label of the step that sampled each (a refit under keep or
+            # abort lands between two steps of a running request).
+            lo = made.get(comp.index, 0)
+            made[comp.index] = hi = lo + len(comp.token_ids)
+            starts = vllm_compat.label_starts(comp)  # the last one: vLLM's spans over the whole sample
+            if starts is None:
+                starts = vllm_compat.running_starts(self._llm, rid, comp.index)
+            return [(self.weights.version_of(label), n) for label, n in spans_between(starts, lo, hi)]
+
+        self.running.add(rid)
+        try:
+            with self.clock.running():
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        self.clock.output()
+                        track.observe(rid, out, spans_of)
+                        if deltas := cursor.deltas():
+                            yield {"deltas": deltas}
+        except (ValueError, TypeError) as exc:  # vLLM refused the request
+            yield {"result": error_dict(req, exc)}
+            return
+        finally:
+            self.running.discard(rid)
+        self.weights.check()
+        if track.result is None:
+            raise RuntimeError(f"vLLM's output for request {req.index} ended before it finished")
+        yield {"result": track.result}
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop the engine's processes now, rather than whenever garbage collection runs: vLLM
+        signals them, gives them ``grace_s`` to exit, then kills what is left."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown(timeout=grace_s)

@@ -1,0 +1,255 @@
+"""What the sync and the async engine (``nemo_gen.shard.engine_sync``, ``engine_async``) share:
+the weights they serve (``Weights``: the version, the labels the engine core stamps on outputs
+for it, whether a failed swap left them half-loaded), and ``BaseEngine`` — the admission gate,
+the step clock, control RPCs, the liveness probe, and the engine's processes and stats — over
+the few methods each engine fills in.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from typing import Any, AsyncIterator
+
+import psutil
+
+from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.retry import describe, kind_of
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.shard import vllm_compat
+from nemo_gen.shard.gate import Gate
+from nemo_gen.shard.step_clock import StepClock
+
+# A stream hands out what its request made at most this often (the first token at once): steps in
+# between are merged into one item. Each item costs the shard actor and the driver CPU (a Ray
+# object, a chunk), so one per decode step would slow the stream it serves; merged, a reader still
+# sees each token within this interval.
+STREAM_INTERVAL_S = 0.01
+
+
+class Weights:
+    """The weight version an engine serves. Every generated token is counted under the version
+    that sampled it: the engine core stamps each step's outputs with a label (it starts as
+    "default"; ``label`` makes the one for a new version), and ``version_of`` reads it back.
+    Prompts are prefix-cached under a salt of the version, so after a version change no new
+    request reuses KV computed by older weights. ``poisoned``: why the weights can no longer be
+    trusted (a swap's load broke off)."""
+
+    def __init__(self, version: int | None):
+        self.version = version
+        self._labels: dict[str, int | None] = {"default": version}
+        self.poisoned: str | None = None
+
+    def label(self, version: int | None) -> str:
+        label = repr(version)
+        self._labels[label] = version
+        return label
+
+    def version_of(self, label: Any) -> int | None:
+        """The version an output label stands for (no label: the current version)."""
+        return self._labels.get(label, self.version)
+
+    @property
+    def salt(self) -> str:
+        return f"nemo-gen-w{self.version}"
+
+    def check(self) -> None:
+        """A request must not run, or return, on weights a failed swap left half-loaded."""
+        if self.poisoned is not None:
+            raise ShardDiedError(-1, f"weights half-loaded: {self.poisoned}")
+
+
+def error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
+    """The result of a request vLLM refused."""
+    return {"index": req.index, "error": f"RequestError: {exc}"}
+
+
+class BaseEngine(abc.ABC):
+    """A started vLLM engine (``nemo_gen.shard.engine.Engine.start`` makes one). Subclasses fill in
+    how requests run (``_generate``, ``_stream``, ``_busy_probe``), control calls
+    (``_collective_rpc``), ``set_version``, the swap (``self.swap``) and ``shutdown``."""
+
+    async_engine: bool
+
+    def __init__(self, llm: Any, load_s: float, version: int | None):
+        self._llm = llm
+        self.load_s = load_s
+        self.weights = Weights(version)
+        # Refit needs the engine to itself: no request may run on half-loaded weights.
+        self.gate = Gate()
+        self.clock = StepClock()
+        self._rpc_lock = asyncio.Lock()  # one control message at a time on the engine's queue
+        self._rpc_active = 0
+        self._ids = itertools.count()
+        self.swap: Any = None  # set by the subclass: begin_swap / end_swap
+        config = self._front().model_config
+        self.max_model_len = config.max_model_len
+        self.dtype = str(config.dtype).removeprefix("torch.")
+
+    # -- filled in by each engine ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _front(self) -> Any:
+        """vLLM's engine object with the output processor, model config and stats."""
+        ...
+
+    @abc.abstractmethod
+    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[dict]:
+        ...
+
+    @abc.abstractmethod
+    def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+        ...
+
+    @abc.abstractmethod
+    def _busy_probe(self, stall_s: float, warmup_s: float) -> dict[str, Any] | None:
+        """A probe's answer from the engine's progress while it is busy; None: try a real token."""
+        ...
+
+    @abc.abstractmethod
+    async def _collective_rpc(self, method: str, args: tuple, timeout: float | None) -> list[Any]:
+        ...
+
+    @abc.abstractmethod
+    async def set_version(self, version: int | None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def shutdown(self, grace_s: float) -> None:
+        ...
+
+    @property
+    @abc.abstractmethod
+    def generating(self) -> bool:
+        ...
+
+    # -- shared ------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        return self.weights.version
+
+    @property
+    def steps_made(self) -> int:
+        """The engine's progress while ``generating``: the sync batch's steps, or the async
+        engine's outputs since it was last idle."""
+        return self.clock.steps
+
+    @property
+    def last_step_at(self) -> float:
+        return self.clock.last_step_at
+
+    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> list[dict]:
+        """One result dict per request, in order. A request vLLM rejects gets an ``error`` entry;
+        the others still run."""
+        params = vllm_compat.sampling_params(sampling)
+        async with self.gate.serving():
+            return await self._generate(requests, params)
+
+    async def stream(self, req: GenerationRequest, sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """One request as it is generated (``nemo_gen.shard.streaming``): ``{"deltas": [...]}``
+        items, per sample the tokens since the last item with the versions that sampled them,
+        then ``{"result": ...}``, what ``generate`` returns for it. Steps made while the reader
+        was busy come merged in one item. A refit under ``keep``/``abort`` may cut and resume
+        the request mid-stream: the stream goes on, under the new version. Closing the iterator
+        early aborts the request in the engine."""
+        params = vllm_compat.output_kind(vllm_compat.sampling_params(sampling), final_only=False)
+        async with self.gate.serving():
+            inner = self._stream(req, params)
+            async with contextlib.aclosing(inner):
+                async for item in inner:
+                    yield item
+                    if "deltas" in item:  # what the engine makes meanwhile waits, merged
+                        await asyncio.sleep(STREAM_INTERVAL_S)
+
+    def exclusive(self):
+        """Wait for in-flight requests to finish and hold new ones back until the block ends."""
+        return self.gate.exclusive()
+
+    async def hold(self) -> None:
+        """``exclusive`` for a refit driven call by call from outside (vLLM's weight-sync
+        protocol): requests wait from here until ``release``."""
+        await self.gate.hold()
+
+    async def release(self) -> None:
+        await self.gate.release()
+
+    async def begin_swap(self) -> None:
+        """Freeze the running requests (they keep their KV cache) so weights can be loaded under
+        them; new requests wait until ``end_swap`` (``nemo_gen.shard.swap``)."""
+        await self.swap.begin()
+
+    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool,
+                       max_staleness: int | None, recompute_kv: bool = False, failed: str | None = None) -> None:
+        """The weights are ``version`` now (unchanged when None): cut what the mode says —
+        every running request (``abort``), or those with more than ``max_staleness`` tokens
+        from older weights (``keep``) — resume, let new requests in. ``recompute_kv`` (NeMo-RL's
+        ``recompute_kv_cache_after_weight_updates``): every running request's KV is recomputed
+        on the new weights as it resumes, and the prefix cache is emptied. ``failed``: the load
+        broke off, the weights are half-loaded: every running request is aborted and fails (the
+        fleet re-routes it), and so does every later one."""
+        await self.swap.end(version, mode, resume_aborted, max_staleness, recompute_kv, failed)
+
+    async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
+        self._rpc_active += 1
+        try:
+            return await self._collective_rpc(method, args, timeout)
+        finally:
+            self._rpc_active -= 1
+
+    def step_gaps(self, reset: bool) -> dict[str, Any]:
+        """The longest time the engine went without finishing a step (sync engine) since the
+        last reset, and each longer stretch as (start, end) monotonic seconds (``StepClock.gaps``)."""
+        return self.clock.gaps(reset)
+
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+                    warmup_s: float) -> dict[str, Any]:
+        """Is the engine generating? Idle: generate one real token. Busy (a batch on the sync
+        engine, which runs one at a time; requests on the async one): it is alive if it made a
+        step (sync) or an output (async) within ``stall_s`` — or within ``warmup_s`` before its
+        first one (a prefill) — however long its requests run: busy and slow are not dead.
+        During a refit or control RPC the answer is ``skipped`` (the engine is held on purpose)."""
+        if self.gate.held or self._rpc_active:
+            return {"ok": True, "skipped": "refit or control call in progress"}
+        if self.weights.poisoned is not None:
+            return {"ok": False, "error": f"weights half-loaded: {self.weights.poisoned}"}
+        if (answer := self._busy_probe(stall_s, warmup_s)) is not None:
+            return answer
+        t0 = time.monotonic()
+        try:
+            (out,) = await self.generate([GenerationRequest(index=0, prompt_token_ids=token_ids)], sampling)
+        except Exception as exc:
+            if kind_of(exc) == "busy":  # its queue is full: a frontend that answers is alive
+                return {"ok": True, "busy": True, "refused": describe(exc)}
+            raise
+        if out.get("error"):
+            return {"ok": False, "error": out["error"]}
+        return {"ok": True, "seconds": time.monotonic() - t0}
+
+    def unfinished(self) -> dict[str, int]:
+        """vLLM's own account of the requests this engine holds (its output processor's state,
+        which an abort removes at once): engine request id -> tokens generated so far."""
+        return vllm_compat.unfinished(self._front())
+
+    def vllm_metrics(self) -> list[dict[str, Any]]:
+        """vLLM's own stats of this engine (its Prometheus series: prefix-cache queries and hits,
+        time to first token, running requests, ...) as plain dicts; empty unless stats are on
+        (``generation.vllm_cfg.enable_vllm_metrics_logger``)."""
+        return vllm_compat.metrics(self._front())
+
+    def child_pids(self) -> list[int]:
+        """PIDs of the processes vLLM started for this engine (EngineCore, workers), not the
+        helpers that start them (``engine_start.helper_pids``)."""
+        from nemo_gen.shard.engine_start import helper_pids
+
+        try:
+            children = psutil.Process(os.getpid()).children(recursive=True)
+        except psutil.Error:
+            return []
+        helpers = helper_pids()
+        return sorted(p.pid for p in children if p.pid not in helpers)
