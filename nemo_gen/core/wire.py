@@ -11,6 +11,7 @@ and every tier see. No dict of the fleet's crosses the boundary; what vLLM defin
 - ``CheckRefit`` / ``LoadRefit``: the two phases of a checkpoint refit on one shard.
 - ``SyncRequest``: one step of vLLM's weight-sync protocol, ``SyncStep`` naming it and one frozen
   payload type per step; ``SyncReply`` its answer (``ApplyTimings`` for a one-call apply).
+- ``ChannelAddress``: where a shard's direct line for weight-sync steps listens.
 - ``Failure``: how a call failed, by the fault model (``nemo_gen.core.retry``): dead, busy, slow
   or data — never a bare string.
 """
@@ -291,3 +292,14 @@ class SyncReply:
 
 
 RefitMessage = Union[CheckRefit, LoadRefit, SyncRequest]
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where a driver on the shard's node reaches its ``weight_sync`` without Ray
+    (``nemo_gen.fleet.control_channel``): the socket, its key, and the node's IP to tell whether
+    the driver is on that node."""
+
+    address: str
+    key: bytes
+    node_ip: str

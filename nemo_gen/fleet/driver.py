@@ -405,8 +405,8 @@ class ShardDriver:
         try:
             where = ray.get(handle.actor.control_channel.remote(self.timeouts.control_s),
                             timeout=self.timeouts.control_s)
-            if where["node_ip"] == get_node_ip_address():
-                return Channel(where["address"], where["key"], self.timeouts.control_s)
+            if where.node_ip == get_node_ip_address():
+                return Channel(where.address, where.key, self.timeouts.control_s)
         except Exception as exc:  # no line: Ray carries the calls, which report a dead actor
             log.info("shard %s: no direct line (%s); its refit calls go over Ray", handle.name, root_cause(exc))
         return None

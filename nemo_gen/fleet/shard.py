@@ -19,7 +19,7 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
+    ChannelAddress, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
 )
 from nemo_gen.fleet.shard_rules import Host, Shard
 
@@ -199,9 +199,9 @@ class ShardActor:
     async def weight_sync(self, req: SyncRequest) -> SyncReply:
         return await self.shard.weight_sync(req)
 
-    async def control_channel(self, timeout_s: float) -> dict[str, Any]:
-        """Where a driver on this node reaches ``weight_sync`` without Ray (``address``, ``key``;
-        ``nemo_gen.fleet.control_channel``), and this node's IP, to tell whether it is its own.
+    async def control_channel(self, timeout_s: float) -> ChannelAddress:
+        """Where a driver on this node reaches ``weight_sync`` without Ray
+        (``nemo_gen.fleet.control_channel``), and this node's IP, to tell whether it is its own.
         ``timeout_s`` (``fleet.control_timeout_s``) bounds each connection's handshake."""
         import asyncio
 
@@ -209,7 +209,7 @@ class ShardActor:
 
         if self._channel is None:
             self._channel = ChannelServer(self.shard.weight_sync, asyncio.get_running_loop(), timeout_s)
-        return {"address": self._channel.address, "key": self._channel.key, "node_ip": get_node_ip_address()}
+        return ChannelAddress(self._channel.address, self._channel.key, get_node_ip_address())
 
     def shutdown(self, grace_s: float) -> list[int]:
         """Stop the engine's processes (``grace_s`` to exit before vLLM kills them); returns the

@@ -10,7 +10,7 @@ import pytest
 
 from nemo_gen.core import wire
 from nemo_gen.core.wire import (
-    ApplyTimings, CheckRefit, Failure, FailureKind, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo,
+    ApplyTimings, ChannelAddress, CheckRefit, Failure, FailureKind, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo,
     StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncReply, SyncRequest, SyncShutdown,
     SyncStart, SyncStartDraft, SyncStep, SyncUpdate,
 )
@@ -27,6 +27,7 @@ MESSAGES = [
     SyncRequest(SyncApply(IN_FLIGHT, {"layout": 1, "layout_only": True}, "policy", 5), 10.0),
     SyncReply(timings=ApplyTimings(0.1, 0.05, 0.01, 1.0, 1.1)),
     Failure(FailureKind.BUSY, "QueueOverflowError", "queue full"),
+    ChannelAddress("/tmp/x.sock", b"k" * 32, "10.0.0.1"),
 ]
 
 
