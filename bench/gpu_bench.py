@@ -420,9 +420,9 @@ def main() -> None:
         text = log_path.read_text(errors="replace")[mark:] if log_path.exists() else ""
         info = state["fleet"].shards[0].info
         state["launch_s"] = launch_s
-        return {"launch_s": launch_s, "engine_start_s": info.get("load_s"),
-                "ray_and_actor_s": launch_s - (info.get("load_s") or 0.0),
-                "engine_core_start": info.get("engine_core_start"), **breakdown(text)}
+        return {"launch_s": launch_s, "engine_start_s": info.load_s,
+                "ray_and_actor_s": launch_s - (info.load_s or 0.0),
+                "engine_core_start": info.engine_core_start, **breakdown(text)}
 
     fleet = state.get("fleet")
     if fleet is None:
@@ -504,7 +504,7 @@ def main() -> None:
                                    "shard_s": next(iter(client.timings.values()), None)})
                 res[path] = summarize_rounds(rounds, state["nbytes"], state["copy_gbps"])
             fleet.driver.channels = True
-            res["direct_calls"] = ray.get(handle.actor.info.remote(), timeout=60)["direct_calls"]
+            res["direct_calls"] = ray.get(handle.actor.info.remote(), timeout=60).direct_calls
             if res["auto"].get("wall_s") and res["auto_over_ray"].get("wall_s"):
                 res["ray_over_direct_line"] = res["auto_over_ray"]["wall_s"] / res["auto"]["wall_s"]
             engine.client = client
@@ -654,7 +654,7 @@ def main() -> None:
             time.sleep(0.05)
         back_s = time.monotonic() - t
         res = {"held_gib": held / 2**30, "gpu_memory_back_s": freed.seconds, "released": freed.released,
-               "to_full_strength_s": back_s, "replacement_engine_start_s": fleet.shards[0].info.get("load_s"),
+               "to_full_strength_s": back_s, "replacement_engine_start_s": fleet.shards[0].info.load_s,
                "serves_fleet_version": fleet.status()[0].weight_version == fleet.weight_version}
         if state.get("launch_s"):
             res["restart_over_launch"] = back_s / state["launch_s"]

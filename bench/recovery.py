@@ -383,7 +383,7 @@ def cold_start(fleet, r: int) -> dict[str, Any]:
         wait_until(lambda: not alive(pids), 30, "the cold-start engine to exit", 0.1)
     except TimeoutError:
         print(f"  !! cold-start engine PIDs still alive: {alive(pids)}")
-    return {"seconds": seconds, "engine_load_s": handle.info.get("load_s")}
+    return {"seconds": seconds, "engine_load_s": handle.info.load_s}
 
 
 # -- main ------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
 
     from nemo_gen.config import policies
     from nemo_gen.core.manifest import layout
+    from nemo_gen.core.wire import LoadRefit
     from nemo_gen.fleet.weight_sources import CheckpointSource
 
     src = CheckpointSource(path)
@@ -81,9 +82,9 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
         for name, tensor in src.read([p.name for p in group]):
             staging.write(next(p for p in group if p.name == name), tensor, dtype)
         entries = staging.entries(group)
-        refs = [h.actor.load_refit.remote(str(staging.path), total, [("policy", entries)], fleet.weight_version, 600,
-                                          None, policies.in_flight(fleet.settings, "drain"))
-                for h in fleet.shards]
+        msg = LoadRefit(str(staging.path), total, [("policy", entries)], fleet.weight_version, 600, None,
+                        policies.in_flight(fleet.settings, "drain"))
+        refs = [h.actor.load_refit.remote(msg) for h in fleet.shards]
         ray.get(refs, timeout=600)
     return time.perf_counter() - t0, len(groups)
 

@@ -82,7 +82,7 @@ def main() -> None:
                                   "in_actor_s": shard["actor_s"], "back_s": t1 - shard["left_at"]})
         fleet.driver.channels = True
         engine.shutdown()
-        calls = [ray.get(h.actor.info.remote(), timeout=30)["direct_calls"] for h in fleet.shards]
+        calls = [ray.get(h.actor.info.remote(), timeout=30).direct_calls for h in fleet.shards]
     finally:
         fleet.shutdown()
         ray.shutdown()

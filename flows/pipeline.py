@@ -54,7 +54,7 @@ def launch_fleet(resolved: ResolvedGeneration) -> list[ShardHandle]:
             errors.append(exc)
             continue
         handles.append(handle)
-        progress.shard_event(handle.index, "ready", {**handle.info, "seconds": time.monotonic() - started})
+        progress.shard_event(handle.index, "ready", {**handle.info.as_dict(), "seconds": time.monotonic() - started})
     if errors:
         for handle in handles:
             shard_driver(resolved.settings).stop(handle)

@@ -141,8 +141,8 @@ def serves_concurrently(fleet) -> bool:
     """Whether every shard runs vLLM's AsyncLLM (``generation.vllm_cfg.async_engine``), which
     batches concurrent requests itself. The sync engine takes one call at a time: requests sent
     to it one by one would run one by one."""
-    infos = [getattr(h, "info", None) or {} for h in getattr(fleet, "shards", ())]
-    return bool(infos) and all(info.get("async_engine") for info in infos)
+    infos = [getattr(h, "info", None) for h in getattr(fleet, "shards", ())]
+    return bool(infos) and all(getattr(info, "async_engine", False) for info in infos)
 
 
 def generate_lines(

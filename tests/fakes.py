@@ -1,9 +1,10 @@
-"""A fake ``ShardDriver`` for the fleet-logic tier: shards that live in this process and die,
-hang or slow down on command, so routing, re-routing, spare promotion, quarantine and refit
-settling are tested in milliseconds. It has the real driver's shape (the fleet cannot tell
-them apart) and answers the way a real shard does: a dead shard's calls fail with
-``ShardDiedError``, a hung one's never answer, a slow one's answer late. The same paths are
-tested on real vLLM engines in tests/engine/.
+"""A fake ``ShardDriver`` for the fleet-logic tier: it hosts real shards (``nemo_gen.shard.rules.Shard``,
+the rules the Ray actor runs) in this process, each over a ``FakeEngine`` that dies, hangs or slows down on
+command, so routing, re-routing, spare promotion, quarantine and refit settling are tested in milliseconds
+against the shard's own rules, not a copy of them. It has the real driver's shape (the fleet cannot tell
+them apart) and answers the way a real shard does: a dead shard's calls fail with ``ShardDiedError``, a
+hung one's never answer, a slow one's answer late. The same paths are tested on real vLLM engines in
+tests/engine/.
 
     driver = FakeDriver()
     fleet = fake_fleet(settings, driver)
@@ -12,62 +13,260 @@ tested on real vLLM engines in tests/engine/.
     driver.set_token_s(name, 0.05)             # a token every 50 ms (batches, awaitables, streams)
     driver.set_busy(name, 2)                   # its next 2 generate calls are refused: vLLM's queue is full
     driver.clock = fake_clock                  # the shards' time (token_s, probes' step ages)
+    driver.shard(handle)                       # its FakeEngine (faults, counters); .rules: its real Shard
     CountingDriver().counts                    # every driver call the fleet made, by method
 
-A shard generating with ``token_s`` makes its tokens one by one on ``driver.clock`` and stops
-when its call is cancelled (``tokens_made`` says how far each request got); its probes answer
-by the real engine's liveness rule (``nemo_gen.core.liveness``) from its last token's age.
+Like a Ray async actor, every shard's calls run on one event loop (the driver's own thread), so a
+probe answers while a batch generates. A shard generating with ``token_s`` makes its tokens one by one
+on ``driver.clock`` and stops when its call is cancelled (``tokens_made`` says how far each request
+got); its probes answer by the real engine's liveness rule (``nemo_gen.core.liveness``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures, FIRST_COMPLETED
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from concurrent.futures import Future, wait as wait_futures, FIRST_COMPLETED
+from typing import Any, Callable, Iterable, Mapping
 
 from nemo_gen.core.liveness import busy_answer
-from nemo_gen.core.manifest import chunk_of, needs_whole
+from nemo_gen.core.wire import CheckRefit, LoadRefit, ShardInfo, StreamDeltas, StreamEnd, SyncRequest
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
-from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify
-from nemo_gen.shard.actor import LAYOUT_UNKNOWN, ShardHandle, ShardSpec
+from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify, failure_of, unanswered
+from nemo_gen.shard.actor import ShardHandle, ShardSpec
+from nemo_gen.shard.rules import Host, Shard
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
 
 
-@dataclass
-class FakeShard:
-    """What a shard actor would hold."""
+class FakeEngine:
+    """An engine (``nemo_gen.shard.engine_protocol.EngineLike``) with the faults a test sets on it, and
+    what it did (``generated``, ``running``, ``tokens_made``, ``refused``, ``streams``). ``rules``: the
+    real ``Shard`` hosting it (its version, slot and layout are the shard's)."""
 
-    name: str
-    slot: int | None
-    weight_version: int | None
-    restarts: int = 0
-    dead: str | None = None  # why, once dead
-    actor_dead: bool = True  # the actor died (not only its engine)
-    hung: threading.Event = field(default_factory=threading.Event)  # set: never answers
-    slow_s: float = 0.0  # before answering; for a stream, before its first token
-    token_s: float = 0.0  # a stream's time between tokens
-    stopped: bool = False
-    refuse_refit: str | None = None  # a data failure while reading the staged weights
-    fail_load: str | None = None  # a failure while loading them
-    layout: Any = None  # the layout number of the last weight-sync update it loaded
-    generated: int = 0  # requests served
-    streams: list["FakeStream"] = field(default_factory=list)  # every stream it was asked for
-    watchers: list[Future] = field(default_factory=list)
-    busy: int = 0  # its next this-many generate calls are refused (vLLM's queue is full)
-    refused: int = 0  # generate calls it refused
-    running: int = 0  # requests it is generating now (token_s > 0)
-    tokens_made: dict[int, int] = field(default_factory=dict)  # request index -> tokens made so far
-    steps: int = 0  # tokens made while busy (the engine's steps since it became busy)
-    last_step_at: float = 0.0  # on the driver's clock
-    keeps_stats: bool = False  # its engine keeps vLLM's stats (engine_kwargs' disable_log_stats false)
+    max_model_len = 256
+    dtype = "float32"
+    load_s = 0.0
 
-    def vllm_rows(self) -> list[dict[str, Any]]:
+    def __init__(self, name: str, version: int | None, manifest: dict, clock: Callable[[], float],
+                 keeps_stats: bool = False):
+        self.name = name
+        self.version = version  # what it serves (``set_version``, ``end_swap``)
+        self._manifest = manifest
+        self._clock = clock
+        self.keeps_stats = keeps_stats  # its engine keeps vLLM's stats (engine_kwargs' disable_log_stats false)
+        self.rules: Shard | None = None
+        self.dead: str | None = None  # why, once dead
+        self.actor_dead = True  # the actor died (not only its engine)
+        self.hung = threading.Event()  # set: never answers
+        self.slow_s = 0.0  # before answering; for a stream, before its first token
+        self.token_s = 0.0  # time between tokens
+        self.stopped = False
+        self.refuse_refit: str | None = None  # a data failure while reading the staged weights
+        self.fail_load: str | None = None  # a failure while loading them
+        self.poisoned: str | None = None  # a load broke off under a swap: weights half-loaded
+        self.generated = 0  # requests served
+        self.streams: list[FakeStream] = []  # every stream it was asked for
+        self.watchers: list[Future] = []
+        self.busy = 0  # its next this-many generate calls are refused (vLLM's queue is full)
+        self.refused = 0  # generate calls it refused
+        self.running = 0  # requests it is generating now (token_s > 0)
+        self.tokens_made: dict[int, int] = {}  # request index -> tokens made so far
+        self.steps = 0  # tokens made while busy (the engine's steps since it became busy)
+        self.last_step_at = 0.0  # on the driver's clock
+        self.rpcs: list[str] = []  # the control RPCs its workers got
+        self.pids: list[int] = []  # its "processes" (none: a test may give it some)
+        self._held = False  # requests wait (a drain, or a swap)
+        self._frozen = False  # the running batch waits (a swap)
+        self._inflight = 0
+
+    # -- the shard's state, as its rules hold it ----------------------------------------------------
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.rules.weight_version if self.rules else self.version
+
+    @property
+    def slot(self) -> int | None:
+        return self.rules.slot if self.rules else None
+
+    @property
+    def layout(self) -> Any:
+        return self.rules.sync.layout if self.rules and self.rules.sync else None
+
+    def gone(self) -> ShardDiedError | None:
+        if self.dead or self.stopped:
+            return ShardDiedError(-1 if self.slot is None else self.slot, f"ActorDiedError: {self.dead or 'stopped'}")
+        return None
+
+    # -- EngineLike -------------------------------------------------------------------------------
+
+    @property
+    def generating(self) -> bool:
+        return self.running > 0
+
+    @property
+    def steps_made(self) -> int:
+        return self.steps
+
+    def child_pids(self) -> list[int]:
+        return list(self.pids)
+
+    async def _admit(self) -> None:
+        """Wait while requests are held back (a drain or a swap), then count this one in."""
+        while self._held:
+            await asyncio.sleep(0.002)
+        self._inflight += 1
+
+    def _refuse(self) -> None:
+        if self.busy > 0:
+            from vllm.exceptions import QueueOverflowError
+
+            self.busy -= 1
+            self.refused += 1
+            raise QueueOverflowError()
+
+    async def generate(self, requests: list, sampling: dict[str, Any]) -> list[dict]:
+        self._refuse()
+        await self._admit()
+        try:
+            n = sampling.get("max_new_tokens") or 4
+            version = self.version
+            if self.token_s:
+                await self._make_tokens(requests, n)
+            results = []
+            for req in requests:
+                samples = [{"token_ids": [fake_token(req, k, i) for i in range(n)], "text": "",
+                            "logprobs": [0.0] * n, "finish_reason": "length", "weight_versions": [(version, n)]}
+                           for k in range(sampling.get("n") or 1)]
+                results.append({"index": req.index, **samples[0], "samples": samples, "error": None})
+            self.generated += len(requests)
+            return results
+        finally:
+            self._inflight -= 1
+
+    async def _make_tokens(self, batch: list, n: int) -> None:
+        """One token per ``token_s`` of the clock for each request of the batch, as an engine
+        steps; a cancelled call stops at once (the engine aborts it), a dead shard fails."""
+        if self.running == 0:
+            self.steps, self.last_step_at = 0, self._clock()
+        self.running += len(batch)
+        try:
+            next_at = self._clock() + self.token_s
+            for i in range(n):
+                while self._clock() < next_at or self._frozen:
+                    if self.gone():
+                        break
+                    await asyncio.sleep(0.001)
+                if (gone := self.gone()) is not None:
+                    raise gone
+                for req in batch:
+                    self.tokens_made[req.index] = i + 1
+                self.steps += 1
+                self.last_step_at = self._clock()
+                next_at += self.token_s
+        finally:
+            self.running -= len(batch)
+
+    async def stream(self, req: Any, sampling: dict[str, Any]):
+        """One token per item for every sample (the first after ``slow_s``, the next ``token_s``
+        apart), each stamped with the version the engine serves as it is made (a refit landing
+        mid-stream shows), then the result."""
+        self._refuse()
+        await self._admit()
+        try:
+            tokens = sampling.get("max_new_tokens") or 4
+            samples = [{"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "weight_versions": []}
+                       for _ in range(sampling.get("n") or 1)]
+            for i in range(tokens):
+                await asyncio.sleep(self.slow_s if i == 0 else self.token_s)
+                while self._frozen:
+                    await asyncio.sleep(0.002)
+                if (gone := self.gone()) is not None:
+                    raise gone
+                deltas = []
+                for k, sample in enumerate(samples):
+                    finish = "length" if i == tokens - 1 else None
+                    sample["token_ids"].append(fake_token(req, k, i))
+                    sample["logprobs"].append(0.0)
+                    sample["finish_reason"] = finish
+                    add_span(sample["weight_versions"], self.version, 1)
+                    deltas.append({"sample": k, "token_ids": [sample["token_ids"][-1]], "text": "", "logprobs": [0.0],
+                                   "weight_versions": [[self.version, 1]], "finish_reason": finish})
+                yield {"deltas": deltas}
+            self.generated += 1
+            yield {"result": {"index": req.index, **samples[0], "samples": samples, "error": None}}
+        finally:
+            self._inflight -= 1
+
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+                    warmup_s: float) -> dict[str, Any]:
+        """The real engine's rules: held for a refit, skipped; half-loaded, failed; busy: its last
+        step's age (``nemo_gen.core.liveness``); idle: its one real token."""
+        if self._held:
+            return {"ok": True, "skipped": "refit or control call in progress"}
+        if self.poisoned is not None:
+            return {"ok": False, "error": f"weights half-loaded: {self.poisoned}"}
+        if self.running:
+            return busy_answer(self._clock() - self.last_step_at, self.steps, stall_s, warmup_s)
+        return {"ok": True}
+
+    async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        self.rpcs.append(method)
+        if method == "nemo_gen_check_staged":
+            if self.refuse_refit:
+                raise ValueError(self.refuse_refit)
+            return [1]
+        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights"):
+            if self.fail_load:
+                raise RuntimeError(self.fail_load)
+            return [0.001]
+        if method == "nemo_gen_expected_manifest":
+            return [{"tensors": dict(self._manifest), "optional": [], "available": args[0] == "policy", "shared": []}]
+        if method in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
+                      "finish_weight_update", "shutdown_weight_transfer_engine"):
+            return [None]
+        raise AssertionError(f"the fake engine has no RPC {method!r}")
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        await self.hold()
+        try:
+            yield
+        finally:
+            await self.release()
+
+    async def hold(self) -> None:
+        while self._held:
+            await asyncio.sleep(0.002)
+        self._held = True
+        while self._inflight:
+            await asyncio.sleep(0.002)
+
+    async def release(self) -> None:
+        self._held = False
+
+    async def set_version(self, version: int | None) -> None:
+        self.version = version
+
+    async def begin_swap(self) -> None:
+        while self._held:
+            await asyncio.sleep(0.002)
+        self._held = self._frozen = True
+
+    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,
+                       recompute_kv: bool = False, failed: str | None = None) -> None:
+        if failed is not None:
+            self.poisoned = failed
+        if version is not None:
+            self.version = version
+        self._held = self._frozen = False
+
+    def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
         if not self.keeps_stats:
             return []
@@ -78,9 +277,18 @@ class FakeShard:
                  "count": self.generated, "sum": 0.01 * self.generated,
                  "buckets": {"0.1": self.generated, "+Inf": self.generated}}]
 
-    def info(self) -> dict[str, Any]:
-        return {"slot": self.slot, "weight_version": self.weight_version, "restarts": self.restarts,
-                "actor_pid": None, "engine_pids": [], "node_id": "fake", "dtype": "float32", "fleet": "fake"}
+    def unfinished(self) -> dict[str, int]:
+        return {}
+
+    def step_gaps(self, reset: bool) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self, grace_s: float) -> None:
+        self.stopped = True
+
+
+# What a fake shard answers for each refit message (the real driver's ``_METHODS``).
+_REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync"}
 
 
 class FakeDriver:
@@ -90,21 +298,24 @@ class FakeDriver:
                  timeouts: DriverTimeouts = DriverTimeouts(control_s=0.5, stop_s=0.5, engine_grace_s=0.1, refit_s=1.0)):
         self.timeouts = timeouts
         self.manifest = manifest or {"w": ((4, 4), "float32"), "b": ((4,), "float32")}
-        self.shards: dict[str, FakeShard] = {}
+        self.shards: dict[str, FakeEngine] = {}
         self.launched: list[ShardSpec] = []
         self.launch_failures: list[BaseException | None] = []  # the next launches: raise this, or (None) start
-        self.remote_calls: list[tuple[str, str, tuple]] = []  # (actor, method, args) of each fanned-out call
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="fake-shard")
+        self.remote_calls: list[tuple[str, str, Any]] = []  # (actor, method, message) of each fanned-out call
         self._lock = threading.Lock()
         self.clock = time.monotonic  # the shards' time: token_s, the probes' step ages
+        # The shards' event loop, as a Ray async actor has one: calls on a shard interleave there.
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="fake-shards", daemon=True)
+        self._thread.start()
 
     # -- what a test does to shards ----------------------------------------------------------------
 
     def set_dead(self, name: str, reason: str = "engine process 4242 exited", actor: bool = True) -> None:
         """The shard dies: its calls fail, its watch fires (``actor`` False: only the engine)."""
-        shard = self.shards[name]
-        shard.dead, shard.actor_dead = reason, actor
-        for watcher in shard.watchers:
+        engine = self.shards[name]
+        engine.dead, engine.actor_dead = reason, actor
+        for watcher in engine.watchers:
             if not watcher.done():
                 if actor:
                     watcher.set_exception(ShardDiedError(-1, f"ActorDiedError: {reason}"))
@@ -113,11 +324,11 @@ class FakeDriver:
 
     def set_hung(self, name: str, hung: bool = True) -> None:
         """The shard stops answering (a SIGSTOPped engine); ``hung=False`` lets it go on."""
-        shard = self.shards[name]
+        engine = self.shards[name]
         if hung:
-            shard.hung.set()
+            engine.hung.set()
         else:
-            shard.hung.clear()
+            engine.hung.clear()
 
     def set_slow(self, name: str, seconds: float) -> None:
         self.shards[name].slow_s = seconds
@@ -129,33 +340,40 @@ class FakeDriver:
         """The shard refuses its next ``calls`` generate calls: vLLM's QueueOverflowError (503)."""
         self.shards[name].busy = calls
 
-    def shard(self, handle: ShardHandle) -> FakeShard:
+    def shard(self, handle: ShardHandle) -> FakeEngine:
         return self.shards[handle.name]
 
+    def rules(self, handle: ShardHandle) -> Shard:
+        """The real ``Shard`` the fake actor hosts."""
+        return self.shards[handle.name].rules
+
     def close(self) -> None:
-        for shard in self.shards.values():
-            shard.hung.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for engine in self.shards.values():
+            engine.hung.clear()
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
     # -- the driver's shape --------------------------------------------------------------------------
 
-    def _serve(self, shard: FakeShard, fn):
-        """Run ``fn`` as the shard would: failing if dead, never while hung, late if slow."""
-        def run():
-            while shard.hung.is_set() and not shard.dead:
-                time.sleep(0.01)
-            if shard.slow_s:
-                time.sleep(shard.slow_s)
-            if shard.dead or shard.stopped:
-                raise ShardDiedError(-1 if shard.slot is None else shard.slot, f"ActorDiedError: {shard.dead or 'stopped'}")
-            return fn()
-        return self._pool.submit(run)
+    def _serve(self, engine: FakeEngine, call: Callable[[], Any]) -> Future:
+        """Run ``call()`` (a coroutine, or a plain value) on the shards' loop as the actor would:
+        failing if dead, never while hung, late if slow. Cancelling the future cancels the call there."""
+        async def run():
+            while engine.hung.is_set() and not engine.dead:
+                await asyncio.sleep(0.01)
+            if engine.slow_s:
+                await asyncio.sleep(engine.slow_s)
+            if (gone := engine.gone()) is not None:
+                raise gone
+            out = call()
+            return await out if asyncio.iscoroutine(out) else out
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
 
-    def _blocking(self, handle: ShardHandle, what: str, fn, timeout_s: float):
-        future = self._serve(self.shards[handle.name], fn)
+    def _blocking(self, handle: ShardHandle, what: str, call: Callable[[], Any], timeout_s: float):
+        future = self._serve(self.shards[handle.name], call)
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
+            future.cancel()
             raise ShardDiedError(-1 if handle.index is None else handle.index,
                                  f"{what} did not answer within {timeout_s:g}s") from None
 
@@ -165,10 +383,13 @@ class FakeDriver:
             failure = self.launch_failures.pop(0) if self.launch_failures else None
         if failure is not None:
             raise failure
-        shard = FakeShard(spec.actor_name, None if spec.spare else spec.index, spec.weight_version,
-                          keeps_stats=not spec.engine_kwargs.get("disable_log_stats", True))
-        self.shards[shard.name] = shard
-        return ShardHandle(index=spec.index, name=shard.name, actor=None, placement_group=None, info=shard.info())
+        engine = FakeEngine(spec.actor_name, spec.weight_version, self.manifest, lambda: self.clock(),
+                            keeps_stats=not spec.engine_kwargs.get("disable_log_stats", True))
+        engine.rules = Shard(spec.index, spec.weight_version, None if spec.spare else spec.index, spec.fleet,
+                             spec.async_engine, Host(node_id="fake"))
+        info = engine.rules.attach(engine, "fake")
+        self.shards[engine.name] = engine
+        return ShardHandle(index=spec.index, name=engine.name, actor=None, placement_group=None, info=info)
 
     # The real all-or-none parallel start, over the fake launch/stop.
     launch_all = ShardDriver.launch_all
@@ -178,22 +399,23 @@ class FakeDriver:
         return []
 
     def kill(self, handle: ShardHandle) -> None:
-        shard = self.shards[handle.name]
-        shard.stopped = True
-        shard.hung.clear()
+        engine = self.shards[handle.name]
+        engine.stopped = True
+        engine.hung.clear()
 
     def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
-        return [ShardHandle(index=s.slot, name=s.name, actor=None, placement_group=None, info=s.info())
-                for s in self.shards.values() if not s.dead and not s.stopped]
+        return [ShardHandle(index=e.slot, name=e.name, actor=None, placement_group=None, info=e.rules.info())
+                for e in self.shards.values() if not e.dead and not e.stopped]
 
-    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, Any]:
+    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
         """The real driver's shape: every ``info`` at once, one deadline for all of them."""
-        futures = {k: self._serve(self.shards[h.name], self.shards[h.name].info) for k, h in handles.items()}
+        futures = {k: self._serve(self.shards[h.name], self.shards[h.name].rules.info) for k, h in handles.items()}
         wait_futures(list(futures.values()), timeout=self.timeouts.control_s)
         out: dict[Any, Any] = {}
         for key, future in futures.items():
             handle = handles[key]
             if not future.done():
+                future.cancel()
                 out[key] = ShardDiedError(-1 if handle.index is None else handle.index,
                                           f"info did not answer within {self.timeouts.control_s:g}s")
             elif future.exception() is not None:
@@ -202,155 +424,65 @@ class FakeDriver:
                 out[key] = handle.info = future.result()
         return out
 
-    def info(self, handle: ShardHandle) -> dict[str, Any]:
-        shard = self.shards[handle.name]
-        handle.info = self._blocking(handle, "info", shard.info, self.timeouts.control_s)
+    def info(self, handle: ShardHandle) -> ShardInfo:
+        handle.info = self._blocking(handle, "info", self.rules(handle).info, self.timeouts.control_s)
         return handle.info
 
-    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> dict[str, Any]:
-        shard = self.shards[handle.name]
+    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> ShardInfo:
         handle.index = slot
-
-        def assign():
-            shard.slot, shard.restarts = slot, restarts
-            return shard.info()
-
-        handle.info = self._blocking(handle, "assign", assign, self.timeouts.control_s)
+        rules = self.rules(handle)
+        handle.info = self._blocking(handle, "assign", lambda: rules.assign(slot, restarts), self.timeouts.control_s)
         return handle.info
 
     def vllm_metrics(self, handle: ShardHandle) -> list[dict[str, Any]]:
-        shard = self.shards[handle.name]
-        return self._blocking(handle, "vllm_metrics", shard.vllm_rows, self.timeouts.control_s)
+        return self._blocking(handle, "vllm_metrics", self.rules(handle).vllm_metrics, self.timeouts.control_s)
 
     def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
-        manifest = {"tensors": dict(self.manifest), "optional": [], "available": target == "policy", "shared": []}
-        return self._blocking(handle, "expected_manifest", lambda: manifest, self.timeouts.refit_s)
+        rules = self.rules(handle)
+        return self._blocking(handle, "expected_manifest", lambda: rules.expected_manifest(target),
+                              self.timeouts.refit_s)
 
-    def fan_out(self, handles: Mapping[Any, ShardHandle], method: str, args: tuple | Mapping[Any, tuple],
-                margin_s: float) -> dict[Any, Outcome]:
-        per_key = args if isinstance(args, Mapping) else {k: args for k in handles}
-        futures = {k: self._serve(self.shards[h.name], lambda h=h, a=per_key[k]: self._remote(h, method, a))
-                   for k, h in handles.items()}
+    def fan_out(self, handles: Mapping[Any, ShardHandle], message: Any, margin_s: float) -> dict[Any, Outcome]:
+        """The real driver's shape: each shard's refit message runs on its real ``Shard``; one
+        deadline for all of them."""
+        per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
+        futures = {}
+        for key, handle in handles.items():
+            msg, rules = per_key[key], self.rules(handle)
+            method = _REFIT_CALLS[type(msg)]
+            self.remote_calls.append((handle.name, method, msg))
+            futures[key] = self._serve(self.shards[handle.name], lambda rules=rules, method=method, msg=msg:
+                                       getattr(rules, method)(msg))
+        wait = self.timeouts.refit_s + margin_s
+        wait_futures(list(futures.values()), timeout=wait)
         out = {}
         for key, future in futures.items():
-            try:
-                out[key] = Outcome(value=future.result(timeout=self.timeouts.refit_s + margin_s))
-            except TimeoutError:
-                out[key] = Outcome(error=f"GetTimeoutError: {method} did not answer", infra=True)
-            except ShardDiedError as exc:
-                out[key] = Outcome(error=exc.detail, infra=True)
-            except Exception as exc:
-                out[key] = Outcome(error=f"{type(exc).__name__}: {exc}", infra=False)
+            if not future.done():
+                future.cancel()
+                out[key] = Outcome(failure=unanswered(_REFIT_CALLS[type(per_key[key])], wait))
+            elif future.exception() is not None:
+                out[key] = Outcome(failure=failure_of(future.exception()))
+            else:
+                out[key] = Outcome(value=future.result())
         return out
 
-    @staticmethod
-    def _load(shard: FakeShard, version: int) -> None:
-        """A load of weights: ``version`` once it succeeds, no version while it runs or if it fails."""
-        shard.weight_version = None  # half-loaded weights never carry a version
-        if shard.fail_load:
-            raise RuntimeError(shard.fail_load)
-        shard.weight_version = version
-
-    def _remote(self, handle: ShardHandle, method: str, args: tuple) -> Any:
-        self.remote_calls.append((handle.name, method, args))
-        shard = self.shards[handle.name]
-        if method == "check_refit":
-            if shard.refuse_refit:
-                raise ValueError(shard.refuse_refit)
-            return 1
-        if method == "load_refit":
-            self._load(shard, args[3])
-            return 0.001
-        if method == "weight_sync":  # the shard actor's rules (nemo_gen.shard.actor.ShardActor.weight_sync)
-            step, payload = args[0], args[1]
-            update = chunk_of(step, payload)
-            if update is not None and needs_whole(update, shard.layout):
-                return {LAYOUT_UNKNOWN: True}
-            if step in ("init", "shutdown"):
-                shard.layout = None
-            elif step == "finish":
-                shard.weight_version = payload
-            elif step == "apply":
-                shard.layout = None
-                self._load(shard, payload["version"])
-                shard.layout = update.get("layout") if update is not None else None
-            elif step == "update":
-                shard.layout = update.get("layout") if update is not None else None
-            return None
-        raise AssertionError(f"the fake shard has no {method!r}")
-
-    def _generate(self, shard: FakeShard, batch: list, params: dict[str, Any],
-                  cancelled: threading.Event | None = None) -> dict[str, Any]:
-        if shard.busy > 0:
-            from vllm.exceptions import QueueOverflowError
-
-            shard.busy -= 1
-            shard.refused += 1
-            raise QueueOverflowError()
-        n = params.get("max_new_tokens") or 4
-        version = shard.weight_version
-        if shard.token_s:
-            self._make_tokens(shard, batch, n, cancelled or threading.Event())
-        results = []
-        for req in batch:
-            samples = [{"token_ids": [fake_token(req, k, i) for i in range(n)], "text": "", "logprobs": [0.0] * n,
-                        "finish_reason": "length", "weight_versions": [(version, n)]}
-                       for k in range(params.get("n") or 1)]
-            results.append({"index": req.index, **samples[0], "samples": samples, "error": None})
-        shard.generated += len(batch)
-        return {"shard": shard.slot, "weight_version": version, "results": results, "seconds": 0.0}
-
-    def _make_tokens(self, shard: FakeShard, batch: list, n: int, cancelled: threading.Event) -> None:
-        """One token per ``token_s`` of ``self.clock`` for each request of the batch, as an engine
-        steps; a cancelled call stops at once (the engine aborts it), a dead shard fails."""
-        with self._lock:
-            if shard.running == 0:
-                shard.steps, shard.last_step_at = 0, self.clock()
-            shard.running += len(batch)
-        try:
-            next_at = self.clock() + shard.token_s
-            for i in range(n):
-                while self.clock() < next_at:
-                    if cancelled.is_set() or shard.dead or shard.stopped:
-                        break
-                    time.sleep(0.001)
-                if cancelled.is_set():
-                    raise CancelledByCaller()
-                if shard.dead or shard.stopped:
-                    raise ShardDiedError(-1 if shard.slot is None else shard.slot, f"ActorDiedError: {shard.dead or 'stopped'}")
-                for req in batch:
-                    shard.tokens_made[req.index] = i + 1
-                shard.steps += 1
-                shard.last_step_at = self.clock()
-                next_at += shard.token_s
-        finally:
-            with self._lock:
-                shard.running -= len(batch)
-
     def start_generate(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> Call:
-        shard, cancelled = self.shards[handle.name], threading.Event()
-        future = self._serve(shard, lambda: self._generate(shard, batch, params, cancelled))
-        future.cancelled_by_caller = cancelled  # type: ignore[attr-defined]
-        return Call(handle, "generate", future)
+        rules = self.rules(handle)
+        return Call(handle, "generate", self._serve(self.shards[handle.name], lambda: rules.generate(batch, params)))
 
     def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
-        shard = self.shards[handle.name]
+        engine = self.shards[handle.name]
         future: Future = Future()
-        shard.watchers.append(future)
-        if shard.dead:
-            self.set_dead(shard.name, shard.dead, shard.actor_dead)
+        engine.watchers.append(future)
+        if engine.dead:
+            self.set_dead(engine.name, engine.dead, engine.actor_dead)
         return Call(handle, "watch", future)
 
     def start_probe(self, handle: ShardHandle, sampling: dict[str, Any], tokens: list[int], timeout_s: float,
                     warmup_s: float) -> Call:
-        shard = self.shards[handle.name]
-
-        def answer():  # the real engine's rule while it is busy; idle: its one real token
-            if shard.running:
-                return busy_answer(self.clock() - shard.last_step_at, shard.steps, timeout_s, warmup_s)
-            return {"ok": True}
-
-        return Call(handle, "probe", self._serve(shard, answer))
+        rules = self.rules(handle)
+        return Call(handle, "probe", self._serve(self.shards[handle.name],
+                                                 lambda: rules.probe(sampling, tokens, timeout_s, warmup_s)))
 
     def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
         calls = list(calls)
@@ -366,16 +498,15 @@ class FakeDriver:
             raise ShardDiedError(-1, f"{call.what} did not answer") from None
 
     def cancel(self, call: Call) -> None:
-        call.ref.cancel()
-        getattr(call.ref, "cancelled_by_caller", threading.Event()).set()
+        call.ref.cancel()  # cancels the shard's task: its engine stops generating for it
 
     def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "FakePending":
         return FakePending(self.start_generate(handle, batch, params).ref)
 
     def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> "FakeStream":
-        shard = self.shards[handle.name]
-        stream = FakeStream(shard, request, params)
-        shard.streams.append(stream)
+        engine = self.shards[handle.name]
+        stream = FakeStream(engine, engine.rules.generate_stream(request, params), self.loop)
+        engine.streams.append(stream)
         return stream
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
@@ -408,10 +539,6 @@ class CountingDriver(FakeDriver):
         return counted
 
 
-class CancelledByCaller(Exception):
-    """What a fake shard's call ends with once its caller cancelled it (Ray's TaskCancelledError)."""
-
-
 class FakePending:
     """The real ``driver.Pending``'s shape: ``future`` (asyncio), ``cancel()`` ends the call on the shard."""
 
@@ -421,7 +548,7 @@ class FakePending:
 
     def cancel(self) -> None:
         self.future.cancel()
-        self._future.cancelled_by_caller.set()  # type: ignore[attr-defined]
+        self._future.cancel()
 
 
 def fake_token(req: Any, k: int, i: int) -> int:
@@ -431,53 +558,52 @@ def fake_token(req: Any, k: int, i: int) -> int:
 
 
 class FakeStream:
-    """A streamed generate on a fake shard, with the real ``Stream``'s shape: one token per item
-    for every sample (the first after the shard's ``slow_s``, the next ``token_s`` apart), each
-    stamped with the shard's version as it is made (a refit landing mid-stream shows), then the
-    result. A dead shard's stream fails at its next item; a hung one's never answers."""
+    """A streamed generate on a fake shard, with the real ``Stream``'s shape: the real
+    ``Shard.generate_stream`` over its ``FakeEngine``, run on the shards' loop from the moment it
+    is asked for and to its end whether read or not, as a Ray streaming generator's actor task is.
+    A dead shard's stream fails at its next item; a hung one's never answers; ``cancel()`` ends
+    it on the shard (its engine stops). ``sent``: the items read."""
 
-    def __init__(self, shard: FakeShard, request: Any, params: dict[str, Any]):
-        self.shard, self.request = shard, request
-        self.tokens = params.get("max_new_tokens") or 4
-        self.samples = [{"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "weight_versions": []}
-                        for _ in range(params.get("n") or 1)]
-        self.version, self.sent, self.cancelled = shard.weight_version, 0, False
+    def __init__(self, engine: FakeEngine, items: Any, loop: asyncio.AbstractEventLoop):
+        self.engine, self._loop = engine, loop
+        self.cancelled = False
+        self.sent = 0
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.run_coroutine_threadsafe(self._produce(items), loop)
 
-    async def next(self) -> dict[str, Any] | None:
-        shard = self.shard
-        if self.sent == 0 and shard.busy > 0:
-            from vllm.exceptions import QueueOverflowError
+    async def _produce(self, items: Any) -> None:
+        try:
+            async with contextlib.aclosing(items):
+                async for item in items:
+                    self._queue.put_nowait(("item", item))
+            self._queue.put_nowait(("end", None))
+        except BaseException as exc:  # what the call raised (cancelled included) is its reader's
+            self._queue.put_nowait(("error", exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
 
-            shard.busy -= 1
-            shard.refused += 1
-            raise QueueOverflowError()
-        await asyncio.sleep(shard.slow_s if self.sent == 0 else shard.token_s)
-        while shard.hung.is_set() and not shard.dead and not self.cancelled:
+    async def _next(self) -> StreamDeltas | StreamEnd | None:
+        engine = self.engine
+        while engine.hung.is_set() and not engine.dead and not self.cancelled:
             await asyncio.sleep(0.01)
-        if shard.dead or shard.stopped or self.cancelled:
-            raise ShardDiedError(-1 if shard.slot is None else shard.slot,
-                                 f"ActorDiedError: {shard.dead or ('cancelled' if self.cancelled else 'stopped')}")
-        if self.sent > self.tokens:
+        if self.cancelled:
+            raise ShardDiedError(-1, "ActorDiedError: cancelled")
+        if (gone := engine.gone()) is not None:
+            raise gone
+        kind, value = await self._queue.get()
+        if kind == "error":
+            raise value
+        if kind == "end":
             return None
-        if self.sent == self.tokens:
-            self.sent += 1
-            shard.generated += 1
-            result = {"index": self.request.index, **self.samples[0], "samples": self.samples, "error": None}
-            return {"result": result, "shard": shard.slot, "weight_version": self.version}
-        i, version, deltas = self.sent, shard.weight_version, []
         self.sent += 1
-        for k, sample in enumerate(self.samples):
-            finish = "length" if i == self.tokens - 1 else None
-            sample["token_ids"].append(fake_token(self.request, k, i))
-            sample["logprobs"].append(0.0)
-            sample["finish_reason"] = finish
-            add_span(sample["weight_versions"], version, 1)
-            deltas.append({"sample": k, "token_ids": [sample["token_ids"][-1]], "text": "", "logprobs": [0.0],
-                           "weight_versions": [[version, 1]], "finish_reason": finish})
-        return {"deltas": deltas}
+        return value
+
+    async def next(self) -> StreamDeltas | StreamEnd | None:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._next(), self._loop))
 
     def cancel(self) -> None:
         self.cancelled = True
+        self._task.cancel()  # the shard's task is cancelled: the engine's stream closes
 
 
 def fake_fleet(settings, driver: FakeDriver, watch: bool = True):
@@ -487,8 +613,8 @@ def fake_fleet(settings, driver: FakeDriver, watch: bool = True):
 
     resolved = resolve_generation(settings, cluster=None)
     started = driver.launch_all(resolved.shards + resolved.spares)
-    shards = [h for h in started if h.info.get("slot") is not None]
-    spares = [h for h in started if h.info.get("slot") is None]
+    shards = [h for h in started if h.info.slot is not None]
+    spares = [h for h in started if h.info.slot is None]
     return GenerationFleet(resolved, shards, spares=spares, driver=driver, watch=watch)
 
 

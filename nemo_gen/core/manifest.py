@@ -270,14 +270,6 @@ def layout_only(update_info: Mapping) -> dict | None:
     return {"layout": layout, "layout_only": True}
 
 
-def chunk_of(step: str, payload: object) -> Mapping | None:
-    """The update a weight-sync step carries: ``apply``'s payload holds it, ``update``'s is it;
-    the other steps carry none (a per-rank list is not one either)."""
-    update = payload.get("update") if step == "apply" and isinstance(payload, Mapping) else \
-        payload if step == "update" else None
-    return update if isinstance(update, Mapping) else None
-
-
 def needs_whole(update_info: Mapping, held_layout: object) -> bool:
     """An engine whose workers loaded ``held_layout`` last cannot take ``update_info``: it is
     a layout's short form, and not of that layout (the sender must send it whole)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.wire import ShardInfo
 
 
 class SlotHealth(Protocol):
@@ -98,33 +99,33 @@ class Seed:
     restarts: int  # the slot's restart count so far (the budget spans every attaching process)
 
 
-def attach_seeds(num_slots: int, infos: Mapping[int, Mapping[str, Any]], recorded: Mapping[str, Any] | None
+def attach_seeds(num_slots: int, infos: Mapping[int, ShardInfo], recorded: Mapping[str, Any] | None
                  ) -> tuple[int | None, str | None, list[Seed]]:
     """(the fleet's version, its source, one Seed per slot) from what each slot's actor said
-    (``infos``: slot -> info) and the fleet record. The record says which version the fleet
-    serves (it outlives every shard); without one, the newest version any shard holds."""
-    known = [i.get("weight_version") for i in infos.values() if i.get("weight_version") is not None]
+    (``infos``: slot -> its ``ShardInfo``) and the fleet record. The record says which version
+    the fleet serves (it outlives every shard); without one, the newest version any shard holds."""
+    known = [i.weight_version for i in infos.values() if i.weight_version is not None]
     version = max(known) if known else None
     if recorded is not None:
         version = recorded.get("weight_version")
     # The checkpoint of that version: the record's, or one a shard at that version loaded (never
     # another version's: a catch-up from it would load the wrong weights).
     source = (recorded or {}).get("weight_source") or next(
-        (i.get("weight_source") for i in infos.values() if i.get("weight_version") == version and i.get("weight_source")),
+        (i.weight_source for i in infos.values() if i.weight_version == version and i.weight_source),
         None)
     slots = (recorded or {}).get("slots") or {}
     seeds = []
     for slot in range(num_slots):
         info, kept = infos.get(slot), slots.get(str(slot)) or {}
         # The budget spans every process: the record's count, or the actor's if it saw more.
-        restarts = max(int((info or {}).get("restarts") or 0), int(kept.get("restarts") or 0))
+        restarts = max(info.restarts if info is not None else 0, int(kept.get("restarts") or 0))
         if kept.get("retired"):
             seeds.append(Seed(slot, ShardState.RETIRED, kept["retired"], restarts))
         elif info is None:
             seeds.append(Seed(slot, ShardState.DEAD, "shard actor not found when attaching", restarts))
-        elif info.get("unresponsive"):
-            seeds.append(Seed(slot, ShardState.DEAD, f"not answering when attaching: {info['unresponsive']}", restarts))
-        elif info.get("weight_version") is None or info.get("weight_version") != version:
+        elif info.unresponsive:
+            seeds.append(Seed(slot, ShardState.DEAD, f"not answering when attaching: {info.unresponsive}", restarts))
+        elif info.weight_version is None or info.weight_version != version:
             seeds.append(Seed(slot, ShardState.STALE, "behind the fleet's weight version", restarts))
         else:
             seeds.append(Seed(slot, ShardState.HEALTHY, f"at weight version {version}", restarts))

@@ -35,7 +35,10 @@ from ray.util import get_node_ip_address
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nemo_gen.core.retry import is_retriable, kind_of
+from nemo_gen.core.retry import kind_of
+from nemo_gen.core.wire import (
+    CheckRefit, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo, StreamDeltas, StreamEnd, SyncRequest,
+)
 from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardBusy, ShardDiedError
 from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread, describe
 from nemo_gen.shard.actor import ShardActor, ShardHandle, ShardSpec, slot_from_name
@@ -56,17 +59,30 @@ class DriverTimeouts:
     refit_s: float  # each refit phase on a shard (the workers enforce it; the driver adds a margin)
 
 
+# The shard actor's method for each refit message (``fan_out``): the message's type names the call.
+_METHODS: dict[type, str] = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync"}
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What one shard answered to a fanned-out call: a value, or an error and its class."""
+    """What one shard answered to a fanned-out call: a value, or how it failed."""
 
     value: Any = None
-    error: str | None = None
-    infra: bool = False  # the error is the shard's loss (or silence), not its refusal
+    failure: Failure | None = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        return self.failure is None
+
+    @property
+    def error(self) -> str | None:
+        """The failure as the ledger writes it ("Type: message"); None when it answered."""
+        return None if self.failure is None else str(self.failure)
+
+    @property
+    def infra(self) -> bool:
+        """The failure is the shard's loss, silence or refusal for now, not a verdict on the input."""
+        return self.failure is not None and self.failure.infra
 
 
 @dataclass(frozen=True, eq=False)  # identity: each call is its own dict key
@@ -87,7 +103,7 @@ class Stream:
     def __init__(self, generator: Any):
         self._generator = generator
 
-    async def next(self) -> dict[str, Any] | None:
+    async def next(self) -> StreamDeltas | StreamEnd | None:
         try:
             ref = await self._generator.__anext__()
         except StopAsyncIteration:
@@ -123,6 +139,19 @@ def root_cause(exc: BaseException) -> str:
     """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame):
     the same form a shard's direct line answers in (``control_channel.describe``)."""
     return describe(getattr(exc, "cause", None) or exc)
+
+
+def failure_of(exc: BaseException) -> Failure:
+    """A Ray error (or the actor's exception it wraps) as a wire ``Failure``: its fault-model kind,
+    and the actor-side exception's type and last line (``root_cause``)."""
+    type_name, _, detail = root_cause(exc).partition(": ")
+    return Failure(FailureKind(kind_of(exc)), type_name, detail)
+
+
+def unanswered(method: str, wait: float) -> Failure:
+    """A call that outlived its deadline: the shard is frozen or gone (dead, not slow: the workers
+    enforce the refit deadline, so a live shard answers within it)."""
+    return Failure(FailureKind.DEAD, "GetTimeoutError", f"{method} did not answer within {wait:g}s")
 
 
 def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:
@@ -174,7 +203,7 @@ class ShardDriver:
                     progress(spec.index, "failed", {"error": str(exc)})
                 raise
             if progress:
-                progress(spec.index, "ready", {**handle.info, "seconds": time.monotonic() - t0})
+                progress(spec.index, "ready", {**handle.info.as_dict(), "seconds": time.monotonic() - t0})
             return handle
 
         with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
@@ -211,7 +240,7 @@ class ShardDriver:
 
     def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
         """Every live actor of fleet ``fleet`` (shards, replacements, spares), found by name
-        prefix. A handle's ``index`` is the slot it serves (``info["slot"]``; None for a spare)."""
+        prefix. A handle's ``index`` is the slot it serves (``info.slot``; None for a spare)."""
         from ray.util import get_placement_group, list_named_actors
 
         prefixes = (f"{fleet}-shard-", f"{fleet}-spare-")
@@ -235,14 +264,14 @@ class ShardDriver:
                 slot = slot_from_name(fleet, name)
                 if slot is None:
                     continue
-                info = {"slot": slot, "weight_version": None, "unresponsive": info.detail}
-            if info.get("fleet", fleet) != fleet:
+                info = ShardInfo(slot=slot, weight_version=None, fleet=fleet, unresponsive=info.detail)
+            if info.fleet != fleet:
                 continue  # another fleet whose name starts with ours
             try:
                 pg = get_placement_group(f"{name}-pg")
             except ValueError:
                 pg = None
-            handles.append(ShardHandle(index=info.get("slot"), name=name, actor=actor, placement_group=pg, info=info))
+            handles.append(ShardHandle(index=info.slot, name=name, actor=actor, placement_group=pg, info=info))
         return handles
 
     # -- blocking calls ------------------------------------------------------------------------
@@ -267,7 +296,7 @@ class ShardDriver:
                 out[key] = classify(None, exc, what, self.timeouts.control_s)
         return out
 
-    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, dict[str, Any] | BaseException]:
+    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
         """``info`` of every handle at once (refreshing each ``handle.info`` that answered): key ->
         its info, or the error its call ended with."""
         out = self._all(handles, "info", lambda h: h.actor.info.remote())
@@ -276,12 +305,12 @@ class ShardDriver:
                 handles[key].info = info
         return out
 
-    def info(self, handle: ShardHandle) -> dict[str, Any]:
+    def info(self, handle: ShardHandle) -> ShardInfo:
         """The actor's own account (PIDs, weight version, slot); refreshes ``handle.info``."""
         handle.info = self._get(handle, "info", handle.actor.info.remote(), self.timeouts.control_s)
         return handle.info
 
-    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> dict[str, Any]:
+    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> ShardInfo:
         """Make the actor serve ``slot`` (a replacement, a promoted spare)."""
         handle.index = slot
         handle.info = self._get(handle, "assign", handle.actor.assign.remote(slot, restarts), self.timeouts.control_s)
@@ -295,22 +324,28 @@ class ShardDriver:
         return self._get(handle, "expected_manifest", handle.actor.expected_manifest.remote(target),
                          self.timeouts.refit_s)
 
-    def fan_out(self, handles: Mapping[Any, ShardHandle], method: str, args: tuple | Mapping[Any, tuple],
+    def fan_out(self, handles: Mapping[Any, ShardHandle], message: RefitMessage | Mapping[Any, RefitMessage],
                 margin_s: float) -> dict[Any, Outcome]:
-        """Call ``method(*args)`` on every handle at once (``args``: the same for all, or per
-        key); key -> Outcome. The workers enforce the refit deadline; ``margin_s`` on top covers
-        a frozen actor that never answers, and the whole call waits that long once, for every
-        shard together. ``weight_sync`` goes over a shard's direct line where it has one
+        """Send a refit ``message`` (``CheckRefit``, ``LoadRefit`` or a weight-sync step; the
+        same for all, or one per key) to every handle at once; key -> Outcome. The workers
+        enforce the refit deadline; ``margin_s`` on top covers a frozen actor that never
+        answers, and the whole call waits that long once, for every shard together. A
+        weight-sync step goes over a shard's direct line where it has one
         (``refit.control_channel``), else over Ray; a call its line could not read goes over Ray."""
-        per_key = args if isinstance(args, Mapping) else {k: args for k in handles}
+        per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
         wait = self.timeouts.refit_s + margin_s
         deadline = time.monotonic() + wait
         direct: dict[Any, Channel] = {}
+
+        def over_ray(key: Any) -> Any:
+            msg = per_key[key]
+            return getattr(handles[key].actor, _METHODS[type(msg)]).remote(msg)
+
         for key, handle in handles.items():
-            line = self._channel(handle) if method == "weight_sync" else None
+            line = self._channel(handle) if isinstance(per_key[key], SyncRequest) else None
             if line is not None and line.lock.acquire(blocking=False):
                 try:
-                    line.send(per_key[key])
+                    line.send((per_key[key],))
                     direct[key] = line
                 except ChannelBroken:  # nothing reached the actor: Ray carries the call
                     line.lock.release()
@@ -318,25 +353,28 @@ class ShardDriver:
                 except Exception:  # not picklable without Ray's cloudpickle; nothing was sent
                     line.lock.release()
         out: dict[Any, Outcome] = {}
-        over_ray = [k for k in handles if k not in direct]
         try:
-            refs = {k: getattr(handles[k].actor, method).remote(*per_key[k]) for k in over_ray}
+            refs = {k: over_ray(k) for k in handles if k not in direct}
             for key, line in direct.items():
                 try:
                     ok, value = line.receive(deadline - time.monotonic())
-                    out[key] = Outcome(value=value) if ok else Outcome(error=value)
+                    if ok:
+                        out[key] = Outcome(value=value)
+                    else:  # the line answers a raised exception as "Type: last line": the actor said no
+                        type_name, _, detail = value.partition(": ")
+                        out[key] = Outcome(failure=Failure(FailureKind.DATA, type_name, detail))
                 except FrameUnread as exc:  # the actor could not read the call: it never ran
-                    log.info("shard %s could not read a %s call over its line (%s); sent over Ray",
-                             handles[key].name, method, exc)
+                    log.info("shard %s could not read a weight_sync call over its line (%s); sent over Ray",
+                             handles[key].name, exc)
                     self._drop_channel(handles[key])
-                    refs[key] = getattr(handles[key].actor, method).remote(*per_key[key])
+                    refs[key] = over_ray(key)
                 except TimeoutError:
                     self._drop_channel(handles[key])  # its late answer must not be read as the next call's
-                    out[key] = Outcome(error=f"GetTimeoutError: {method} did not answer within {wait:g}s", infra=True)
+                    out[key] = Outcome(failure=unanswered("weight_sync", wait))
                 except ChannelBroken as exc:
                     self._drop_channel(handles[key])
-                    out[key] = Outcome(error=f"ActorDiedError: the shard's line closed during {method} ({exc})",
-                                       infra=True)
+                    out[key] = Outcome(failure=Failure(FailureKind.DEAD, "ActorDiedError",
+                                                       f"the shard's line closed during weight_sync ({exc})"))
         finally:
             for line in direct.values():
                 line.lock.release()
@@ -348,9 +386,9 @@ class ShardDriver:
             except ray.exceptions.GetTimeoutError:
                 with contextlib.suppress(Exception):  # best effort: a frozen actor may never see it
                     ray.cancel(ref)
-                out[key] = Outcome(error=f"GetTimeoutError: {method} did not answer within {wait:g}s", infra=True)
+                out[key] = Outcome(failure=unanswered(_METHODS[type(per_key[key])], wait))
             except Exception as exc:
-                out[key] = Outcome(error=root_cause(exc), infra=is_retriable(exc))
+                out[key] = Outcome(failure=failure_of(exc))
         return out
 
     def _channel(self, handle: ShardHandle) -> Channel | None:
@@ -367,8 +405,8 @@ class ShardDriver:
         try:
             where = ray.get(handle.actor.control_channel.remote(self.timeouts.control_s),
                             timeout=self.timeouts.control_s)
-            if where["node_ip"] == get_node_ip_address():
-                return Channel(where["address"], where["key"], self.timeouts.control_s)
+            if where.node_ip == get_node_ip_address():
+                return Channel(where.address, where.key, self.timeouts.control_s)
         except Exception as exc:  # no line: Ray carries the calls, which report a dead actor
             log.info("shard %s: no direct line (%s); its refit calls go over Ray", handle.name, root_cause(exc))
         return None

@@ -115,9 +115,9 @@ class GenerationFleet:
             if conn.owned:
                 shutdown_ray(conn)
             raise
-        shards = [h for h in started if h.info.get("slot") is not None]
+        shards = [h for h in started if h.info.slot is not None]
         return cls(resolved, shards, ray_connection=conn if conn.owned else None, record=record, driver=driver,
-                   spares=[h for h in started if h.info.get("slot") is None])
+                   spares=[h for h in started if h.info.slot is None])
 
     @classmethod
     def attach(cls, settings: NemoGenSettings, watch: bool = True) -> "GenerationFleet":

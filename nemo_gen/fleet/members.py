@@ -22,7 +22,7 @@ def claimed_slots(actors: Iterable[ShardHandle], num_slots: int) -> dict[int, Sh
     """Slot -> the actor serving it, among a running fleet's actors (found when attaching).
     Two that claim one slot (a promotion cut short): the one with newer weights wins."""
     slots: dict[int, ShardHandle] = {}
-    for h in sorted(actors, key=lambda h: -1 if h.info.get("weight_version") is None else h.info["weight_version"]):
+    for h in sorted(actors, key=lambda h: -1 if h.info.weight_version is None else h.info.weight_version):
         if h.index is not None and h.index < num_slots:
             if h.index in slots:
                 log.warning("slot %d is claimed by %s and %s; using %s", h.index, slots[h.index].name, h.name, h.name)
@@ -72,12 +72,12 @@ class Membership:
             return handle is not None and handle.name == member.name
 
     def note_version(self, member: Member, version: int) -> None:
-        """``member`` loaded ``version`` (kept on its handle, so a spare's readiness is known
-        without asking it)."""
+        """``member`` loaded ``version`` (its handle's last ``ShardInfo`` is replaced by one at
+        that version, so a spare's readiness is known without asking it)."""
         with self._lock:
             handle = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
             if handle is not None and handle.name == member.name:
-                handle.info["weight_version"] = version
+                handle.info = handle.info.with_version(version)
 
     def slot_lock(self, slot: int) -> threading.Lock:
         """Serializes recovery of one slot (the monitor and a flow may both try)."""

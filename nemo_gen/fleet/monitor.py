@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe
+from nemo_gen.core.wire import ProbeReply, ProbeStatus
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -56,33 +57,34 @@ class Prober:
     def send(self, handle: ShardHandle) -> Call:
         return self.driver.start_probe(handle, self.sampling, self.tokens, self.timeout_s, self.warmup_s)
 
-    def answer_of(self, call: Call) -> dict[str, Any]:
-        """The probe's answer; a dead actor or engine is marked ``dead`` (condemned at once),
-        any other failure is one step of a streak."""
+    def answer_of(self, call: Call) -> ProbeReply:
+        """The probe's answer; a dead actor or engine is ``DEAD`` (condemned at once), any other
+        failure is one step of a streak."""
         try:
             return self.driver.result(call)
         except ShardDiedError as exc:
-            return {"ok": False, "error": f"probe failed: {exc.detail}", "dead": True}
+            return ProbeReply(ProbeStatus.DEAD, f"probe failed: {exc.detail}")
         except Exception as exc:
-            return {"ok": False, "error": f"probe failed: {describe(exc).splitlines()[0]}"}
+            return ProbeReply(ProbeStatus.FAILED, f"probe failed: {describe(exc).splitlines()[0]}")
 
-    def timed_out(self) -> dict[str, Any]:
-        return {"ok": False, "error": f"probe not answered within {self.timeout_s:g}s"}
+    def timed_out(self) -> ProbeReply:
+        return ProbeReply(ProbeStatus.UNANSWERED, f"probe not answered within {self.timeout_s:g}s")
 
-    def record(self, member: Member, answer: dict[str, Any]) -> None:
+    def record(self, member: Member, answer: ProbeReply) -> None:
         """One probe answer about ``member``: a streak step in the ledger; a dead actor or engine,
-        or a streak at the threshold, condemns the shard."""
-        if not self.members.is_current(member) or answer.get("skipped"):
+        or a streak at the threshold, condemns the shard. A skipped probe counts for nothing."""
+        if not self.members.is_current(member) or answer.status is ProbeStatus.SKIPPED:
             return
         slot = member.slot
-        if answer.get("dead"):
-            self.detected(member, "probe", answer["error"])
+        if answer.status is ProbeStatus.DEAD:
+            self.detected(member, "probe", answer.detail or "probe found the shard dead")
             return
-        self.health.record_probe(slot, bool(answer.get("ok")), answer.get("error"))
-        if not answer.get("ok"):
-            log.warning("shard %d probe failed: %s", slot, answer.get("error"))
+        alive = answer.status.alive
+        self.health.record_probe(slot, alive, None if alive else answer.detail)
+        if not alive:
+            log.warning("shard %d probe failed: %s", slot, answer.detail)
         if self.health.state_of(slot) is ShardState.DEAD:
-            self.detected(member, "probe", answer.get("error") or "probe failures")
+            self.detected(member, "probe", (None if alive else answer.detail) or "probe failures")
 
     def detected(self, member: Member, by: str, reason: str) -> None:
         key = member.name if member.is_spare else member.slot
@@ -97,7 +99,7 @@ class Prober:
         for slot in self.health.serving_shards():
             handle = self.members.handle(slot)
             member = Member(handle.name, slot)
-            answer: dict[str, Any] = {}
+            answer = ProbeReply(ProbeStatus.UNANSWERED, "not probed")
             for _ in range(unhealthy_threshold):
                 call = self.send(handle)
                 if self.driver.wait([call], self.timeout_s):
@@ -106,9 +108,9 @@ class Prober:
                     self.driver.cancel(call)
                     answer = self.timed_out()
                 self.record(member, answer)
-                if answer.get("ok") or answer.get("skipped") or self.health.state_of(slot) is ShardState.DEAD:
+                if answer.ok or self.health.state_of(slot) is ShardState.DEAD:
                     break
-            out.append({"shard": slot, "ok": bool(answer.get("ok")), "error": answer.get("error"),
+            out.append({"shard": slot, "ok": answer.ok, "error": None if answer.ok else answer.detail,
                         "state": self.health.state_of(slot).value})
         return out
 

@@ -82,7 +82,7 @@ def reap_shard(driver: ShardDriver, handle: ShardHandle, timeout_s: float) -> Re
     t0 = time.monotonic()
     report = ReapReport(shard=handle.index if handle.index is not None else handle.name)
     driver.kill(handle)
-    ip = handle.info.get("node_ip")
+    ip = handle.info.node_ip
     if ip is not None and ip != get_node_ip_address():
         report.checked = False
         log.warning("shard %s ran on node %s: its processes cannot be checked from here", report.shard, ip)

@@ -36,6 +36,7 @@ from nemo_gen.core.manifest import (
     next_version,
     split_draft,
 )
+from nemo_gen.core.wire import CheckRefit, LoadRefit
 from nemo_gen.errors import NemoGenError, ShardDiedError, StaleShard
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -109,7 +110,7 @@ class Refitter:
     @property
     def engine_dtype(self) -> str:
         """The dtype the engines compute in (refit stages floating tensors in it)."""
-        return next(h.info["dtype"] for h in self.members.slots() + self.members.spares() if h.info.get("dtype"))
+        return next(h.info.dtype for h in self.members.slots() + self.members.spares() if h.info.dtype)
 
     # -- checkpoint / live-tensor refit ----------------------------------------------------------
 
@@ -209,7 +210,7 @@ class Refitter:
         load at once; a failure there leaves that shard with no version."""
         timeout = self.driver.timeouts.refit_s
         outcome: dict[Member, tuple[bool, float, str | None]] = {}
-        checks = self.driver.fan_out(handles, "check_refit", (staged.path, staged.total, staged.entries, timeout),
+        checks = self.driver.fan_out(handles, CheckRefit(staged.path, staged.total, staged.entries, timeout),
                                      _CHECK_MARGIN_S)
         for member, answer in checks.items():
             if answer.ok:
@@ -222,8 +223,8 @@ class Refitter:
             outcome[member] = (False, 0.0, f"lost before loading version {staged.version}: {answer.error}")
         loading = {m: h for m, h in handles.items() if m not in outcome}
         loads = self.driver.fan_out(
-            loading, "load_refit",
-            (staged.path, staged.total, staged.groups, staged.version, timeout, staged.source, in_flight),
+            loading, LoadRefit(staged.path, staged.total, staged.groups, staged.version, timeout, staged.source,
+                               in_flight),
             _LOAD_MARGIN_S,
         )
         for member, answer in loads.items():
@@ -266,7 +267,7 @@ class Refitter:
         with self.weights.refitting():
             version = self.weights.version
             staged = self.weights.staged
-            if handle.info.get("weight_version") == version and staged is None:
+            if handle.info.weight_version == version and staged is None:
                 pass  # it loaded the checkpoint at start, and no refit has happened since (eval, v0)
             else:
                 if staged is None or staged.version != version:
@@ -281,7 +282,7 @@ class Refitter:
                     if not member.is_spare:
                         self.health.mark_dead(member.slot, error)
                     raise ShardDiedError(-1 if member.is_spare else member.slot, error)
-            handle.info["weight_version"] = version
+            handle.info = handle.info.with_version(version)  # not installed yet: Membership does not know it
             if not member.is_spare:
                 self.health.report_refit(member.slot, version)
         return True

@@ -39,6 +39,7 @@ from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, He
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample, too_long_error
+from nemo_gen.core.wire import GenerateReply, StreamDeltas
 from nemo_gen.errors import RequestError, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
@@ -333,8 +334,8 @@ class Router:
                         retry(batch, exc, "busy", member.slot)
                         continue
                     self.health.report_success(member.slot)
-                    for req, raw in zip(batch, out["results"]):
-                        results[req.index] = self.result(req, raw, out["shard"], out["weight_version"])
+                    for req, raw in zip(batch, out.results):
+                        results[req.index] = self.result(req, raw, out.shard, out.weight_version)
                 for call, (member, batch) in list(inflight.items()):
                     if self._lost(member):  # condemned meanwhile (its watch, its probes): answer elsewhere
                         del inflight[call]
@@ -379,7 +380,7 @@ class Router:
                 else:
                     if out is not None:
                         self.health.report_success(shard)
-                        return self.result(req, out["results"][0], out["shard"], out["weight_version"])
+                        return self.result(req, out.results[0], out.shard, out.weight_version)
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
                 finally:
                     self.selector.release(shard)
@@ -425,14 +426,14 @@ class Router:
                     deadline.restart()
                     while (item := await self._next_item(stream, member, deadline)) is not _LOST:
                         deadline.restart()
-                        if item is None or "result" in item:
+                        if not isinstance(item, StreamDeltas):
                             finished = True
                             if item is None:
                                 raise ShardDiedError(shard, "the stream ended without a result")
                             self.health.report_success(shard)
-                            yield self.result(req, item["result"], item["shard"], item["weight_version"])
+                            yield self.result(req, item.result, item.shard, item.weight_version)
                             return
-                        for raw in item["deltas"]:
+                        for raw in item.deltas:
                             delta = self._delta(raw, shard, texts)
                             sent += len(delta.token_ids)
                             started = True
@@ -476,7 +477,7 @@ class Router:
             if not task.done():
                 task.cancel()
 
-    async def _await(self, pending: Pending, member: Member, deadline: Deadline) -> dict[str, Any] | None:
+    async def _await(self, pending: Pending, member: Member, deadline: Deadline) -> GenerateReply | None:
         """The call's answer; None when its shard was lost meanwhile; ``RequestTimeout`` at the
         deadline. The call is cancelled on its shard unless it answered: at the deadline, when its
         shard was lost, and when the awaiting task itself is cancelled."""

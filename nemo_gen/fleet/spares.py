@@ -41,7 +41,7 @@ class SparePool:
 
     def ready(self, version: int | None) -> list[str]:
         """Spares believed to be at ``version`` (from what they last said; ``take`` asks again)."""
-        return [h.name for h in self.members.spares() if h.info.get("weight_version") == version]
+        return [h.name for h in self.members.spares() if h.info.weight_version == version]
 
     def take(self, version: int | None, name: str | None = None) -> ShardHandle | None:
         """A spare at ``version`` (``name`` first, when given), removed from the pool; None if
@@ -53,7 +53,7 @@ class SparePool:
             except ShardDiedError as exc:
                 self.drop(spare.name, str(exc))
                 continue
-            if info.get("weight_version") != version:
+            if info.weight_version != version:
                 continue  # still catching up
             if self.members.pop_spare(spare.name) is None:
                 continue  # taken by another recovery meanwhile

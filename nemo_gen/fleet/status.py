@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
+from nemo_gen.core.wire import ShardInfo
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.host import gpu_memory
 from nemo_gen.fleet.driver import ShardDriver
@@ -51,7 +52,7 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
     for snap in snaps:
         slot = snap.dp_shard_idx
         handle = members.handle(slot)
-        info = dict(handle.info) if handle else {}
+        info = handle.info if handle else ShardInfo(slot=slot, weight_version=None)
         answer = answers.get(slot)
         if isinstance(answer, ShardDiedError):
             on_lost(Member(handle.name, slot), f"ShardDiedError: {answer}")
@@ -61,20 +62,20 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
             info = answer
         left = [o for o in orphans if o["shard"] == slot and alive(o["pid"])]
         out.append(ShardStatus(
-            index=slot, state=str(health.state_of(slot).value), weight_version=info.get("weight_version"),
-            actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),
-            node_id=info.get("node_id"), restarts=snap.restart_attempts, last_error=snap.last_error or None,
+            index=slot, state=str(health.state_of(slot).value), weight_version=info.weight_version,
+            actor_pid=info.actor_pid, engine_pids=list(info.engine_pids),
+            node_id=info.node_id, restarts=snap.restart_attempts, last_error=snap.last_error or None,
             name=handle.name if handle else None, orphans=_with_gpu(left),
-            gpu_memory_bytes=_gpu_bytes([info.get("actor_pid"), *info.get("engine_pids", [])]),
+            gpu_memory_bytes=_gpu_bytes([info.actor_pid, *info.engine_pids]),
         ))
     for spare in spares.values():
         answer = answers.get(spare.name)
-        info = answer if isinstance(answer, dict) else dict(spare.info)
+        info = answer if isinstance(answer, ShardInfo) else spare.info
         out.append(ShardStatus(
-            index=spare.index, state="spare", weight_version=info.get("weight_version"),
-            actor_pid=info.get("actor_pid"), engine_pids=list(info.get("engine_pids", [])),
-            node_id=info.get("node_id"), name=spare.name,
-            gpu_memory_bytes=_gpu_bytes([info.get("actor_pid"), *info.get("engine_pids", [])]),
+            index=spare.index, state="spare", weight_version=info.weight_version,
+            actor_pid=info.actor_pid, engine_pids=list(info.engine_pids),
+            node_id=info.node_id, name=spare.name,
+            gpu_memory_bytes=_gpu_bytes([info.actor_pid, *info.engine_pids]),
         ))
     return out
 

@@ -25,6 +25,7 @@ The fleet's refit rules hold around the backend's bytes:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,8 +43,12 @@ from nemo_gen.core.manifest import (
     next_version,
     nccl_rank_offsets,
 )
+from nemo_gen.core.wire import (
+    SyncAbort, SyncApply, SyncFinish, SyncInit, SyncPayload, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft,
+    SyncUpdate,
+)
 from nemo_gen.fleet.refit import Refitter, metas_of
-from nemo_gen.shard.actor import LAYOUT_UNKNOWN, ShardHandle
+from nemo_gen.shard.actor import ShardHandle
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +143,7 @@ class FleetWeightSyncClient:
 
     def _init(self, members: dict[Member, ShardHandle], per_shard: dict[Member, dict]) -> dict[Member, str]:
         timeout = self._driver.timeouts.refit_s
-        answers = self._driver.fan_out(members, "weight_sync", {k: ("init", per_shard[k], timeout) for k in members},
+        answers = self._driver.fan_out(members, {k: SyncRequest(SyncInit(per_shard[k]), timeout) for k in members},
                                        _INIT_MARGIN_S)
         for key, answer in answers.items():
             self._layouts.pop(members[key].name, None)  # a new transfer engine holds no layout
@@ -149,7 +154,7 @@ class FleetWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         timeout = self._driver.timeouts.refit_s
         errors = {k: a.error for k, a in self._driver.fan_out(
-            self._members(), "weight_sync", ("shutdown", None, timeout), _STEP_MARGIN_S).items() if not a.ok}
+            self._members(), SyncRequest(SyncShutdown(), timeout), _STEP_MARGIN_S).items() if not a.ok}
         self._attached, self._init_info, self._layouts = set(), None, {}
         if errors:
             raise RefitError(f"weight transfer could not be shut down: {self._errors(errors)}")
@@ -165,8 +170,8 @@ class FleetWeightSyncClient:
 
     def _start(self, target: str) -> None:
         with self._opened(target) as session:
-            step = "start_draft" if target == "draft" else "start"
-            failed = self._fan_out(session, step, self.in_flight)
+            start = SyncStartDraft(self.in_flight) if target == "draft" else SyncStart(self.in_flight)
+            failed = self._fan_out(session, start)
             # A shard that cannot start has loaded nothing: it sits this refit out.
             session.failed.update(failed)
             if len(session.failed) == len(session.handles):
@@ -208,11 +213,11 @@ class FleetWeightSyncClient:
             self._check_whole(session, update_info)
             session.chunks = 1
             version = self._final_version(session, weight_version)
-            answers = self._send(session, "apply", update_info, lambda update: {
-                "in_flight": self.in_flight, "update": update, "target": target, "version": version})
+            answers = self._send(session, update_info,
+                                 lambda update: SyncApply(self.in_flight, update, target, version))
             for key, answer in answers.items():
                 if answer.ok:
-                    self.timings[key.label] = answer.value
+                    self.timings[key.label] = dataclasses.asdict(answer.value.timings)
                 else:
                     session.failed[key] = f"refit to version {version} failed: {answer.error}"
             return self._complete(session, version)
@@ -252,7 +257,7 @@ class FleetWeightSyncClient:
             self._abort(restore=not loaded, reason="a later chunk was refused" if loaded else None)
             raise
         session.chunks += 1
-        for key, answer in self._send(session, "update", update_info, lambda update: update).items():
+        for key, answer in self._send(session, update_info, SyncUpdate).items():
             if not answer.ok:
                 session.failed[key] = f"refit to version {session.version} failed: {answer.error}"
 
@@ -268,9 +273,10 @@ class FleetWeightSyncClient:
                 for key in session.handles:
                     session.failed.setdefault(key, f"the refit to version {version} ended without {missing}")
             ok = {k: h for k, h in session.handles.items() if k not in session.failed}
-            for key, error in self._fan_out(session, "finish", version, only=ok).items():
+            for key, error in self._fan_out(session, SyncFinish(version), only=ok).items():
                 session.failed[key] = f"refit to version {version} failed while finishing: {error}"
-            self._fan_out(session, "abort", False, only={k: session.handles[k] for k in session.failed})
+            self._fan_out(session, SyncAbort(nothing_loaded=False),
+                          only={k: session.handles[k] for k in session.failed})
             return self._complete(session, version)
         finally:
             self._session = None
@@ -362,10 +368,10 @@ class FleetWeightSyncClient:
             return None
         return f"{len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
 
-    def _send(self, session: _Session, step: str, update_info: dict[str, Any],
-              payload: Callable[[dict[str, Any]], Any]) -> dict[Member, Any]:
-        """Fan one chunk out (``step``: "apply" or "update"; ``payload`` wraps the update for
-        it) to the session's shards still in the update; key -> Outcome. A shard whose last
+    def _send(self, session: _Session, update_info: dict[str, Any],
+              payload: Callable[[dict[str, Any]], SyncApply | SyncUpdate]) -> dict[Member, Any]:
+        """Fan one chunk out (``payload`` wraps the update in its step: ``SyncApply`` or
+        ``SyncUpdate``) to the session's shards still in the update; key -> Outcome. A shard whose last
         loaded update had this layout is sent the layout's short form. One that does not hold it
         after all (another client refit it since) answers so before touching anything, and is
         sent the whole update."""
@@ -373,15 +379,14 @@ class FleetWeightSyncClient:
         short = layout_only(update_info)
         timeout = self._driver.timeouts.refit_s
 
-        def args(key: Member, whole: bool = False) -> tuple:
+        def request(key: Member, whole: bool = False) -> SyncRequest:
             held = not whole and short is not None and self._layouts.get(handles[key].name) == short["layout"]
-            return step, payload(short if held else update_info), timeout
+            return SyncRequest(payload(short if held else update_info), timeout)
 
-        answers = self._driver.fan_out(handles, "weight_sync", {k: args(k) for k in handles}, _UPDATE_MARGIN_S)
-        again = {k: handles[k] for k, a in answers.items() if a.ok and isinstance(a.value, dict) and a.value.get(LAYOUT_UNKNOWN)}
+        answers = self._driver.fan_out(handles, {k: request(k) for k in handles}, _UPDATE_MARGIN_S)
+        again = {k: handles[k] for k, a in answers.items() if a.ok and a.value.layout_unknown}
         if again:
-            answers.update(self._driver.fan_out(again, "weight_sync", {k: args(k, whole=True) for k in again},
-                                                _UPDATE_MARGIN_S))
+            answers.update(self._driver.fan_out(again, {k: request(k, whole=True) for k in again}, _UPDATE_MARGIN_S))
         for key, answer in answers.items():
             if answer.ok and short is not None:
                 self._layouts[handles[key].name] = short["layout"]
@@ -389,14 +394,14 @@ class FleetWeightSyncClient:
                 self._layouts.pop(handles[key].name, None)
         return answers
 
-    def _fan_out(self, session: _Session, step: str, payload: Any, only: dict | None = None) -> dict[Any, str]:
+    def _fan_out(self, session: _Session, payload: SyncPayload, only: dict | None = None) -> dict[Any, str]:
         """Run one protocol step on the session's shards at once; returns key -> error."""
         if only is None:  # every shard still in the update
             only = {k: h for k, h in session.handles.items() if k not in session.failed}
         timeout = self._driver.timeouts.refit_s
         # The workers enforce ``timeout``; the margin covers a frozen actor that never answers.
-        margin = _UPDATE_MARGIN_S if step == "update" else _STEP_MARGIN_S
-        answers = self._driver.fan_out(only, "weight_sync", (step, payload, timeout), margin)
+        margin = _UPDATE_MARGIN_S if isinstance(payload, SyncUpdate) else _STEP_MARGIN_S
+        answers = self._driver.fan_out(only, SyncRequest(payload, timeout), margin)
         return {k: a.error for k, a in answers.items() if not a.ok}
 
     def _abort(self, restore: bool, reason: str | None = None) -> None:
@@ -406,7 +411,7 @@ class FleetWeightSyncClient:
         if session is None:
             return
         try:
-            errors = self._fan_out(session, "abort", restore, only=session.handles)
+            errors = self._fan_out(session, SyncAbort(nothing_loaded=restore), only=session.handles)
             if not restore or errors:
                 report = RefitReport(version=session.version, bytes=session.bytes, tensors=len(session.seen),
                                      stage_seconds=0.0, load_seconds=time.perf_counter() - session.started)

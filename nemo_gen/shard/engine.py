@@ -1,5 +1,5 @@
-"""One vLLM engine inside a shard actor: what a shard may ask of it (``EngineLike``), and
-``Engine.start``, which starts the one the config names and warms it up.
+"""One vLLM engine inside a shard actor: ``Engine.start``, which starts the one the config names
+and warms it up, as an ``EngineLike`` (``nemo_gen.shard.engine_protocol``: what a shard may ask of it).
 
 vLLM's two engines sit behind the one protocol, as vLLM's own ``LLMEngine``/``AsyncLLM`` and
 NeMo-RL's sync and async vLLM workers do: the sync ``vllm.LLM`` (best batch throughput;
@@ -13,12 +13,13 @@ clock (``step_clock.StepClock``); every touch of vLLM's internals is in ``vllm_c
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncContextManager, AsyncIterator, Protocol
+from typing import Any
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.engine_async import AsyncEngine
 from nemo_gen.shard.engine_base import STREAM_INTERVAL_S
+from nemo_gen.shard.engine_protocol import EngineLike
 from nemo_gen.shard.engine_sync import SyncEngine
 from nemo_gen.shard.vllm_compat import sampling_params
 
@@ -27,60 +28,6 @@ __all__ = ["STREAM_INTERVAL_S", "AsyncEngine", "Engine", "EngineLike", "SyncEngi
 # One greedy token: the warm-up generation of a fresh engine.
 _WARMUP = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": None, "stop_strings": None,
            "stop_token_ids": None, "seed": None, "ignore_eos": True}
-
-
-class EngineLike(Protocol):
-    """A started engine, as a shard uses it. ``version`` is the weight version it serves; every
-    generated token is counted under the version that sampled it. A drain refit holds the engine
-    (``exclusive``, or ``hold``/``release``) and changes the version with ``set_version``; an
-    in-flight one (``keep``/``abort``) swaps the weights under running requests between
-    ``begin_swap`` and ``end_swap``."""
-
-    async_engine: bool
-    load_s: float
-    max_model_len: int
-    dtype: str
-
-    @property
-    def version(self) -> int | None: ...
-
-    @property
-    def generating(self) -> bool: ...
-
-    @property
-    def steps_made(self) -> int: ...
-
-    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> list[dict]: ...
-
-    def stream(self, req: GenerationRequest, sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
-
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
-                    warmup_s: float) -> dict[str, Any]: ...
-
-    async def set_version(self, version: int | None) -> None: ...
-
-    def exclusive(self) -> AsyncContextManager[None]: ...
-
-    async def hold(self) -> None: ...
-
-    async def release(self) -> None: ...
-
-    async def begin_swap(self) -> None: ...
-
-    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,
-                       recompute_kv: bool = False, failed: str | None = None) -> None: ...
-
-    async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]: ...
-
-    def step_gaps(self, reset: bool) -> dict[str, Any]: ...
-
-    def unfinished(self) -> dict[str, int]: ...
-
-    def vllm_metrics(self) -> list[dict[str, Any]]: ...
-
-    def child_pids(self) -> list[int]: ...
-
-    def shutdown(self, grace_s: float) -> None: ...
 
 
 class Engine:

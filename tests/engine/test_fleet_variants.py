@@ -108,7 +108,7 @@ def test_the_engine_core_is_forked_by_the_shards_forkserver_or_spawned_as_set(as
         fleet = async_and_train[name]
         (status,) = fleet.status()
         assert fleet.settings.fleet.engine_core_start == method
-        assert fleet.shards[0].info["engine_core_start"] == method, name
+        assert fleet.shards[0].info.engine_core_start == method, name
         engine = set(status.engine_pids)
         (core,) = [p for p in engine if psutil.Process(p).ppid() not in engine]  # the EngineCore
         assert "EngineCore" in psutil.Process(core).name(), name  # named as vLLM names it (ps, operators)

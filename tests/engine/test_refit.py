@@ -168,7 +168,7 @@ def _trainer(fleet, model_dir, tmp_path, mutate=None):
 
 
 def _direct_calls(fleet) -> list[int]:
-    return [ray.get(h.actor.info.remote(), timeout=30)["direct_calls"] for h in fleet.shards]
+    return [ray.get(h.actor.info.remote(), timeout=30).direct_calls for h in fleet.shards]
 
 
 @pytest.mark.parametrize("transport", ["direct line", "Ray"])
@@ -237,7 +237,7 @@ def test_an_abandoned_weight_update_is_aborted_and_the_fleet_serves_on(fleets, t
     client = fleet.weight_sync_client()
     client.start_weight_update()
     # meanwhile every shard is held and claims no version (its weights may be changing)
-    assert [ray.get(h.actor.info.remote(), timeout=30)["weight_version"] for h in fleet.shards] == [None, None]
+    assert [ray.get(h.actor.info.remote(), timeout=30).weight_version for h in fleet.shards] == [None, None]
     assert client.abort_weight_update() is None  # nothing was loaded: no shard to report
     assert fleet.weight_version == version and {s.state for s in fleet.status()} == {"healthy"}
     results = fleet.generate(PROMPTS * 2, temperature=0)

@@ -92,7 +92,7 @@ def generate_then_refit(fleet, source, mode, **sampling):
     thread = threading.Thread(target=run)
     thread.start()
     # Synchronised on the engine's own progress: the batch is running and past its first steps.
-    wait_until(lambda: (info := fleet.driver.info(fleet.handle(0)))["generating"] and info["batch_steps"] >= 5,
+    wait_until(lambda: (info := fleet.driver.info(fleet.handle(0))).generating and info.batch_steps >= 5,
                120, "the batch to be under way")
     t0 = time.monotonic()
     report = fleet.refit(source, in_flight=mode)

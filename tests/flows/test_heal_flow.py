@@ -69,8 +69,8 @@ def _kill_first_replacement(stop: threading.Event, killed: list, known: frozense
                 info = ray.get(actor.info.remote(), timeout=5)
             except Exception:
                 continue
-            os.kill(info["actor_pid"], signal.SIGKILL)
-            killed.append(info["actor_pid"])
+            os.kill(info.actor_pid, signal.SIGKILL)
+            killed.append(info.actor_pid)
             return
         time.sleep(0.1)
 

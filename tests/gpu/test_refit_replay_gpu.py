@@ -58,7 +58,7 @@ def test_replayed_refits_load_what_every_other_path_loads(setup):
 
     def worker(method, *args):
         def fn(actor, method, args):
-            return actor.engine._llm.collective_rpc(method, args=args)
+            return actor.shard.engine._llm.collective_rpc(method, args=args)
 
         return ray.get(handle.actor.__ray_call__.remote(fn, method, args), timeout=120)[0]
 

@@ -15,6 +15,7 @@ from multiprocessing.connection import AuthenticationError
 
 import pytest
 
+from nemo_gen.core.wire import CheckRefit, SyncRequest, SyncUpdate
 from nemo_gen.shard.control_channel import Channel, ChannelBroken, ChannelServer
 
 # fleet.control_timeout_s of these lines: connecting and each handshake give up after it.
@@ -32,7 +33,14 @@ def loop():
     loop.close()
 
 
+def _sync(step: str, payload=None) -> SyncRequest:
+    """A weight-sync call as the driver sends it, telling ``_handler`` what to do."""
+    return SyncRequest(SyncUpdate({"do": step, "arg": payload}), 5.0)
+
+
 async def _handler(step, payload=None, timeout_s=1.0):
+    if isinstance(step, SyncRequest):  # the driver's call (a shard actor's weight_sync takes it)
+        step, payload = step.payload.update_info["do"], step.payload.update_info["arg"]
     if step == "fail":
         raise RuntimeError(f"refit refused:\nthe chunk {payload} has the wrong shape")
     if step == "slow":
@@ -211,9 +219,9 @@ def _handle():
 
 def test_the_driver_answers_from_the_line_as_from_ray(server):
     driver, handle = _LocalDriver.make(server, refit_s=5), _handle()
-    (ok,) = driver.fan_out({0: handle}, "weight_sync", ("apply", {"layout": 1}, 5.0), margin_s=0).values()
+    (ok,) = driver.fan_out({0: handle}, _sync("apply", {"layout": 1}), margin_s=0).values()
     assert ok.ok and ok.value["payload"] == {"layout": 1}
-    (refused,) = driver.fan_out({0: handle}, "weight_sync", ("fail", "w", 5.0), margin_s=0).values()
+    (refused,) = driver.fan_out({0: handle}, _sync("fail", "w"), margin_s=0).values()
     # what the Ray path gives for an exception the actor raised: root_cause's form, not infra
     assert refused.error == "RuntimeError: the chunk w has the wrong shape" and not refused.infra
     assert driver.lines() == {handle.name} and server.calls == 2
@@ -221,7 +229,7 @@ def test_the_driver_answers_from_the_line_as_from_ray(server):
 
 def test_a_call_past_its_deadline_drops_the_line(server):
     driver, handle = _LocalDriver.make(server, refit_s=0.1), _handle()
-    (late,) = driver.fan_out({0: handle}, "weight_sync", ("slow", 1.0, 5.0), margin_s=0).values()
+    (late,) = driver.fan_out({0: handle}, _sync("slow", 1.0), margin_s=0).values()
     assert late.error.startswith("GetTimeoutError") and late.infra
     assert driver.lines() == set()  # its late answer must not be read as the next call's
 
@@ -231,7 +239,7 @@ def test_a_line_that_breaks_mid_call_is_the_actors_loss(remote):
     where = types.SimpleNamespace(address=address, key=key)
     driver, handle = _LocalDriver.make(where, refit_s=20), _handle()
     threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL)).start()
-    (lost,) = driver.fan_out({0: handle}, "weight_sync", ("slow", 30.0, 5.0), margin_s=0).values()
+    (lost,) = driver.fan_out({0: handle}, _sync("slow", 30.0), margin_s=0).values()
     assert lost.error.startswith("ActorDiedError") and lost.infra
     assert driver.lines() == set()
 
@@ -342,7 +350,8 @@ def test_a_call_the_line_cannot_read_goes_over_ray(server):
         def open_channel(self, handle):
             line = Channel(server.address, server.key, TIMEOUT_S)
             original = line.send
-            line.send = lambda args: line._conn.send_bytes(b"\x80\x05bad") if args[0] == "bad" else original(args)
+            line.send = lambda args: (line._conn.send_bytes(b"\x80\x05bad") if args[0].payload.update_info["do"] == "bad"
+                                      else original(args))
             return line
 
     import ray as ray_module
@@ -352,8 +361,8 @@ def test_a_call_the_line_cannot_read_goes_over_ray(server):
     handle = ShardHandle(index=0, name="fleet-shard-0", actor=Actor(), placement_group=None)
     with mock.patch.object(ray_module, "wait", lambda refs, **kw: (refs, [])), \
             mock.patch.object(ray_module, "get", lambda ref, timeout=None: {"over": "ray"}):
-        (out,) = driver.fan_out({0: handle}, "weight_sync", ("bad", 1), margin_s=0).values()
-    assert out.ok and out.value == {"over": "ray"} and sent_over_ray == [("bad", 1)]
+        (out,) = driver.fan_out({0: handle}, _sync("bad", 1), margin_s=0).values()
+    assert out.ok and out.value == {"over": "ray"} and sent_over_ray == [(_sync("bad", 1),)]
     assert driver.lines() == set()
 
 
@@ -384,7 +393,7 @@ def test_fan_out_over_frozen_shards_waits_its_deadline_once():
     with mock.patch.object(ray_module, "wait", frozen_wait), mock.patch.object(ray_module, "get", frozen_get), \
             mock.patch.object(ray_module, "cancel", lambda ref: None):
         t0 = time.monotonic()
-        out = driver.fan_out(handles, "check_refit", (), margin_s=0.1)
+        out = driver.fan_out(handles, CheckRefit("/staged", 0, (), 0.5), margin_s=0.1)
         took = time.monotonic() - t0
     assert all(o.infra and o.error.startswith("GetTimeoutError") for o in out.values())
     assert took < 0.6 + 0.4, took  # the deadline (refit_s + margin) once, with slack for this machine

@@ -12,6 +12,7 @@ import pytest
 
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.manifest import RefitError
+from nemo_gen.core.wire import ShardInfo
 from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, RequestError, ShardUnavailableError
 from tests import helpers
 from tests.fakes import fake_fleet
@@ -311,8 +312,9 @@ def test_attaching_seeds_the_ledger_from_what_the_actors_and_the_record_say():
     from nemo_gen.core.fleet_health import GenerationFleetHealth
     from nemo_gen.core.planner import attach_seeds, seed_ledger
 
-    infos = {0: {"weight_version": 4, "weight_source": "/ckpt/4", "restarts": 2},
-             1: {"weight_version": 3}, 3: {"weight_version": 4, "unresponsive": "GetTimeoutError: info"}}
+    infos = {0: ShardInfo(slot=0, weight_version=4, weight_source="/ckpt/4", restarts=2),
+             1: ShardInfo(slot=1, weight_version=3),
+             3: ShardInfo(slot=3, weight_version=4, unresponsive="GetTimeoutError: info")}
     version, source, seeds = attach_seeds(4, infos, recorded=None)
     assert (version, source) == (4, "/ckpt/4")  # the newest version any shard holds, and its source
     health = GenerationFleetHealth(4)
@@ -339,7 +341,7 @@ def test_retirement_and_the_restart_budget_outlive_the_process_that_decided_them
 
     recorded = {"weight_version": 2, "slots": {"1": {"restarts": 3, "retired": "restart attempts exhausted"},
                                                "0": {"restarts": 2, "retired": None}}}
-    infos = {0: {"weight_version": 2, "restarts": 1}}
+    infos = {0: ShardInfo(slot=0, weight_version=2, restarts=1)}
     _, _, seeds = attach_seeds(2, infos, recorded)
     health = GenerationFleetHealth(2)
     seed_ledger(health, seeds, 2)

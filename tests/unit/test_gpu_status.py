@@ -13,7 +13,9 @@ from nemo_gen.cli_view import status_table
 from nemo_gen.fleet import recovery, status
 from nemo_gen.host import gpu_memory
 from nemo_gen.shard.actor import ShardHandle
-from tests.fakes import FakeDriver, FakeShard, fake_fleet
+from nemo_gen.core.wire import ShardInfo
+from nemo_gen.shard.rules import Host
+from tests.fakes import FakeDriver, FakeEngine, fake_fleet
 
 
 class FakeNvml:
@@ -44,8 +46,8 @@ def test_status_reports_each_shards_gpu_memory_and_the_table_shows_it(make_setti
     driver = FakeDriver()
     with fake_fleet(make_settings(fleet__name="gpu", fleet__num_shards=2), driver) as fleet:
         for i, h in enumerate(fleet.shards):
-            h.info.update(actor_pid=100 + i, engine_pids=[200 + i])
-            driver.shard(h).info = lambda h=h: dict(h.info)
+            driver.rules(h).host = Host(actor_pid=100 + i)
+            driver.shard(h).pids = [200 + i]
         nvml({200: 30 * 2**30, 201: 2**30})
         rows = fleet.status()
         assert [r.gpu_memory_bytes for r in rows] == [30 * 2**30, 2**30]
@@ -68,8 +70,8 @@ def test_without_a_gpu_there_is_no_gpu_column(make_settings, capsys, monkeypatch
 
 def test_the_reaper_waits_for_gpu_memory_and_reports_what_stayed_held(nvml, monkeypatch):
     driver = FakeDriver()
-    handle = ShardHandle(index=0, name="gone", actor=None, placement_group=None, info={"engine_pids": [4242]})
-    driver.shards["gone"] = FakeShard("gone", 0, 0)
+    handle = ShardHandle(index=0, name="gone", actor=None, placement_group=None, info=ShardInfo(slot=0, weight_version=0, engine_pids=(4242,)))
+    driver.shards["gone"] = FakeEngine("gone", 0, {}, time.monotonic)
     # The processes have exited (as far as the kernel says); their GPU memory is another matter.
     monkeypatch.setattr(recovery, "processes", lambda pids: [type("P", (), {"pid": p})() for p in pids])
     monkeypatch.setattr(recovery, "wait_or_kill", lambda procs, timeout: ([p.pid for p in procs], []))

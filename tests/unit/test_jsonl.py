@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from nemo_gen.core.results import GenerationResult
+from nemo_gen.core.wire import ShardInfo
 from nemo_gen.errors import DataError, InfraError, InputFileError
 from nemo_gen.jsonl import PromptLine, read_prompts, result_row, write_jsonl
 from nemo_gen.pipeline import load_prompts, summarize, write_outputs
@@ -615,7 +616,7 @@ class _AsyncFleet:
     def __init__(self, output: Path, resume: bool = False, delay=lambda k: 0.0, stop_after: int | None = None,
                  watch=None):
         self.settings = NemoGenSettings.load(overrides={"run.output": str(output), "run.resume": resume})
-        self.shards = [SimpleNamespace(info={"async_engine": True}), SimpleNamespace(info={"async_engine": True})]
+        self.shards = [SimpleNamespace(info=ShardInfo(slot=i, weight_version=0, async_engine=True)) for i in range(2)]
         self.delay, self.stop_after, self.watch = delay, stop_after, watch
         self.asked: list[str] = []
         self.answered = 0

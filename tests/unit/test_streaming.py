@@ -150,9 +150,10 @@ def test_a_streamed_session_stays_on_its_shard(settings, driver):
 
 
 def test_a_refit_landing_mid_stream_shows_in_the_deltas_and_the_result(settings, driver, tmp_path):
+    """Under ``keep`` (the shard's rule: a drain would wait for the stream to end)."""
     import torch
 
-    with fake_fleet(settings(refit__staging_dir=str(tmp_path)), driver) as fleet:
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path), refit__in_flight="keep"), driver) as fleet:
         for handle in fleet.shards:
             driver.set_token_s(handle.name, 0.02)
 

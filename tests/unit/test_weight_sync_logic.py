@@ -22,7 +22,7 @@ def settings(fake_fleet_settings):
 
 
 def steps_sent(driver) -> list[str]:
-    return [args[0] for _, method, args in driver.remote_calls if method == "weight_sync"]
+    return [msg.step.value for _, method, msg in driver.remote_calls if method == "weight_sync"]
 
 
 def three_steps(client, chunk):
@@ -130,8 +130,7 @@ IPC_INFO = {"names": ["w", "b"], "shapes": [[4, 4], [4]], "dtype_names": ["float
 
 
 def updates_sent(driver) -> list[dict]:
-    return [args[1]["update"] if args[0] == "apply" else args[1]
-            for _, method, args in driver.remote_calls if method == "weight_sync" and args[0] in ("apply", "update")]
+    return [msg.chunk() for _, method, msg in driver.remote_calls if method == "weight_sync" and msg.chunk() is not None]
 
 
 @pytest.mark.parametrize("send", [lambda c, chunk: c.apply_weight_update(chunk), three_steps],

@@ -1,0 +1,305 @@
+"""The shard's wire: every message the fleet's own protocol carries across Ray (or a shard's
+direct line), both ways, as a frozen dataclass or an enum. The driver (``nemo_gen.fleet.driver``),
+the shard's rules (``nemo_gen.shard.rules``) and the fake tier (``tests/fakes.py``) import
+these and nothing else, so a change to a message is a change to one class that the type checker
+and every tier see. No dict of the fleet's crosses the boundary; what vLLM defines stays vLLM's
+(a weight-sync ``update_info`` or ``init_info``, the engine's per-request results).
+
+- ``ShardInfo``: a shard's own account of itself (``info``, ``start``, ``assign``).
+- ``GenerateReply``: what a generate call answers; ``StreamDeltas`` / ``StreamEnd``: a stream's items.
+- ``ProbeReply``: a probe's answer, its ``ProbeStatus`` saying what the shard showed.
+- ``CheckRefit`` / ``LoadRefit``: the two phases of a checkpoint refit on one shard.
+- ``SyncRequest``: one step of vLLM's weight-sync protocol, ``SyncStep`` naming it and one frozen
+  payload type per step; ``SyncReply`` its answer (``ApplyTimings`` for a one-call apply).
+- ``ChannelAddress``: where a shard's direct line for weight-sync steps listens.
+- ``Failure``: how a call failed, by the fault model (``nemo_gen.core.retry``): dead, busy, slow
+  or data — never a bare string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Union
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+class FailureKind(str, enum.Enum):
+    """The fault model's kinds (``nemo_gen.core.retry``): only DEAD condemns a shard."""
+
+    DEAD = "dead"  # the actor, its engine or its node is gone, or a control call went unanswered
+    BUSY = "busy"  # admission refused for now: retry elsewhere, later
+    SLOW = "slow"  # a deadline passed while the engine made progress: this request alone fails
+    DATA = "data"  # the shard said no (a bad manifest, a bad request): the same on any shard
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one shard's call failed: its kind, the type of the exception the shard raised (or the
+    transport's, for a lost or silent one) and that exception's last line."""
+
+    kind: FailureKind
+    type_name: str
+    detail: str
+
+    @property
+    def infra(self) -> bool:
+        """The shard's loss, silence or refusal for now, not a verdict on the input."""
+        return self.kind is not FailureKind.DATA
+
+    def __str__(self) -> str:  # the ledger's ``last_error`` form: "Type: message"
+        return f"{self.type_name}: {self.detail}"
+
+
+# -- a shard's account of itself -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard actor says about itself. The driver keeps the last one on its handle and
+    replaces it (``with_version``), never edits it. ``unresponsive``: set only on the driver's
+    stand-in for an actor found alive but silent while attaching (why it did not answer)."""
+
+    slot: int | None  # the fleet position it serves; None while a spare
+    weight_version: int | None  # None while it loads (half-loaded weights carry no version)
+    index: int | None = None  # the index it was launched as
+    fleet: str = ""
+    weight_source: str | None = None  # the checkpoint its version came from
+    restarts: int = 0  # restarts of the slot it serves, as of its installation
+    actor_pid: int | None = None
+    engine_pids: tuple[int, ...] = ()
+    node_id: str | None = None
+    node_ip: str | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    load_s: float | None = None
+    async_engine: bool = False
+    engine_core_start: str | None = None  # how its EngineCore was started (forkserver, spawn)
+    direct_calls: int = 0  # weight_sync calls that came over its direct line
+    generating: bool = False  # a batch is running now
+    batch_steps: int = 0  # that batch's engine steps so far
+    unresponsive: str | None = None
+
+    def with_version(self, version: int | None) -> "ShardInfo":
+        return dataclasses.replace(self, weight_version=version)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, for a progress event or a printed table (never sent back to a shard)."""
+        out = dataclasses.asdict(self)
+        out["engine_pids"] = list(self.engine_pids)
+        return out
+
+
+# -- generation ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateReply:
+    """A generate call's answer: ``results`` (the engine's, one per request, in order) were made
+    by shard ``shard`` at ``weight_version``, read when the work started."""
+
+    shard: int | None
+    weight_version: int | None
+    results: tuple[Mapping[str, Any], ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StreamDeltas:
+    """A stream's item: per sample, the tokens since the last item (the engine's delta records)."""
+
+    deltas: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """A stream's last item: the request's whole result, stamped as ``GenerateReply`` is."""
+
+    result: Mapping[str, Any]
+    shard: int | None
+    weight_version: int | None
+    seconds: float
+
+
+class ProbeStatus(str, enum.Enum):
+    """What a probe showed about a shard (Ray Serve's ``ReplicaHealthCheckResponse``'s role)."""
+
+    OK = "ok"  # idle and made a real token
+    BUSY = "busy"  # generating, and made a step within the stall bound (or refused admission: alive)
+    SKIPPED = "skipped"  # held on purpose (a refit or control call): no evidence either way
+    FAILED = "failed"  # answered, but unwell (no step for too long, half-loaded weights, no engine)
+    DEAD = "dead"  # the probe call found the actor or its engine gone: condemn at once
+    UNANSWERED = "unanswered"  # no answer within the probe's deadline: one step of a streak
+
+    @property
+    def alive(self) -> bool:
+        return self in (ProbeStatus.OK, ProbeStatus.BUSY)
+
+
+@dataclass(frozen=True)
+class ProbeReply:
+    status: ProbeStatus
+    detail: str | None = None  # why, when not alive; what was refused, when busy
+    step_age_s: float | None = None  # since the busy engine's last step
+    seconds: float | None = None  # the idle engine's one token took this long
+
+    @property
+    def ok(self) -> bool:
+        """Alive, or skipped (a probe that must not count against the shard)."""
+        return self.status.alive or self.status is ProbeStatus.SKIPPED
+
+
+# -- a checkpoint refit ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckRefit:
+    """Phase 1: every worker can read the staged tensors (``entries`` of the file at ``path``,
+    ``total`` bytes). Changes nothing; answered with the fewest entries any worker saw."""
+
+    path: str
+    total: int
+    entries: tuple
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class LoadRefit:
+    """Phase 2: load each ``(target, entries)`` group, then serve as ``version`` (from
+    ``source``); ``in_flight`` (``refit.in_flight``): how running requests meet the new weights."""
+
+    path: str
+    total: int
+    groups: tuple
+    version: int
+    timeout_s: float
+    source: str | None
+    in_flight: Mapping[str, Any]
+
+
+# -- vLLM's weight-sync protocol, one step at a time -----------------------------------------------
+
+
+class SyncStep(str, enum.Enum):
+    INIT = "init"  # set the transfer engine up (vLLM's init_info)
+    START = "start"  # a session begins: requests held back or the batch frozen; no version claimed
+    START_DRAFT = "start_draft"  # the same, loading into the speculative drafter
+    UPDATE = "update"  # one chunk (vLLM's update_info)
+    FINISH = "finish"  # the session ends: serve ``version``
+    ABORT = "abort"  # the session ends without a new version
+    SHUTDOWN = "shutdown"  # the transfer engine goes
+    APPLY = "apply"  # start + one chunk + finish in one call
+
+
+@dataclass(frozen=True)
+class SyncInit:
+    step: ClassVar[SyncStep] = SyncStep.INIT
+    init_info: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SyncStart:
+    step: ClassVar[SyncStep] = SyncStep.START
+    in_flight: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SyncStartDraft:
+    step: ClassVar[SyncStep] = SyncStep.START_DRAFT
+    in_flight: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SyncUpdate:
+    step: ClassVar[SyncStep] = SyncStep.UPDATE
+    update_info: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SyncFinish:
+    step: ClassVar[SyncStep] = SyncStep.FINISH
+    version: int
+
+
+@dataclass(frozen=True)
+class SyncAbort:
+    """``nothing_loaded``: no chunk reached the weights, so the shard may keep its old version."""
+
+    step: ClassVar[SyncStep] = SyncStep.ABORT
+    nothing_loaded: bool
+
+
+@dataclass(frozen=True)
+class SyncShutdown:
+    step: ClassVar[SyncStep] = SyncStep.SHUTDOWN
+
+
+@dataclass(frozen=True)
+class SyncApply:
+    step: ClassVar[SyncStep] = SyncStep.APPLY
+    in_flight: Mapping[str, Any]
+    update_info: Mapping[str, Any]
+    target: str  # "policy" or "draft"
+    version: int
+
+
+SyncPayload = Union[SyncInit, SyncStart, SyncStartDraft, SyncUpdate, SyncFinish, SyncAbort, SyncShutdown, SyncApply]
+PAYLOADS: dict[SyncStep, type] = {p.step: p for p in SyncPayload.__args__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """One weight-sync step for one shard; its workers enforce ``timeout_s``."""
+
+    payload: SyncPayload
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if type(self.payload) not in PAYLOADS.values():
+            raise TypeError(f"not a weight-sync payload: {type(self.payload).__name__}")
+
+    @property
+    def step(self) -> SyncStep:
+        return self.payload.step
+
+    def chunk(self) -> Mapping[str, Any] | None:
+        """The update this step carries (``update`` and ``apply``), else None."""
+        return getattr(self.payload, "update_info", None) if self.step in (SyncStep.UPDATE, SyncStep.APPLY) else None
+
+
+@dataclass(frozen=True)
+class ApplyTimings:
+    """Where a one-call apply's time went on the shard. ``entered_at`` / ``left_at``: the host's
+    monotonic clock (``perf_counter`` is system-wide on Linux), so a caller on the same host can
+    split its wait into the call's two legs."""
+
+    actor_s: float
+    engine_rpc_s: float
+    worker_s: float
+    entered_at: float
+    left_at: float
+
+
+@dataclass(frozen=True)
+class SyncReply:
+    """A weight-sync step's answer. ``layout_unknown``: the chunk was a layout's short form and
+    this shard's workers do not hold that layout; nothing was touched, send the whole update."""
+
+    layout_unknown: bool = False
+    timings: ApplyTimings | None = None
+
+
+RefitMessage = Union[CheckRefit, LoadRefit, SyncRequest]
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where a driver on the shard's node reaches its ``weight_sync`` without Ray
+    (``nemo_gen.shard.control_channel``): the socket, its key, and the node's IP to tell whether
+    the driver is on that node."""
+
+    address: str
+    key: bytes
+    node_ip: str

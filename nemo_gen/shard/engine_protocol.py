@@ -1,0 +1,64 @@
+"""What a shard's rules need of its engine (``EngineLike``): exactly the calls ``Shard``
+(``nemo_gen.shard.rules``) makes, no more. ``nemo_gen.shard.engine.Engine`` (one vLLM
+engine) is one; the fake tier's ``FakeEngine`` (``tests/fakes.py``) is another, so the fast
+tests run the real rules over an engine that dies, hangs or slows down on command.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncContextManager, AsyncIterator, Protocol
+
+from nemo_gen.core.results import GenerationRequest
+
+
+class EngineLike(Protocol):
+    """A started engine, as a shard uses it. Every generated token is counted under the weight
+    version that sampled it. A drain refit holds the engine (``exclusive``, or ``hold``/``release``)
+    and changes the version with ``set_version``; an in-flight one (``keep``/``abort``) swaps the
+    weights under running requests between ``begin_swap`` and ``end_swap``."""
+
+    # -- what the shard reports about it ---------------------------------------------------------
+    max_model_len: int | None
+    dtype: str | None
+    load_s: float | None
+
+    @property
+    def generating(self) -> bool: ...  # a batch is running now
+
+    @property
+    def steps_made(self) -> int: ...  # that batch's steps so far
+
+    def child_pids(self) -> list[int]: ...
+
+    # -- generation ------------------------------------------------------------------------------
+    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> list[dict]: ...
+
+    def stream(self, req: GenerationRequest, sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+                    warmup_s: float) -> dict[str, Any]: ...
+
+    # -- weights: control RPCs to the workers, and how requests meet a change ----------------------
+    async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]: ...
+
+    def exclusive(self) -> AsyncContextManager[None]: ...  # drain: running requests finish first
+
+    async def hold(self) -> None: ...  # drain, for a session driven call by call
+
+    async def release(self) -> None: ...
+
+    async def set_version(self, version: int | None) -> None: ...  # serve ``version`` from now on
+
+    async def begin_swap(self) -> None: ...  # keep / abort: freeze the running batch
+
+    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,
+                       recompute_kv: bool = False, failed: str | None = None) -> None: ...
+
+    # -- the rest --------------------------------------------------------------------------------
+    def vllm_metrics(self) -> list[dict[str, Any]]: ...
+
+    def unfinished(self) -> dict[str, int]: ...
+
+    def step_gaps(self, reset: bool) -> dict[str, Any]: ...
+
+    def shutdown(self, grace_s: float) -> None: ...
