@@ -26,6 +26,7 @@ from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.batch import Piece, Track, sampled_by, spans_between
 from nemo_gen.fleet.streaming import Cursor, merge
+from nemo_gen.refit.lora import EXTRA_KEY, lora_request_of
 
 
 def sampling_params(s: dict[str, Any]):
@@ -46,6 +47,7 @@ def sampling_params(s: dict[str, Any]):
         ignore_eos=bool(s.get("ignore_eos") or False),
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
         logprobs=0,
+        extra_args={EXTRA_KEY: s[EXTRA_KEY]} if s.get(EXTRA_KEY) else None,  # the request's LoRA adapter
     )
 
 
@@ -326,7 +328,7 @@ class Engine:
         cursor = Cursor(track)
         self._check_weights()
         outputs = self._llm.generate(TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt),
-                                     params, rid)
+                                     params, rid, lora_request=lora_request_of(params, self))
         made: dict[int, int] = {}  # tokens told so far, by sample
 
         def spans_of(comp) -> list[tuple[int | None, int]]:
@@ -695,7 +697,7 @@ class Engine:
 
         rid = f"nemo-gen-{next(self._ids)}"
         internal = self._llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=salt),
-                                                    params)
+                                                    params, lora_request=lora_request_of(params, self))
         return rid, internal
 
     def _generate_sync(self, requests: list[GenerationRequest], params,
@@ -785,7 +787,8 @@ class Engine:
         try:
             with self._progress():
                 async for out in self._llm.generate(
-                    TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt), params, request_id
+                    TokensPrompt(prompt_token_ids=req.prompt_token_ids, cache_salt=self._salt), params, request_id,
+                    lora_request=lora_request_of(params, self),
                 ):
                     self._progressed()
                     # With n > 1 an output carries the samples that moved (one child each, unless the

@@ -249,6 +249,12 @@ class ShardActor:
         """The engine's longest stretch without a finished step since the last reset."""
         return self.engine.step_gaps(reset)
 
+    async def adapter_call(self, op: str, *args: Any) -> Any:
+        """LoRA adapters on this shard's engine (``nemo_gen.fleet.adapters.on_shard``)."""
+        from nemo_gen.fleet.adapters import on_shard
+
+        return await on_shard(self.engine, op, *args)
+
     async def expected_manifest(self, target: str = "policy") -> dict[str, Any]:
         (manifest, *_) = await self.engine.rpc("nemo_gen_expected_manifest", target)
         return manifest
