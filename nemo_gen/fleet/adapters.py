@@ -16,7 +16,9 @@ share the refit lock, so the two never interleave.
 
 A full refit drops every adapter in vLLM (the runner resets its LoRA state after new base
 weights): adapters are then refused by name until refit again (``AdapterRegistry.acquire``
-compares the base version each was loaded on).
+compares the base version each was loaded on). A newcomer shard (a replacement, a spare) loads
+every adapter the fleet holds when it catches up with the base weights, under the same ids,
+from a copy of the bytes each id was loaded from.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +47,7 @@ from nemo_gen.refit.lora import EXTRA_KEY
 from nemo_gen.refit.staging import SharedMemoryStaging
 
 _MARGIN_S = 60.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,6 +129,10 @@ class FleetAdapters:
         self._staging_at = (settings.refit.staging_dir, f"{settings.fleet.name}-adapters")
         self._base: BaseLoraManifest | None = None
         self._seeded = False
+        # What each loaded adapter was made of (engine id -> config, tensors): a newcomer shard
+        # loads the same bytes under the same ids, so each id still means exactly one load.
+        self._kept: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        refitter.after_catch_up.append(self.catch_up)
 
     # -- refit -------------------------------------------------------------------------------
 
@@ -160,15 +168,7 @@ class FleetAdapters:
             refuse(name, check_adapter(name, config, {k: tuple(v.shape) for k, v in tensors.items()}, base))
             reservation = self.registry.reserve(name, version, self.weights.version)
             entry, evict = reservation.entry, [e.engine_id for e in reservation.evict]
-            # A staging file of its own for the load alone (the workers copy what they read), so
-            # the full refit's staged base weights stay for a newcomer to catch up from.
-            staging = SharedMemoryStaging(*self._staging_at)
-            try:
-                total, entries = self._stage(staging, tensors)
-                answers = self.driver.fan_out(members, "adapter_call", (
-                    "load", str(staging.path), total, entries, _plain(config), entry.engine_id, evict), _MARGIN_S)
-            finally:
-                staging.close()
+            total, count, answers = self._load(members, config, tensors, entry.engine_id, evict)
             failed = {m: a.error for m, a in answers.items() if not a.ok}
             if failed:
                 loaded = {m: members[m] for m, a in answers.items() if a.ok}
@@ -181,9 +181,46 @@ class FleetAdapters:
                 why = "; ".join(f"shard {m.label}: {e}" for m, e in failed.items())
                 raise AdapterError(f"adapter {name!r} v{entry.version} refused, the previous version serves on: {why}")
             self.registry.commit(reservation)
-        return AdapterReport(name, entry.version, entry.engine_id, total, len(entries), time.perf_counter() - t0,
+            # A copy: a trainer's live tensors move on, and this id must keep meaning these bytes.
+            self._kept[entry.engine_id] = (config, {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()})
+            self._prune()
+        return AdapterReport(name, entry.version, entry.engine_id, total, count, time.perf_counter() - t0,
                              shards=sorted(m.label for m in members),
                              evicted=[e.engine_name for e in reservation.evict])
+
+    def _load(self, handles: Mapping[Any, Any], config: Mapping[str, Any], tensors: Mapping[str, Any],
+              engine_id: int, evict: list[int]) -> tuple[int, int, dict[Any, Any]]:
+        """Stage one adapter and have ``handles`` register it; (bytes, tensors, member -> Outcome).
+        A staging file of its own for the load alone (the workers copy what they read), so the full
+        refit's staged base weights stay for a newcomer to catch up from."""
+        staging = SharedMemoryStaging(*self._staging_at)
+        try:
+            total, entries = self._stage(staging, tensors)
+            answers = self.driver.fan_out(handles, "adapter_call", (
+                "load", str(staging.path), total, entries, _plain(config), engine_id, evict), _MARGIN_S)
+        finally:
+            staging.close()
+        return total, len(entries), answers
+
+    def _prune(self) -> None:
+        loaded = {e.engine_id for e in self.registry.loaded()}
+        self._kept = {i: kept for i, kept in self._kept.items() if i in loaded}
+
+    def catch_up(self, member: Any, handle: Any) -> None:
+        """A newcomer (a replacement, a spare) that caught up with the base weights loads every
+        adapter the fleet holds on them, under the same ids (``Refitter.after_catch_up``, under the
+        refit lock). One that fails is left out on that shard: its requests there fail by name
+        (``lora_request_of``), never reach another version."""
+        if not self.enabled:
+            return
+        self._prune()
+        for entry in self.registry.loaded():
+            if entry.base_version != self.weights.version or entry.engine_id not in self._kept:
+                continue
+            config, tensors = self._kept[entry.engine_id]
+            answer = self._load({member: handle}, config, tensors, entry.engine_id, [])[2][member]
+            if not answer.ok:
+                log.warning("shard %s: adapter %s was not loaded: %s", member.label, entry.engine_name, answer.error)
 
     def _seed_ids(self) -> None:
         """Engines outlive a driver (an attached fleet): new ids start past every id a shard holds."""

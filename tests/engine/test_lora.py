@@ -174,3 +174,20 @@ def test_an_adapter_refit_moves_ten_times_fewer_bytes_than_a_full_refit(setup, a
     assert tokens(greedy(fleet)) == ref["base"]
     assert fleet.refit_adapter("a", str(adapters["a1"])).version == 4
     assert tokens(greedy(fleet, "a")) == ref["a1"]
+
+
+def test_a_replacement_shard_serves_the_adapters_the_fleet_holds(setup):
+    """Runs last: shard 0 is killed and restarted; it catches up with the base weights, then
+    loads the fleet's adapters under the same ids before it serves."""
+    import ray
+
+    fleet, ref = setup
+    entry = fleet.adapters.registry.current("a")
+    old = fleet.handle(0)
+    ray.kill(old.actor, no_restart=True)
+    fleet.health.mark_dead(0, "killed by the test")
+    done = fleet.recovery.restart_shard(0)
+    assert done["action"] == "restarted" and fleet.handle(0).name != old.name
+    assert held(fleet) == [entry.engine_id]
+    results = greedy(fleet, "a")
+    assert tokens(results) == ref["a1"] and results[0].adapter_version == entry.version

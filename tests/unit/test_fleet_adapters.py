@@ -14,12 +14,13 @@ from nemo_gen.fleet.adapters import FleetAdapters, read_adapter
 from nemo_gen.refit.lora import EXTRA_KEY
 
 
-def adapters(enabled=True, max_adapters=2):
+def adapters(enabled=True, max_adapters=2, driver=None):
     lora = SimpleNamespace(enabled=enabled, max_rank=8, max_adapters=max_adapters)
     settings = SimpleNamespace(generation=SimpleNamespace(vllm_cfg=SimpleNamespace(lora=lora)),
                                model=SimpleNamespace(path="/m/tiny", name=None),
                                refit=SimpleNamespace(staging_dir="/dev/shm"), fleet=SimpleNamespace(name="t"))
-    return FleetAdapters(refitter=None, driver=None, weights=SimpleNamespace(version=0), settings=settings)
+    refitter = SimpleNamespace(after_catch_up=[], engine_dtype="float32")
+    return FleetAdapters(refitter=refitter, driver=driver, weights=SimpleNamespace(version=0), settings=settings)
 
 
 def test_a_directory_without_the_peft_files_is_refused_naming_the_file(tmp_path):
@@ -73,3 +74,26 @@ def test_with_adapters_loaded_a_full_refit_only_drains():
                 pytest.fail("the refit ran")
     with fleet.full_refit({"mode": "drain"}):
         pass
+
+
+def test_a_newcomer_loads_every_adapter_the_fleet_holds_under_the_same_ids():
+    import torch
+
+    calls = []
+
+    class Driver:
+        def fan_out(self, handles, method, args, margin_s):
+            calls.append((list(handles), method, args[0], args[5], args[6]))
+            return {m: SimpleNamespace(ok=True, value=[]) for m in handles}
+
+    fleet = adapters(driver=Driver())
+    assert fleet.refitter.after_catch_up == [fleet.catch_up]
+    live = {"w": torch.ones(2, 2)}
+    for name in ("a", "b"):
+        r = fleet.registry.reserve(name, None, 0)
+        fleet.registry.commit(r)
+        fleet._kept[r.entry.engine_id] = ({"r": 8}, live)
+    fleet.weights.version = 1  # a was loaded on the old base weights (vLLM dropped it), b on these
+    fleet.registry.loaded()[1].base_version = 1
+    fleet.catch_up("newcomer", "handle")
+    assert calls == [(["newcomer"], "adapter_call", "load", fleet.registry.loaded()[1].engine_id, [])]
