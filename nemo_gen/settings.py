@@ -86,6 +86,20 @@ def _one_of(value: str, choices: Sequence[str] | None, what: str, hint: str = ""
     return value
 
 
+class LoraCfg(_Section):
+    enabled: bool = Field(
+        False, description="Engines start with LoRA (vLLM's enable_lora): fleet.refit_adapter loads adapters, "
+        "generate(..., adapter=name) selects one (docs/lora.md).",
+    )
+    max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="The largest adapter rank the engines take (vLLM's max_lora_rank; one of its ranks).",
+    )
+    max_adapters: int = Field(
+        4, ge=1, description="Adapters held by every engine at once, all servable in one batch (vLLM's max_loras "
+        "and max_cpu_loras). A refit past it evicts the least recently used adapter with no request in flight.",
+    )
+
+
 class VllmCfg(_Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel ranks per shard.")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline stages per shard.")
@@ -162,6 +176,7 @@ class VllmCfg(_Section):
         "at server.host:server.port while it runs (fleet.http_url); the engines then load their tokenizer. "
         "`nemo-gen serve` starts the same server by itself.",
     )
+    lora: LoraCfg = Field(default_factory=LoraCfg, description="LoRA adapters (nemo_gen.fleet.adapters).")
     worker_extension_cls: str | None = Field(
         None,
         description="Class mixed into vLLM workers (vLLM backend only); must subclass "

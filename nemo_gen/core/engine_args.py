@@ -127,6 +127,11 @@ def engine_kwargs(
         # CPU ranks are forked processes inside the shard's bundle; on GPU vLLM schedules its
         # ranks as Ray workers in the shard's placement group.
         kwargs["distributed_executor_backend"] = "mp" if device == "cpu" else "ray"
+    lora = vc.get("lora") or {}
+    if lora.get("enabled"):
+        # Every adapter the fleet holds fits in one batch: the fleet's bound is the engine's.
+        kwargs.update(enable_lora=True, max_lora_rank=lora["max_rank"], max_loras=lora["max_adapters"],
+                      max_cpu_loras=lora["max_adapters"])
     # A user's own extension must subclass nemo_gen's (refit calls its nemo_gen_* methods).
     kwargs["worker_extension_cls"] = vc.get("worker_extension_cls") or WORKER_EXTENSION
     if weight_transfer_backend:

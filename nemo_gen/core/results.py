@@ -68,6 +68,9 @@ class GenerationResult:
     # or more when a refit landed while the request ran (refit.in_flight keep / abort).
     weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # The LoRA adapter that produced it (``generate(..., adapter=name)``) and its version; None: the base model.
+    adapter: str | None = None
+    adapter_version: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -78,6 +81,9 @@ class GenerationResult:
         data = asdict(self)
         if len(self.samples) <= 1:
             data.pop("samples")
+        if self.adapter is None:
+            data.pop("adapter")
+            data.pop("adapter_version")
         return data
 
     @classmethod

@@ -12,6 +12,7 @@ and every tier see. No dict of the fleet's crosses the boundary; what vLLM defin
 - ``SyncRequest``: one step of vLLM's weight-sync protocol, ``SyncStep`` naming it and one frozen
   payload type per step; ``SyncReply`` its answer (``ApplyTimings`` for a one-call apply).
 - ``ChannelAddress``: where a shard's direct line for weight-sync steps listens.
+- ``AdapterModules`` / ``AdapterLoad`` / ``AdapterRemove``: a LoRA adapter call on one shard.
 - ``Failure``: how a call failed, by the fault model (``nemo_gen.core.retry``): dead, busy, slow
   or data — never a bare string.
 """
@@ -291,7 +292,36 @@ class SyncReply:
     timings: ApplyTimings | None = None
 
 
-RefitMessage = Union[CheckRefit, LoadRefit, SyncRequest]
+# -- LoRA adapters (``nemo_gen.fleet.adapters`` -> ``nemo_gen.shard.adapters``) -------------------------
+
+
+@dataclass(frozen=True)
+class AdapterModules:
+    """Ask what the engine can adapt (module leaves, max rank) and which adapter ids it holds."""
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """Build one adapter from the tensors staged at ``path`` and register it under ``engine_id``,
+    after removing ``evict``; answers the ids held afterwards."""
+
+    path: str
+    total: int
+    entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
+    config: Mapping[str, Any]
+    engine_id: int
+    evict: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterRemove:
+    """Drop these engine ids; answers the ids held afterwards."""
+
+    engine_ids: tuple[int, ...]
+
+
+AdapterCall = Union[AdapterModules, AdapterLoad, AdapterRemove]
+RefitMessage = Union[CheckRefit, LoadRefit, SyncRequest, AdapterModules, AdapterLoad, AdapterRemove]
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from nemo_gen.core.retry import kind_of
 from nemo_gen.core.wire import (
-    CheckRefit, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo, StreamDeltas, StreamEnd, SyncRequest,
+    AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo,
+    StreamDeltas, StreamEnd, SyncRequest,
 )
 from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardBusy, ShardDiedError
 from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread, describe
@@ -60,7 +61,8 @@ class DriverTimeouts:
 
 
 # The shard actor's method for each refit message (``fan_out``): the message's type names the call.
-_METHODS: dict[type, str] = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync"}
+_METHODS: dict[type, str] = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
+                             AdapterModules: "adapter_call", AdapterLoad: "adapter_call", AdapterRemove: "adapter_call"}
 
 
 @dataclass(frozen=True)

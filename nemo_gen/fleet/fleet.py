@@ -1,17 +1,15 @@
 """``GenerationFleet``: N vLLM shards on Ray behind one generate call — the facade.
 
-It owns no logic of its own: it builds the parts from the settings and hands each the others
-it needs. Each piece of state has one owner: ``health`` (core ledger: which slot may serve),
-``members`` (``Membership``: which actor serves each slot, which spares wait), ``weights``
-(``FleetWeights``: the version, its source, the staged refit, the refit lock) and
-``background`` (``Background``: whether the fleet is open, and its recovery threads).
+It owns no logic of its own: it builds the parts from the settings and hands each the others it needs.
+Each piece of state has one owner: ``health`` (core ledger: which slot may serve), ``members``
+(``Membership``: which actor serves each slot, which spares wait), ``weights`` (``FleetWeights``: the
+version, its source, the staged refit, the refit lock), ``adapters`` (``FleetAdapters``: the LoRA
+adapters) and ``background`` (``Background``: whether the fleet is open, and its recovery threads).
 
-The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves
-requests, ``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back
-(what to do is ``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes.
-No module of the fleet package imports this one.
+The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
+``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back (what to do is
+``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes. No fleet module imports this one.
 """
-
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +23,7 @@ from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
+from nemo_gen.fleet.adapters import AdapterVerbs
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
 from nemo_gen.fleet.driver import ProgressFn, ShardDriver
@@ -47,7 +46,7 @@ from nemo_gen.settings import NemoGenSettings
 __all__ = ["GenerationFleet", "ShardStatus"]
 
 
-class GenerationFleet:
+class GenerationFleet(AdapterVerbs):
     """A running fleet. Build it with ``GenerationFleet.launch(settings)``; use as a context
     manager, or call ``shutdown()`` (idempotent)."""
 
@@ -156,22 +155,22 @@ class GenerationFleet:
     # -- generation --------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], session_id: str | Sequence[str | None] | None = None,
-                 timeout_s: float | None = None, **sampling: Any) -> list[GenerationResult]:
-        """One ``GenerationResult`` per prompt (a string, token ids or chat messages), in order;
-        ``n`` samples each; sampling keywords are the generation config's. ``session_id`` (one, or
-        one per prompt) keeps a conversation on its last turn's shard. ``timeout_s`` (default
-        ``fleet.request_timeout_s``): see ``Router.generate``. Every prompt gets exactly one result."""
+                 timeout_s: float | None = None, adapter: str | None = None, **sampling: Any) -> list[GenerationResult]:
+        """One ``GenerationResult`` per prompt (a string, token ids or chat messages), in order; ``n`` samples
+        each; sampling keywords are the generation config's. ``session_id`` (one, or one per prompt) keeps a
+        conversation on its last turn's shard. ``timeout_s`` (default ``fleet.request_timeout_s``): see
+        ``Router.generate``. ``adapter``: that LoRA adapter's newest version. One result per prompt."""
         self.background.check_open()
-        return self.router.generate(prompts, resolve_sampling(self.resolved.generation_config, sampling), session_id,
-                                    timeout_s)
+        with self.adapters.selected(adapter, resolve_sampling(self.resolved.generation_config, sampling)) as (chosen, p):
+            return chosen.stamp(self.router.generate(prompts, p, session_id, timeout_s))
 
     async def generate_async(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
-                             **sampling: Any) -> GenerationResult:
+                             adapter: str | None = None, **sampling: Any) -> GenerationResult:
         """The per-request awaitable for async RL loops; cancelling it aborts the request on its
         engine; past ``timeout_s`` (default ``fleet.request_timeout_s``): ``RequestTimeout``."""
         self.background.check_open()
-        params = resolve_sampling(self.resolved.generation_config, sampling)
-        return await self.router.generate_async(prompt, params, session_id, timeout_s)
+        with self.adapters.selected(adapter, resolve_sampling(self.resolved.generation_config, sampling)) as (chosen, p):
+            return chosen.stamp(await self.router.generate_async(prompt, p, session_id, timeout_s))
 
     def generate_stream(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
                         **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
@@ -198,7 +197,8 @@ class GenerationFleet:
         ``in_flight`` ``drain`` | ``abort`` | ``keep`` (default ``refit.in_flight``). A bad manifest:
         ``RefitError``, nothing changed; a shard failing while loading is quarantined."""
         self.background.check_open()
-        return self.refitter.refit(source, version, policies.in_flight(self.settings, in_flight))
+        with self.adapters.full_refit(mode := policies.in_flight(self.settings, in_flight)):
+            return self.refitter.refit(source, version, mode)
 
     def weight_sync_client(self, version: int | None = None, draft: bool = False,
                            in_flight: str | None = None) -> FleetWeightSyncClient:

@@ -71,6 +71,8 @@ class Refitter:
         self._on_spare_failed = on_spare_failed
         # Refits that landed (on at least one shard), their seconds and bytes: metrics.
         self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
+        # Run on a newcomer after it caught up, under the refit lock (the fleet's LoRA adapters).
+        self.after_catch_up: list[Callable[[Member, ShardHandle], None]] = []
 
     @property
     def draft_full(self) -> bool:
@@ -283,6 +285,8 @@ class Refitter:
                         self.health.mark_dead(member.slot, error)
                     raise ShardDiedError(-1 if member.is_spare else member.slot, error)
             handle.info = handle.info.with_version(version)  # not installed yet: Membership does not know it
+            for hook in self.after_catch_up:
+                hook(member, handle)
             if not member.is_spare:
                 self.health.report_refit(member.slot, version)
         return True

@@ -19,7 +19,7 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    ChannelAddress, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
+    AdapterCall, ChannelAddress, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
 )
 from nemo_gen.shard.rules import Host, Shard
 
@@ -198,6 +198,9 @@ class ShardActor:
 
     async def weight_sync(self, req: SyncRequest) -> SyncReply:
         return await self.shard.weight_sync(req)
+
+    async def adapter_call(self, call: AdapterCall) -> Any:
+        return await self.shard.adapter_call(call)
 
     async def control_channel(self, timeout_s: float) -> ChannelAddress:
         """Where a driver on this node reaches ``weight_sync`` without Ray

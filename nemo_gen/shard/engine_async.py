@@ -17,6 +17,7 @@ from nemo_gen.shard.batch import Track, spans_between
 from nemo_gen.shard.engine_base import BaseEngine, error_dict
 from nemo_gen.shard.swap import AsyncSwap
 from nemo_gen.shard.streaming import Cursor
+from nemo_gen.vllm_ext.lora import lora_request_of
 
 
 class AsyncEngine(BaseEngine):
@@ -68,7 +69,8 @@ class AsyncEngine(BaseEngine):
         try:
             with self.clock.running():
                 prompt = vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt)
-                async for out in self._llm.generate(prompt, params, request_id):
+                async for out in self._llm.generate(prompt, params, request_id,
+                                                    lora_request=lora_request_of(params, self)):
                     self.clock.output()
                     # With n > 1 an output carries the samples that moved (one child each, unless the
                     # reader lagged and they were merged): keep each sample's latest (cumulative) state.
@@ -89,7 +91,8 @@ class AsyncEngine(BaseEngine):
         track = Track.start(req, params, rid, rid)
         cursor = Cursor(track)
         self.weights.check()
-        outputs = self._llm.generate(vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt), params, rid)
+        outputs = self._llm.generate(vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt), params, rid,
+                                     lora_request=lora_request_of(params, self))
         made: dict[int, int] = {}  # tokens told so far, by sample
 
         def spans_of(comp) -> list[tuple[int | None, int]]:

@@ -79,6 +79,9 @@ class BaseEngine(abc.ABC):
         self._llm = llm
         self.load_s = load_s
         self.weights = Weights(version)
+        # The LoRA adapter ids the engine holds and the weight version they were loaded on
+        # (``nemo_gen.shard.adapters``): a request naming another is refused by name.
+        self.adapters_held: tuple[frozenset[int], int | None] = (frozenset(), None)
         # Refit needs the engine to itself: no request may run on half-loaded weights.
         self.gate = Gate()
         self.clock = StepClock()

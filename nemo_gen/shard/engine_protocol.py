@@ -49,6 +49,12 @@ class EngineLike(Protocol):
 
     async def set_version(self, version: int | None) -> None: ...  # serve ``version`` from now on
 
+    @property
+    def version(self) -> int | None: ...  # the weight version it serves
+
+    # LoRA adapter ids held and the weight version they were loaded on (``nemo_gen.shard.adapters``)
+    adapters_held: tuple[frozenset[int], int | None]
+
     async def begin_swap(self) -> None: ...  # keep / abort: freeze the running batch
 
     async def end_swap(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,

@@ -21,6 +21,7 @@ from nemo_gen.shard.batch import Running, Track, sampled_by
 from nemo_gen.shard.engine_base import BaseEngine, error_dict
 from nemo_gen.shard.swap import Swap
 from nemo_gen.shard.streaming import Cursor, merge
+from nemo_gen.vllm_ext.lora import lora_request_of
 
 
 class SyncEngine(BaseEngine):
@@ -148,7 +149,8 @@ class SyncEngine(BaseEngine):
         for req in requests:
             rid = f"nemo-gen-{next(self._ids)}"
             try:
-                internal = vllm_compat.add_request(self._llm, rid, req.prompt_token_ids, params, self.weights.salt)
+                internal = vllm_compat.add_request(self._llm, rid, req.prompt_token_ids, params, self.weights.salt,
+                                                   lora_request=lora_request_of(params, self))
             except (ValueError, TypeError) as exc:
                 results[req.index] = error_dict(req, exc)
                 continue

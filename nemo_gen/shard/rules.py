@@ -21,11 +21,12 @@ from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.wire import (
-    ApplyTimings, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo, StreamDeltas,
+    AdapterCall, ApplyTimings, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo, StreamDeltas,
     StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncReply, SyncRequest, SyncShutdown, SyncStart,
     SyncStartDraft, SyncUpdate,
 )
 from nemo_gen.errors import ShardBusy
+from nemo_gen.shard.adapters import adapter_call
 from nemo_gen.shard.engine_protocol import EngineLike
 
 # vLLM's weight-sync RPCs on the workers, by step (``apply`` is nemo_gen's one-call form).
@@ -229,6 +230,12 @@ class Shard:
             await engine.end_swap(msg.version, **msg.in_flight)
         self.claim = Claim(msg.version, msg.source)
         return time.perf_counter() - t0
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    async def adapter_call(self, call: AdapterCall) -> Any:
+        """A LoRA adapter call on this shard's engine (``nemo_gen.shard.adapters``)."""
+        return await adapter_call(self._engine(), call)
 
     # -- vLLM's weight-sync protocol -------------------------------------------------------------
 

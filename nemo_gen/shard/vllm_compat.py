@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable
 
 from nemo_gen.shard.batch import Piece, Track
+from nemo_gen.vllm_ext.lora import EXTRA_KEY
 
 VersionOf = Callable[[Any], "int | None"]  # an output label -> the weight version it stands for
 
@@ -39,6 +40,7 @@ def sampling_params(s: dict[str, Any]):
         ignore_eos=bool(s.get("ignore_eos") or False),
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
         logprobs=0,
+        extra_args={EXTRA_KEY: s[EXTRA_KEY]} if s.get(EXTRA_KEY) else None,  # the request's LoRA adapter
     )
 
 
@@ -133,11 +135,11 @@ class CoreClient:
         self._core.shutdown(timeout=grace_s)
 
 
-def add_request(llm: Any, rid: str, prompt_ids: list[int], params: Any, salt: str) -> str:
+def add_request(llm: Any, rid: str, prompt_ids: list[int], params: Any, salt: str, lora_request: Any = None) -> str:
     """Add one request to the sync engine; the engine's internal id (what an abort names and its
     state is kept under). Straight to the engine rather than through ``LLM.enqueue``, which
     would make a stream's outputs final-only: ``params`` say which."""
-    return llm.llm_engine.add_request(rid, tokens_prompt(prompt_ids, salt), params)
+    return llm.llm_engine.add_request(rid, tokens_prompt(prompt_ids, salt), params, lora_request=lora_request)
 
 
 # -- per-token versions ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from nemo_gen.vllm_ext.copy_plan import CopyPlan
 from nemo_gen.vllm_ext.direct_load import DirectLoad, ScratchPool
+from nemo_gen.vllm_ext.lora import LoraWorkerMixin
 
 Entry = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset
 
@@ -62,7 +63,7 @@ def split_stacked(model: Any, names: list[str]) -> list[str]:
     return sorted(problems)
 
 
-class NemoGenWorkerExtension:
+class NemoGenWorkerExtension(LoraWorkerMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     def _drafter(self):

@@ -37,6 +37,8 @@ FOREIGN_PRIVATE = {
     ("nemo_gen/shard/engine_start.py", "_SERVER._stop"),
     ("nemo_gen/shard/engine_start.py", "_TRACKER._pid"),
     ("nemo_gen/shard/engine_start.py", "_SERVER._forkserver_alive_fd"),
+    # vLLM's LoRA model manager, private to its worker manager: the only place a built adapter registers.
+    ("nemo_gen/vllm_ext/lora.py", "manager._adapter_manager"),
     # Prefect 3.7's automations listener, replaced by 3.8's (PrefectHQ/prefect#23055, a server deadlock).
     ("nemo_gen/prefect_server.py", "automations._notify"),
 }

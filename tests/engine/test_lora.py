@@ -1,0 +1,194 @@
+"""LoRA adapters on a real vLLM CPU fleet of one shard, against a fresh vLLM engine that loads the
+same PEFT directories itself (``tests/engine/lora_reference.py``, its own process, started
+beside the fleet). The tests run in order: each builds on the adapters the last one loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import os
+
+import pytest
+
+from nemo_gen import GenerationFleet
+from nemo_gen.core.adapters import AdapterError
+from nemo_gen.core.wire import AdapterModules
+from tests.lora_adapters import adapter_config, adapter_tensors, module_dims, write_adapter
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 300, 12], [100, 7, 7, 250, 33, 2]]
+MAX_TOKENS = 16
+MAX_RANK = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: write_adapter(root / name, tiny_model_dir, targets=targets, seed=seed)
+            for name, targets, seed in [("a1", ("q_proj", "v_proj"), 1), ("a2", ("q_proj", "v_proj"), 2),
+                                        ("b", ("o_proj", "down_proj"), 3), ("c", ("q_proj",), 4)]}
+
+
+@pytest.fixture(scope="module")
+def setup(ray_cluster, make_settings, tiny_model_dir, adapters, tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora-ref")
+    spec, out = work / "spec.json", work / "out.json"
+    spec.write_text(json.dumps({"model": str(tiny_model_dir), "max_rank": MAX_RANK, "prompts": PROMPTS,
+                                "max_tokens": MAX_TOKENS, "adapters": {k: str(v) for k, v in adapters.items()}}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    reference = subprocess.Popen([sys.executable, "-m", "tests.engine.lora_reference", str(spec), str(out)], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    fleet = GenerationFleet.launch(make_settings(
+        fleet__name="lora", fleet__num_shards=1, health__auto_recover=False,
+        **{"generation.vllm_cfg.lora.enabled": True, "generation.vllm_cfg.lora.max_rank": MAX_RANK,
+           "generation.vllm_cfg.lora.max_adapters": 2}))
+    try:
+        _, err = reference.communicate(timeout=300)
+        assert reference.returncode == 0, err[-3000:]
+        yield fleet, json.loads(out.read_text())
+    finally:
+        fleet.shutdown()
+
+
+def greedy(fleet, adapter=None):
+    results = fleet.generate(PROMPTS, adapter=adapter, temperature=0, ignore_eos=True, max_new_tokens=MAX_TOKENS)
+    assert all(r.ok for r in results), [r.error for r in results]
+    return results
+
+
+def tokens(results):
+    return [r.token_ids for r in results]
+
+
+def held(fleet):
+    handle = fleet.handle(0)
+    return fleet.driver.fan_out({0: handle}, AdapterModules(), 60)[0].value["held"]
+
+
+def test_an_adapter_refit_generates_what_a_fresh_engine_with_that_adapter_does(setup, adapters):
+    fleet, ref = setup
+    assert ref["a1"] != ref["base"]  # the adapter changes greedy tokens at all
+    assert tokens(greedy(fleet)) == ref["base"]
+    report = fleet.refit_adapter("a", str(adapters["a1"]))
+    assert (report.name, report.version) == ("a", 1)
+    results = greedy(fleet, "a")
+    assert tokens(results) == ref["a1"]
+    assert {(r.adapter, r.adapter_version) for r in results} == {("a", 1)}
+    base = greedy(fleet)
+    assert tokens(base) == ref["base"] and base[0].adapter is None  # the base model serves on beside it
+
+
+def test_a_new_version_under_the_same_name_is_served_from_its_first_request(setup, adapters):
+    fleet, ref = setup
+    old = fleet.adapters.registry.current("a")
+    report = fleet.refit_adapter("a", str(adapters["a2"]))
+    assert report.version == 2 and report.engine_id != old.engine_id  # a fresh engine id, never the old one
+    first = fleet.generate(PROMPTS[:1], adapter="a", temperature=0, ignore_eos=True, max_new_tokens=MAX_TOKENS)[0]
+    assert (first.token_ids, first.adapter_version) == (ref["a2"][0], 2)
+    assert tokens(greedy(fleet, "a")) == ref["a2"]
+    # The old version stays loaded (a request on it could still run) until a slot is needed.
+    assert sorted(held(fleet)) == sorted([old.engine_id, report.engine_id])
+
+
+def test_two_adapters_are_served_side_by_side(setup, adapters):
+    fleet, ref = setup
+    report = fleet.refit_adapter("b", str(adapters["b"]))
+    assert len(report.evicted) == 1 and report.evicted[0].startswith("a#")  # the superseded a v1 made room
+    assert len(held(fleet)) == 2
+
+    async def both():
+        calls = [fleet.generate_async(p, adapter=name, temperature=0, ignore_eos=True, max_new_tokens=MAX_TOKENS)
+                 for name in ("a", "b") for p in PROMPTS]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(both())
+    n = len(PROMPTS)
+    assert [r.token_ids for r in results[:n]] == ref["a2"]
+    assert [r.token_ids for r in results[n:]] == ref["b"]
+    assert {r.adapter for r in results[n:]} == {"b"}
+
+
+def _bad(tmp_path, base, name, **kw):
+    tensors = kw.pop("tensors", None)
+    config = kw.pop("config", None)
+    return write_adapter(tmp_path / name, base, tensors=tensors, config=config, **kw)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("rank", "rank 16 exceeds the fleet's max rank 8"),
+    ("target", "target module 'input_layernorm' is not one the engine can adapt"),
+    ("base", "trained on base model"),
+    ("shape", "the base layer needs"),
+])
+def test_a_bad_adapter_is_refused_by_name_and_nothing_changes(setup, adapters, tiny_model_dir, tmp_path, case, message):
+    fleet, ref = setup
+    before = sorted(held(fleet))
+    if case == "rank":
+        source = write_adapter(tmp_path / case, tiny_model_dir, rank=16)
+    elif case == "target":
+        config = adapter_config(tiny_model_dir, targets=("input_layernorm",))
+        tensors = {"base_model.model.model.layers.0.input_layernorm.lora_A.weight": adapter_tensors()[
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]}
+        source = {"config": config, "tensors": tensors}  # live tensors are checked the same way
+    elif case == "base":
+        source = write_adapter(tmp_path / case, "/models/some-other-model")
+    else:  # the right names on a base twice as wide: another model's adapter
+        dims = {k: (2 * i, 2 * o) for k, (i, o) in module_dims().items()}
+        source = write_adapter(tmp_path / case, tiny_model_dir, tensors=adapter_tensors(dims=dims))
+    with pytest.raises(AdapterError, match=f"adapter 'a' refused, nothing changed: .*{message}"):
+        fleet.refit_adapter("a", source if isinstance(source, dict) else str(source))
+    assert sorted(held(fleet)) == before
+    results = greedy(fleet, "a")
+    assert tokens(results) == ref["a2"] and results[0].adapter_version == 2
+
+
+def test_live_tensors_refit_and_eviction_keeps_the_bound(setup, adapters):
+    from safetensors.torch import load_file
+
+    fleet, ref = setup
+    greedy(fleet, "a")  # "a" used last: "b" is the least recently used
+    live = {"config": json.loads((adapters["c"] / "adapter_config.json").read_text()),
+            "tensors": load_file(str(adapters["c"] / "adapter_model.safetensors"))}
+    report = fleet.refit_adapter("c", live)
+    assert report.evicted and report.evicted[0].startswith("b#")
+    assert tokens(greedy(fleet, "c")) == ref["c"]
+    assert len(held(fleet)) == 2
+    with pytest.raises(AdapterError, match="'b' is not loaded .*evicted"):
+        fleet.generate(PROMPTS, adapter="b")
+
+
+def test_an_adapter_refit_moves_ten_times_fewer_bytes_than_a_full_refit(setup, adapters, tiny_model_dir):
+    fleet, ref = setup
+    adapter_bytes = fleet.refit_adapter("a", str(adapters["a1"])).bytes
+    with pytest.raises(AdapterError, match="use in_flight='drain'"):
+        fleet.refit(str(tiny_model_dir), in_flight="keep")
+    full = fleet.refit(str(tiny_model_dir), in_flight="drain")
+    assert full.ok
+    assert full.bytes >= 10 * adapter_bytes, (full.bytes, adapter_bytes)
+    print(f"bytes staged: full refit {full.bytes}, adapter refit {adapter_bytes} ({full.bytes / adapter_bytes:.0f}x)")
+    # New base weights drop every adapter in vLLM: refused by name until refit again.
+    with pytest.raises(AdapterError, match="refit the adapter again"):
+        fleet.generate(PROMPTS, adapter="a")
+    assert tokens(greedy(fleet)) == ref["base"]
+    assert fleet.refit_adapter("a", str(adapters["a1"])).version == 4
+    assert tokens(greedy(fleet, "a")) == ref["a1"]
+
+
+def test_a_replacement_shard_serves_the_adapters_the_fleet_holds(setup):
+    """Runs last: shard 0 is killed and restarted; it catches up with the base weights, then
+    loads the fleet's adapters under the same ids before it serves."""
+    import ray
+
+    fleet, ref = setup
+    entry = fleet.adapters.registry.current("a")
+    old = fleet.handle(0)
+    ray.kill(old.actor, no_restart=True)
+    fleet.health.mark_dead(0, "killed by the test")
+    done = fleet.recovery.restart_shard(0)
+    assert done["action"] == "restarted" and fleet.handle(0).name != old.name
+    assert held(fleet) == [entry.engine_id]
+    results = greedy(fleet, "a")
+    assert tokens(results) == ref["a1"] and results[0].adapter_version == entry.version
