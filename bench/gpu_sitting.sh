@@ -11,6 +11,8 @@
 #                                               Llama, 64 prompts x 8 samples x 128 tokens, sync then async on one fleet)
 #                                               -> $OUT/rl_step-gpu.json, $OUT/rl/{sync,async}/{steps.jsonl,run.png}, rl.log
 #                                               (RL_STEPS, RL_MODE_S: steps and seconds per mode; RL_ARGS: more of its flags)
+#                                               and $OUT/gpu.csv (the card's utilization, sampled); RL_MPS=1: under a CUDA
+#                                               MPS daemon started for the run and stopped after it -> $OUT/mps.log
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD
@@ -30,6 +32,27 @@ from nemo_gen.fleet import gpu_memory
 for p in gpu_memory.gpu_processes():
     print('left by an earlier run, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
 "
+}
+# CUDA MPS (RL_MPS=1): one MPS server holds the GPU context of every CUDA process of the run (the
+# trainer, the Ray workers, vLLM's EngineCore), so the trainer's and the engine's kernels can run
+# at once instead of time-slicing. A user-space daemon: the card's compute mode stays as found.
+# The directories are exported before Ray starts, so every worker inherits them.
+start_mps() {
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/nemo-gen-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/nemo-gen-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    command -v nvidia-cuda-mps-control > /dev/null || { echo "MPS: no nvidia-cuda-mps-control on PATH"; return 1; }
+    nvidia-cuda-mps-control -d || { echo "MPS: the control daemon did not start"; return 1; }
+    echo "MPS: control daemon started ($(command -v nvidia-cuda-mps-control))"
+    # the proof that the run's processes are MPS clients: the server's pid and nvidia-smi's process table
+    ( while sleep 60; do { date +%T; echo get_server_list | nvidia-cuda-mps-control
+        nvidia-smi | sed -n '/Processes/,$p'; } >> "$OUT/mps.log" 2>&1; done ) &
+    mps_watch=$!
+}
+stop_mps() {
+    kill "$mps_watch" 2> /dev/null
+    for f in control server; do echo "== $f.log"; tail -40 "$CUDA_MPS_LOG_DIRECTORY/$f.log"; done >> "$OUT/mps.log" 2>&1
+    echo quit | nvidia-cuda-mps-control; sleep 2
+    echo "MPS: daemon stopped"; grep -c "New client" "$CUDA_MPS_LOG_DIRECTORY/server.log" 2> /dev/null
 }
 case "${1:-}" in
   tests)
@@ -70,15 +93,24 @@ case "${1:-}" in
     grep -A8 "^mode" "$OUT/inflight.log"; grep -E "^keep:|idle fleet" "$OUT/inflight.log"
     ;;
   rl)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    bash .gpu/unpack.sh install > /tmp/nemo-gen-install.log 2>&1 || { tail -40 /tmp/nemo-gen-install.log; exit 1; }
     cd .gpu-src
     end_left_gpu_processes
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    if [ "${RL_MPS:-0}" = 1 ]; then start_mps || exit 1; fi
+    # the card's busy share, with each mode's steps done so far (to tell the modes apart)
+    ( while sleep 0.5; do echo "$(date +%s.%N),$(nvidia-smi --query-gpu=utilization.gpu,memory.used \
+        --format=csv,noheader,nounits),$(cat "$OUT"/rl/sync/steps.jsonl 2> /dev/null | wc -l),$(cat \
+        "$OUT"/rl/async/steps.jsonl 2> /dev/null | wc -l)"; done > "$OUT/gpu.csv" ) &
+    gpu_watch=$!
     # the model is made on the host's CPU (~1 min), the fleet launches (~2 min), then each mode runs
     # until RL_STEPS steps or RL_MODE_S seconds, whichever comes first
     timeout "${RL_TIMEOUT:-585}" python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 \
       --max-new-tokens 128 --steps "${RL_STEPS:-20}" --max-seconds "${RL_MODE_S:-120}" --work "$NEMO_GEN_RL_WORK" \
       --out "$OUT/rl" --json "$OUT/rl_step-gpu.json" ${RL_ARGS:-} > "$OUT/rl.log" 2>&1
     echo "rl rc=$?"
+    kill "$gpu_watch"
+    if [ "${RL_MPS:-0}" = 1 ]; then stop_mps; fi
     tail -c 3000 "$OUT/rl.log"
     ;;
   *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl"; exit 2 ;;
