@@ -160,7 +160,7 @@ def cache_env(tag: str) -> dict[str, str]:
     """Compile/JIT caches of one's own, so the fleet and the bare engine both start cold. Of this
     run's own too: models of any --layers share hidden and MLP sizes, so a run found the kernels an
     earlier run of the same sitting left in a shared cache (the fleet's engine init 18 s against the
-    cold bare engine's 41 s, 2026-12-02-h200-c.md). Within a run, restarts share the launch's."""
+    cold bare engine's 41 s, bench/results/2026-12-02/h200-c.md). Within a run, restarts share the launch's."""
     base = f"/tmp/nemo-gen-bench-cache-{os.getpid()}-{tag}"
     return {"VLLM_CACHE_ROOT": f"{base}/vllm", "TRITON_CACHE_DIR": f"{base}/triton",
             "TORCHINDUCTOR_CACHE_DIR": f"{base}/inductor", "FLASHINFER_WORKSPACE_BASE": f"{base}/flashinfer"}

@@ -18,7 +18,7 @@ export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OF
 # examples/grpo.py's 1b model (4.5 GB, ~1 min to make): made once, by tests/gpu or the rl run
 export NEMO_GEN_RL_WORK=${NEMO_GEN_RL_WORK:-/tmp/nemo-gen-rl}
 # The carried stack has no flashinfer-cubin (pack.py skips it): with FlashInfer's sampler every
-# cold engine start JIT-builds it with nvcc (~80 s, 2026-12-01-h200-bench.md). PyTorch's sampler
+# cold engine start JIT-builds it with nvcc (~80 s, bench/results/2026-12-01/h200-bench.md). PyTorch's sampler
 # instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 # GPU processes an earlier run of this sitting left (a run cut off by its timeout skips the fleet's
