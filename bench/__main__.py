@@ -35,7 +35,11 @@ def run(argv: Sequence[str]) -> int:
     path = os.environ.get("PYTHONPATH", "")
     if ROOT not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, path) if p)
-    return exit_code(importlib.import_module(f"bench.{name}").main(rest))
+    argv0, sys.argv = sys.argv, [f"python -m bench {name}", *rest]  # argparse's usage line names the command
+    try:
+        return exit_code(importlib.import_module(f"bench.{name}").main(rest))
+    finally:
+        sys.argv = argv0
 
 
 def exit_code(returned: object) -> int:

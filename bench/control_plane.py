@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import random

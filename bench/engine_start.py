@@ -12,8 +12,6 @@ On 2026-12-03, on a 2-core machine, it gave launches of 37.5 s (forkserver, the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path

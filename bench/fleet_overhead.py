@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence

@@ -66,11 +66,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Sequence

@@ -43,11 +43,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
