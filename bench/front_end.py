@@ -28,14 +28,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench.lib import stats
 from bench.lib.result import write_result
-from bench.lib.setup import quiet_environment
+from bench.lib.setup import one_shard_tiny, quiet_environment, token_prompts
 
 KEYS = ("wall_s", "proc_s", "wait_s", "gc_s", "gc_full", "steps", "frozen")
 
@@ -194,14 +193,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     quiet_environment()
 
     from nemo_gen import GenerationFleet
-    from nemo_gen.settings import NemoGenSettings
-    from nemo_gen.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-front-end-"))
-    settings = NemoGenSettings.load(overrides={
-        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": "bench-front-end",
-        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
-    prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    settings, work = one_shard_tiny("front-end")
+    prompts = token_prompts(args.prompts)
     fleet = GenerationFleet.launch(settings)
     plain = None
     runs: dict[str, list[dict]] = {"actor": [], "plain": [], "plain_frozen": []}

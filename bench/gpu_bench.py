@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.lib.result import make as make_result
-from bench.lib.setup import quiet_environment
+from bench.lib.setup import quiet_environment, token_prompts
 from bench.lib.stats import check
 
 T0 = time.monotonic()
@@ -434,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     fleet = state.get("fleet")
     if fleet is None:
         return
-    tok_prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    tok_prompts = token_prompts(args.prompts)
     probe = tok_prompts[:4]
 
     def greedy(of=fleet):

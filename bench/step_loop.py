@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench.lib.result import write_result
-from bench.lib.setup import quiet_environment
+from bench.lib.setup import one_shard_tiny, quiet_environment, token_prompts
 from bench.lib.stats import verdict
 
 
@@ -42,14 +41,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from bench.front_end import PlainEngine
     from bench.gpu_bench import in_actor_throughput
     from nemo_gen import GenerationFleet
-    from nemo_gen.settings import NemoGenSettings
-    from nemo_gen.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-steploop-"))
-    settings = NemoGenSettings.load(overrides={
-        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": "bench-steploop",
-        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
-    prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    settings, work = one_shard_tiny("steploop")
+    prompts = token_prompts(args.prompts)
     fleet = GenerationFleet.launch(settings)
     best: dict[str, float] = {}
     bare = None

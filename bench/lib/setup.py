@@ -73,3 +73,21 @@ class LocalCpu:
             "home": str(self.work / "home"), "model.path": str(self.model), "fleet.device": "cpu",
             "ray.namespace": self.name, "fleet.name": self.name, "generation.vllm_cfg.max_model_len": 256,
             **overrides})
+
+
+def one_shard_tiny(name: str):
+    """Settings for a one-shard CPU fleet of the tiny model made in a fresh work directory (probes
+    every 60 s, so that none lands in a measured batch), and that directory."""
+    from nemo_gen.settings import NemoGenSettings
+    from nemo_gen.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix=f"nemo-gen-bench-{name}-"))
+    settings = NemoGenSettings.load(overrides={
+        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": f"bench-{name}",
+        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
+    return settings, work
+
+
+def token_prompts(n: int, length: int = 32) -> list[list[int]]:
+    """``n`` distinct prompts of ``length`` token ids (BOS first), inside the tiny model's vocabulary."""
+    return [[1] + [(7 * i + j) % 250 + 4 for j in range(length - 1)] for i in range(n)]

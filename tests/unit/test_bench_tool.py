@@ -154,6 +154,15 @@ def test_statistics():
     assert (stats.met(True), stats.met(False), stats.check(False)) == ("PASS", "MISS", "FAIL")
 
 
+def test_synthetic_token_prompts_are_distinct_and_inside_the_tiny_vocabulary():
+    from bench.lib.setup import token_prompts
+
+    prompts = token_prompts(300, length=8)
+    assert len(prompts) == 300 and all(len(p) == 8 and p[0] == 1 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 250  # the ids cycle every 250 prompts
+    assert min(min(p[1:]) for p in prompts) >= 4 and max(max(p) for p in prompts) <= 253
+
+
 def test_the_readme_lists_every_benchmark_with_its_target():
     text = (BENCH / "README.md").read_text()
     for b in BENCHMARKS:
@@ -162,12 +171,14 @@ def test_the_readme_lists_every_benchmark_with_its_target():
 
 def test_results_live_in_dated_folders_named_by_the_index():
     results = BENCH / "results"
-    loose = [p.name for p in results.iterdir() if p.is_file() and p.name != "README.md"]
+    loose = [p.name for p in results.iterdir() if p.is_file() and p.name not in ("README.md", "index.py")]
     assert loose == []
     index = (results / "README.md").read_text()
     for folder in sorted(p for p in results.iterdir() if p.is_dir()):
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", folder.name), folder.name
-        assert f"]({folder.name}/" in index, f"the index does not link {folder.name}/"
+        assert f"]({folder.name}/)" in index, f"the index does not link {folder.name}/"
+        for note in folder.glob("*.md"):  # every note, by name (python bench/results/index.py)
+            assert f"]({folder.name}/{note.name})" in index, f"the index does not link {folder.name}/{note.name}"
 
 
 def test_every_rerun_result_follows_the_schema():
