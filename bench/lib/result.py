@@ -44,6 +44,11 @@ def commit() -> str:
         return "unknown"
 
 
+# Taken when the benchmark starts (it imports this module first): a commit made while it runs is
+# not the code that ran.
+AT_START = commit()
+
+
 def machine() -> dict[str, Any]:
     gpu = None
     if os.environ.get("CUDA_VISIBLE_DEVICES") != "" and Path("/proc/driver/nvidia/gpus").is_dir():
@@ -82,7 +87,7 @@ def make(name: str, arguments: argparse.Namespace | Mapping[str, Any], metrics: 
     found = collect_verdicts(metrics) if verdicts is None else verdicts
     doc = {"schema": SCHEMA, "name": name,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": commit(), "machine": machine(), "arguments": _plain(args), "metrics": _plain(metrics),
+           "commit": AT_START, "machine": machine(), "arguments": _plain(args), "metrics": _plain(metrics),
            "verdicts": {k: _normal(v) for k, v in found.items()}}
     validate(doc)
     return doc

@@ -47,7 +47,8 @@ def launches(m) -> str:
 
 
 # (benchmark, figure, target, before file (under bench/results), reader -> text); the reader is
-# applied to both files' measurements.
+# applied to both files' measurements. The after file is <benchmark>.json here
+# (fleet_overhead_pipeline: fleet_overhead's pipeline arms, run on their own).
 FIGURES = [
     ("control_plane", "tick at 10,000 shards, median CPU ms", "< 10", "2026-12-01/cpu-quiet-control_plane.json",
      lambda m: num(m["rows"][-1]["tick_median_ms"])),
@@ -59,8 +60,8 @@ FIGURES = [
      lambda m: num(m["saved_ms"])),
     ("fleet_overhead", "fleet / direct tokens/s", ">= 0.95", "2026-12-01/cpu-quiet-fleet_overhead-after-503fix.json",
      lambda m: spread(m["fleet"]["ratio"])),
-    ("fleet_overhead", "Prefect / plain pipeline wall", "<= 1.10", "2026-12-01/cpu-quiet-fleet_overhead-after-503fix.json",
-     lambda m: spread((m.get("pipeline") or {}).get("ratio"))),
+    ("fleet_overhead_pipeline", "Prefect / plain pipeline wall", "<= 1.10",
+     "2026-12-01/cpu-quiet-fleet_overhead-after-503fix.json", lambda m: spread((m.get("pipeline") or {}).get("ratio"))),
     ("serve", "HTTP / library tokens/s", ">= 0.9", "2026-12-01/cpu-serve-run1.json", lambda m: spread(m["ratio"])),
     ("sessions", "prefix-cache hit rate, affinity / none", "> 1", "2026-12-01/cpu-sessions.json",
      lambda m: num(m["hit_rate_ratio"])),
@@ -105,6 +106,24 @@ def verdicts_of(path: Path) -> str:
     return f"{sum(ok)} of {len(ok)} PASS" if ok else "-"
 
 
+def ab_rows() -> list[dict]:
+    """The A/B runs here (ab-NAME-N-ARM.json, ab.sh): each figure of NAME, run by run."""
+    out = []
+    for name in sorted({p.name.split("-")[1] for p in HERE.glob("ab-*-*-*.json")}):
+        runs = sorted(HERE.glob(f"ab-{name}-*-*.json"), key=lambda p: int(p.stem.split("-")[2]))
+        for bench, figure, _target, _before, read in FIGURES:
+            if bench != name:
+                continue
+            got = []
+            for path in runs:
+                try:
+                    got.append((path.stem.split("-")[3], read(metrics(path))))
+                except (KeyError, TypeError, ZeroDivisionError, StopIteration) as exc:
+                    got.append((path.stem.split("-")[3], f"({type(exc).__name__})"))
+            out.append({"benchmark": name, "figure": figure, "runs": got})
+    return out
+
+
 def main() -> int:
     from bench.lib.result import write_result
 
@@ -127,13 +146,19 @@ def main() -> int:
                      "before_file": "bench/engine_start.py's docstring (2026-12-03, no results file)",
                      "before": "forkserver 37.5 s (cold), spawn 34.5 s, forkserver 26.3 s, spawn 33.4 s",
                      "after": launches(metrics(HERE / "engine_start.json"))})
+    ab = ab_rows()
     print("| benchmark | figure | target | before | after | before's file |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         link = r["before_file"] if r["before_file"].startswith("bench/") else f"[{r['before_file']}](../{r['before_file']})"
         print(f"| `{r['benchmark']}` | {r['figure']} | {r['target']} | {r['before']} | {r['after']} | {link} |")
+    if ab:
+        print("\n| benchmark | figure | runs in order (old: 41bd72d's script, new: python -m bench) |")
+        print("|---|---|---|")
+        for r in ab:
+            print(f"| `{r['benchmark']}` | {r['figure']} | {', '.join(f'{a} {v}' for a, v in r['runs'])} |")
     write_result(HERE / "compare.json", "rerun", {"before": "committed results files", "after": str(HERE)},
-                 {"rows": rows}, {})
+                 {"rows": rows, "ab": ab}, {})
     return 0
 
 
