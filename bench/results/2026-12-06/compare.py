@@ -135,12 +135,12 @@ def main() -> int:
         try:
             row["after"] = read(metrics(after_file))
         except (OSError, KeyError, TypeError, ZeroDivisionError, StopIteration) as exc:
-            row["after"] = f"not run ({type(exc).__name__})"
+            row["after"] = "not re-run" if isinstance(exc, OSError) else f"({type(exc).__name__})"
         rows.append(row)
     rows.append({"benchmark": "crash_resume", "figure": "correctness verdicts", "target": "all PASS",
                  "before_file": "2026-12-04/cpu-crash_resume.json",
                  "before": verdicts_of(RESULTS / "2026-12-04/cpu-crash_resume.json"),
-                 "after": verdicts_of(HERE / "crash_resume.json") if (HERE / "crash_resume.json").exists() else "not run"})
+                 "after": verdicts_of(HERE / "crash_resume.json") if (HERE / "crash_resume.json").exists() else "not re-run"})
     if (HERE / "engine_start.json").exists():
         rows.append({"benchmark": "engine_start", "figure": "launch of a one-shard fleet", "target": "",
                      "before_file": "bench/engine_start.py's docstring (2026-12-03, no results file)",
