@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup chromium postgresql run test check unit bench bench-refit bench-recovery bench-serve bench-sessions clean
+.PHONY: setup chromium postgresql run test check unit bench bench-list bench-run bench-refit bench-control-plane \
+	bench-recovery bench-serve bench-sessions clean
 
 setup: $(STAMP)
 
@@ -59,23 +60,34 @@ unit: setup
 check: setup
 	$(PY) -m pytest tests/unit -q -n 2 $(PYTEST_ARGS)
 
+# Every benchmark runs through one entry point, `python -m bench NAME [flags]` (bench/README.md
+# lists them with their targets). `make bench-list` prints that list; `make bench-run NAME=x ARGS=...`
+# runs any of them; the named targets below are the common ones.
+BENCH := $(PY) -m bench
+
+bench-list: setup
+	$(BENCH) list
+
+bench-run: setup
+	$(BENCH) $(NAME) $(ARGS)
+
 bench: setup
-	$(PY) bench/fleet_overhead.py
+	$(BENCH) fleet_overhead $(ARGS)
 
 bench-refit: setup
-	$(PY) bench/refit.py
+	$(BENCH) refit $(ARGS)
 
 bench-control-plane: setup
-	$(PY) bench/control_plane.py $(ARGS)
+	$(BENCH) control_plane $(ARGS)
 
 bench-recovery: setup
-	$(PY) bench/recovery.py $(ARGS)
+	$(BENCH) recovery $(ARGS)
 
 bench-serve: setup
-	$(PY) bench/serve.py $(ARGS)
+	$(BENCH) serve $(ARGS)
 
 bench-sessions: setup
-	$(PY) bench/sessions.py $(ARGS)
+	$(BENCH) sessions $(ARGS)
 
 clean:
 	rm -rf $(VENV) .nemo-gen test-artifacts

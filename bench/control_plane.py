@@ -35,20 +35,19 @@ requests in flight per shard on average): ``next_shard()`` + ``acquire()`` and t
 Printed per size: tick cost (median, p99), per-request routing cost (median, p99), the
 fleet-wide refit bookkeeping, the launch-time placement plan (once per launch: one placement
 group per shard, checked against a cluster of 8-GPU nodes); then the targets (tick < 10 ms and
-routing < 20 us at 10,000 shards, each on median and p99) with PASS/FAIL, and the growth ratios
+routing < 20 us at 10,000 shards, each on median and p99) with PASS/MISS, and the growth ratios
 100 -> 1k -> 10k measured in this run (x10 shards per step: x10 is linear). Runs in a few
 seconds; the machine is shared, so the load average is printed and every figure is a median
-or percentile over hundreds of samples; PASS/FAIL is judged on CPU time.
+or percentile over hundreds of samples; PASS/MISS is judged on CPU time.
 
 Run: ``make bench-control-plane`` or
-``.venv/bin/python bench/control_plane.py [--sizes 100,1000,10000] [--ticks 600] [--quick] [--json out.json]``.
+``python -m bench control_plane [--sizes 100,1000,10000] [--ticks 600] [--quick] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import random
@@ -59,6 +58,8 @@ from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
+from bench.lib.result import write_result
+from bench.lib.stats import met
 from nemo_gen.core.fleet_health import (
     FleetHealthPolicy,
     GenerationFleetHealth,
@@ -408,10 +409,6 @@ def fmt_steps(steps: list[tuple[int, int, float]]) -> str:
         f" (linear: x{steps[0][1] / steps[0][0]:g} per step)" if steps else "")
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     # Transitions log at INFO/WARNING; count their formatting cost, print none of it.
@@ -464,10 +461,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     wall_tick, wall_route = big["tick_wall_ms"], big["route_wall_us"]
     print("\nresults (all measured in this run)")
     print(f"  tick at {n_big:,} shards:    median {tick['median']:.3f} ms, p99 {tick['p99']:.3f} ms "
-          f"(target < {TICK_TARGET_MS:g} ms): {verdict(tick_ok)}   [wall: median {wall_tick['median']:.3f} ms, "
+          f"(target < {TICK_TARGET_MS:g} ms): {met(tick_ok)}   [wall: median {wall_tick['median']:.3f} ms, "
           f"p99 {wall_tick['p99']:.3f} ms, max {wall_tick['max']:.3f} ms]")
     print(f"  routing at {n_big:,} shards: median {route['median']:.2f} us, p99 {route['p99']:.2f} us "
-          f"(target < {ROUTE_TARGET_US:g} us): {verdict(route_ok)}   [wall: median {wall_route['median']:.2f} us, "
+          f"(target < {ROUTE_TARGET_US:g} us): {met(route_ok)}   [wall: median {wall_route['median']:.2f} us, "
           f"p99 {wall_route['p99']:.2f} us, max {wall_route['max']:.1f} us]")
     first = big["first_route_cpu_us"]
     print(f"    of which the first request after each tick (caches cold after the tick, the epoch's "
@@ -486,11 +483,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  launch plan growth: {fmt_steps(steps['plan_ms'])} -> {shape(steps['plan_ms'])}")
     if n_big != 10_000:
         print(f"  (the targets are stated at 10,000 shards; this run's largest fleet is {n_big:,})")
-    if args.json:
-        out = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "load_average": [one, five],
-               "rows": rows, "tick_pass": tick_ok, "route_pass": route_ok, "growth": steps}
-        args.json.write_text(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    out = {"load_average": [one, five], "rows": rows, "tick_pass": tick_ok, "route_pass": route_ok, "growth": steps}
+    write_result(args.json, "control_plane", args, out, {"tick": met(tick_ok), "routing": met(route_ok)})

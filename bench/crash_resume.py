@@ -23,7 +23,7 @@ off: a line's tokens and logprobs then come from the same computation whichever 
 it or beside it — the engine on CPU is not batch-invariant, and what is under test is the resume,
 not that.
 
-    .venv/bin/python bench/crash_resume.py [--kills 20] [--lines 48] [--max-new-tokens 24] [--seed 0] [--json out.json]
+    python -m bench crash_resume [--kills 20] [--lines 48] [--max-new-tokens 24] [--seed 0] [--json out.json]
 
 ``crash_resume(...)`` is the whole procedure; tests/e2e/test_crash_resume.py runs it with 3 kills.
 """
@@ -44,12 +44,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.helpers: processes by their marker
-from tests.helpers import marked, wait_gone  # noqa: E402
+from bench.lib.result import write_result
+from bench.lib.setup import REPO, quiet_environment
+from bench.lib.stats import check
+from tests.helpers import marked, wait_gone  # processes by their marker
 
 EVAL = REPO / "examples" / "eval.yaml"
 GONE_S = 60.0  # a killed run's Ray cluster and engines must be gone within this
@@ -242,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments (default 0)")
     p.add_argument("--json", type=Path, help="write the result here as JSON")
     args = p.parse_args(argv)
+    quiet_environment()
     from nemo_gen.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="nemo-gen-crash-resume-"))
@@ -256,12 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{result['wall_s']:.0f} s; work directory {work}")
     if result["differing_lines"]:
         print(f"differing lines (first 10): {result['differing_lines']}")
-    for name, ok in result["verdicts"].items():
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
-    return result
-
-
-if __name__ == "__main__":
-    sys.exit(0 if all(main()["verdicts"].values()) else 1)
+    verdicts = {name: check(ok) for name, ok in result.pop("verdicts").items()}
+    for name, v in verdicts.items():
+        print(f"  {v}  {name}")
+    return write_result(args.json, "crash_resume", args, result, verdicts)

@@ -25,15 +25,18 @@ buckets, only metadata (names, offsets) goes over a pipe. Two shapes are measure
 
 All are reported as (bytes / refit seconds) / (device copy bandwidth), the copy bandwidth
 measured in the same run as ``dst.copy_(src)`` of the same byte count. Target for ``flat``:
->= 0.7. Run on a GPU machine: ``python bench/cuda_ipc_refit.py --gb 8``.
+>= 0.7. Run on a GPU machine: ``python -m bench cuda_ipc_refit --gb 8``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+from collections.abc import Sequence
+
+from bench.lib.result import write_result
+from bench.lib.stats import check, verdict
 
 
 def make_shapes(total_bytes: int, elem: int = 2) -> list[tuple[int, int]]:
@@ -280,14 +283,14 @@ def run(args):
     return results
 
 
-def main():
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=8.0, help="weight bytes to refit")
     p.add_argument("--bucket-mb", type=float, default=1024)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     r = run(args)
     print(f"weights: {r['bytes'] / 1e9:.2f} GB {args.dtype}, buckets {args.bucket_mb:.0f} MB")
     print(f"device copy bandwidth (dst.copy_(src)): {r['copy_gb_per_s']:.0f} GB/s")
@@ -305,10 +308,6 @@ def main():
     else:
         print("vLLM's packed IPC: not measured (no vllm, NEMO_GEN_VLLM_PACKED_TENSOR unset)")
     print(f"engine received the trainer's values: {r['checksum_ok']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+    return write_result(args.json, "cuda_ipc_refit", args, r, {
+        "nemo_gen_ipc": verdict(r["nemo_gen_ipc_fraction_of_copy"], 0.7, higher_is_better=True),
+        "checksum": check(bool(r["checksum_ok"]))})

@@ -4,7 +4,7 @@ For each launch it prints the wall time, the engine's load time (``load_s``), th
 shard used, each engine process's parent (the EngineCore's: the forkserver, or the actor itself
 when spawned) and the greedy tokens, which are the same for both methods.
 
-Run: ``.venv/bin/python bench/engine_start.py [--order forkserver,spawn,forkserver,spawn] [--json out.json]``.
+Run: ``python -m bench engine_start [--order forkserver,spawn,forkserver,spawn] [--json out.json]``.
 On 2026-12-03, on a 2-core machine, it gave launches of 37.5 s (forkserver, the first and cold),
 34.5 s (spawn), 26.3 s (forkserver) and 33.4 s (spawn); load_s was 23.0 / 33.1 / 15.9 / 31.7 s.
 """
@@ -12,23 +12,25 @@ On 2026-12-03, on a 2-core machine, it gave launches of 37.5 s (forkserver, the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.lib.result import write_result
+from bench.lib.setup import LocalCpu, quiet_environment
+from bench.lib.stats import check
 
 
-def main() -> None:
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--order", default="forkserver,spawn,forkserver,spawn")
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    quiet_environment()
 
     import psutil
     import ray
-    from local_cpu import LocalCpu
 
     from nemo_gen import GenerationFleet
 
@@ -54,9 +56,8 @@ def main() -> None:
                 fleet.shutdown()
     finally:
         ray.shutdown()
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    same = len({tuple(r["tokens"]) for r in out}) == 1
+    used = all(r["used"] == r["method"] for r in out)
+    write_result(args.json, "engine_start", args, {"launches": out},
+                 {"same_tokens": check(same), "method_used": check(used)})
+    return out

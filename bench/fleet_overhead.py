@@ -34,7 +34,7 @@ during a round (someone's test run); a part above 10% is flagged NOISY in the su
 Run it from the repository root::
 
     make bench
-    .venv/bin/python bench/fleet_overhead.py [--rounds 7] [--pipeline-rounds 2] [--json out.json]
+    python -m bench fleet_overhead [--rounds 7] [--pipeline-rounds 2] [--json out.json]
 
 Everything it makes (tiny model, Prefect database, outputs) lives under ``.nemo-gen/bench``.
 """
@@ -43,30 +43,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-# Before anything imports vLLM, Ray, transformers or Prefect.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.noise import ForeignCpu, noisy_note
+from bench.lib.setup import HOME, at_least_one, load, make_prompts, quiet_environment
+from bench.lib.stats import spread, verdict
 
-from nemo_gen.settings import RunSettings  # noqa: E402  (pydantic only: nothing heavy)
-
-REPO = Path(__file__).resolve().parents[1]
 FLEET_TARGET = 0.95  # fleet / direct tokens per second: at least
 PIPELINE_TARGET = 1.10  # prefect / plain wall time: at most
-NOISY_SHARE = 0.10  # other processes' share of the CPUs above which a result is flagged
 NAMESPACE = "nemo_gen_bench"
-
-# The built-in prompts of `nemo-gen run` (one definition, in settings).
-PROMPT_TOPICS = tuple(RunSettings().prompts)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -77,105 +67,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="alternating direct/fleet rounds (default 7)")
     p.add_argument("--pipeline-rounds", type=int, default=2, help="plain/prefect pipeline runs each (default 2)")
     p.add_argument("--skip-pipeline", action="store_true", help="measure the fleet overhead only")
-    p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
+    p.add_argument("--home", type=Path, default=HOME, help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     args = p.parse_args(argv)
     return at_least_one(p, args, ("shards", "prompts", "max_new_tokens", "rounds", "pipeline_rounds"))
-
-
-def at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> argparse.Namespace:
-    """``args``, once every option in ``names`` is >= 1 (else argparse's error naming it);
-    the benchmarks that build on this one share it."""
-    for name in names:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
-
-
-# -- small helpers ---------------------------------------------------------------------------
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def verdict(value: float, target: float, higher_is_better: bool) -> str:
-    ok = value >= target if higher_is_better else value <= target
-    return "PASS" if ok else "MISS"
-
-
-def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
-
-
-class ForeignCpu:
-    """CPU used by processes outside this benchmark's process tree (someone's test run on the
-    same machine), sampled every ``interval`` seconds. Ray's cluster, the engines and the Prefect
-    server are all descendants of this process, so they count as ours. An estimate: a process
-    that starts and ends between two samples is missed."""
-
-    def __init__(self, interval: float = 1.0):
-        self.interval = interval
-        self._first: dict[tuple[int, float], float] = {}  # (pid, create_time) -> cpu seconds
-        self._ours: set[tuple[int, float]] = set()  # once ours, always: a stopped shard's engine
-        # processes are orphaned (re-parented to init) for a moment before they exit
-        self._last: dict[tuple[int, float], float] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._since = time.time()
-        self._thread = threading.Thread(target=self._run, name="foreign-cpu", daemon=True)
-
-    def __enter__(self) -> "ForeignCpu":
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def _sample(self) -> None:
-        import psutil
-
-        procs = list(psutil.process_iter(["ppid", "create_time", "cpu_times"]))
-        parent = {p.pid: p.info["ppid"] for p in procs}
-        mine = {os.getpid()}
-        for pid in parent:  # walk up to init: ours if we pass through this process
-            chain, up = [], pid
-            while up and up not in mine and up in parent and len(chain) < 64:
-                chain.append(up)
-                up = parent[up]
-            if up in mine:
-                mine.update(chain)
-        with self._lock:
-            for p in procs:
-                times, created = p.info["cpu_times"], p.info["create_time"]
-                if times is None or created is None:
-                    continue
-                key, used = (p.pid, created), times.user + times.system
-                if p.pid in mine:
-                    self._ours.add(key)
-                if key in self._ours:
-                    continue
-                # A process born after we started counts from zero; older ones from first sight.
-                self._first.setdefault(key, 0.0 if created > self._since else used)
-                self._last[key] = used
-
-    def cpu_s(self) -> float:
-        """Foreign CPU seconds used since the monitor started (read it twice for a window)."""
-        self._sample()  # up to date at the window's edge, not up to ``interval`` old
-        with self._lock:
-            return sum(self._last[k] - self._first[k] for k in self._last)
-
-    @staticmethod
-    def share(cpu_s: float, wall_s: float) -> float:
-        """As a fraction of the machine: 1.0 means every core was busy with someone else's work."""
-        return cpu_s / (wall_s * (os.cpu_count() or 1)) if wall_s > 0 else 0.0
 
 
 def settings_overrides(args: argparse.Namespace, fleet_name: str, **extra: Any) -> dict[str, Any]:
@@ -195,10 +90,6 @@ def settings_overrides(args: argparse.Namespace, fleet_name: str, **extra: Any) 
 def as_cli_overrides(values: dict[str, Any]) -> list[str]:
     """The ``--set`` form the flow takes (plain values only, as a deployment would pass them)."""
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]  # JSON is YAML: strings stay strings
-
-
-def make_prompts(n: int) -> list[str]:
-    return [f"{PROMPT_TOPICS[i % len(PROMPT_TOPICS)]} (request {i})" for i in range(n)]
 
 
 # -- 1. fleet overhead -----------------------------------------------------------------------
@@ -467,7 +358,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             print(f"{title:18s} {what:19s} skipped")
             continue
         r, others = res["ratio"], res["others_cpu_share"]
-        noisy = f"  NOISY: other processes used {others:.0%} of the CPUs" if others > NOISY_SHARE else ""
+        noisy = noisy_note(others)
         print(
             f"{title:18s} {what:19s} median {r['median']:.3f}  [min {r['min']:.3f}, max {r['max']:.3f}]  "
             f"target {op} {res['target']:.2f}  {res['verdict']}{noisy}"
@@ -479,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import contextlib
 
     args = parse_args(argv)
+    quiet_environment()  # before anything imports vLLM, Ray, transformers or Prefect
     args.home = args.home.resolve()
     args.home.mkdir(parents=True, exist_ok=True)
 
@@ -489,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nemo_gen.tiny_model import make_tiny_model
 
     started = time.monotonic()
-    summary: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    summary: dict[str, Any] = {}
     summary["load_before"] = load()
     print(f"nemo-gen fleet overhead benchmark; {summary['load_before']}")
 
@@ -510,12 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary["load_after"] = load()
     summary["wall_s"] = time.monotonic() - started
     print_summary(summary)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_result(args.json, "fleet_overhead", args, summary)
     return 0  # a MISS is a measurement, not an error: read the verdicts
 
 
 if __name__ == "__main__":  # vLLM and Ray spawn processes that re-import the main module
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -17,7 +17,7 @@ Used by ``gpu_bare_vllm.py`` and ``gpu_bench.py`` (GPU) and, as a CPU benchmark,
 their batches interleaved; the plain process (``gpu_bare_vllm.py``'s ``serve``) runs first as vLLM
 leaves it, then with its heap frozen as the shard actor's is (``nemo_gen.shard.vllm_compat.freeze_heap``).
 
-Run: ``.venv/bin/python bench/front_end.py [--prompts 512] [--tokens 64] [--rounds 3] [--json out.json]``.
+Run: ``python -m bench front_end [--prompts 512] [--tokens 64] [--rounds 3] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from bench.lib import stats
+from bench.lib.result import write_result
+from bench.lib.setup import one_shard_tiny, quiet_environment, token_prompts
 
 KEYS = ("wall_s", "proc_s", "wait_s", "gc_s", "gc_full", "steps", "frozen")
 
@@ -90,7 +93,7 @@ def clock_of(llm) -> FrontEndClock:
 
 
 def medians(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in KEYS if runs and k in runs[0]}
+    return stats.medians(runs, KEYS)
 
 
 class PlainEngine:
@@ -105,7 +108,7 @@ class PlainEngine:
         # model, memory share and length are the script's plain-vLLM arguments: unused here
         # (BARE_ENGINE_KWARGS replaces them), given for its argument list.
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(work / "plain.json"),
+            [sys.executable, "-m", "bench.gpu_bare_vllm", str(work / "plain.json"),
              kwargs["model"], "0", "0", str(work / "plain-prompts.json"), str(tokens),
              kwargs.get("logprobs_mode", "processed_logprobs"), "serve"],
             env={**os.environ, **spec.engine_env, "BARE_ENGINE_KWARGS": str(work / "plain-kwargs.json")},
@@ -131,7 +134,7 @@ class PlainEngine:
 
 def _by_value() -> None:
     """Functions of this module sent to a shard actor travel by value: the actor cannot import
-    bench/."""
+    bench (its worker need not have this checkout on its path)."""
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -180,25 +183,19 @@ def in_actor_batch(handle, prompts: list[list[int]], tokens: int) -> dict:
     return ray.get(handle.actor.__ray_call__.remote(fn, prompts, tokens), timeout=600)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    args = p.parse_args(argv)
+    quiet_environment()
 
     from nemo_gen import GenerationFleet
-    from nemo_gen.settings import NemoGenSettings
-    from nemo_gen.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-front-end-"))
-    settings = NemoGenSettings.load(overrides={
-        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": "bench-front-end",
-        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
-    prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    settings, work = one_shard_tiny("front-end")
+    prompts = token_prompts(args.prompts)
     fleet = GenerationFleet.launch(settings)
     plain = None
     runs: dict[str, list[dict]] = {"actor": [], "plain": [], "plain_frozen": []}
@@ -224,11 +221,5 @@ def main() -> None:
     print(f"\nGC's share of a batch: shard actor (heap frozen) {a['gc_s'] / a['wall_s']:.1%}, plain process "
           f"{b['gc_s'] / b['wall_s']:.1%}; front-end work (proc_s) actor / plain: {a['proc_s'] / b['proc_s']:.2f}; "
           f"load average {os.getloadavg()[0]:.1f}")
-    if args.json:
-        args.json.write_text(json.dumps({"prompts": args.prompts, "tokens": args.tokens, "runs": runs,
-                                         "median": summary, "load_average": os.getloadavg()[0]}, indent=1))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    main()
+    return write_result(args.json, "front_end", args, {"runs": runs, "median": summary,
+                                                       "load_average": os.getloadavg()[0]})

@@ -1,7 +1,7 @@
 """A bare ``vllm.LLM`` (no Ray, no nemo_gen): the baseline ``bench/gpu_bench.py`` compares a
 fleet's launch and generation throughput with. Run by it as a subprocess::
 
-    python bench/gpu_bare_vllm.py OUT.json MODEL UTIL MAX_MODEL_LEN PROMPTS.json MAX_TOKENS [LOGPROBS_MODE [serve]]
+    python -m bench.gpu_bare_vllm OUT.json MODEL UTIL MAX_MODEL_LEN PROMPTS.json MAX_TOKENS [LOGPROBS_MODE [serve]]
 
 Writes the seconds of ``import vllm`` and of ``LLM(...)`` (the engine's own log lines, in the
 caller's capture of this process's output, break the latter down), and the generation throughput
@@ -52,7 +52,7 @@ def main() -> None:
             llm = LLM(model=model, dtype="bfloat16", gpu_memory_utilization=float(util), max_model_len=int(max_len),
                       seed=0, disable_log_stats=True, **engine_args)
     llm_s = time.monotonic() - t2
-    from front_end import clock_of  # beside this file
+    from bench.front_end import clock_of
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_path))]
     sampling = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True, logprobs=0)

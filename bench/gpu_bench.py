@@ -1,7 +1,7 @@
 """nemo_gen on a real GPU, in one run: refit bandwidth, launch against a bare vLLM, throughput,
 restart after a SIGKILL. Every number is a ratio measured in the same run.
 
-    PYTHONPATH=$PWD:/tmp/nemo-gen-site python3 bench/gpu_bench.py --out DIR --log DIR/bench.log \
+    PYTHONPATH=$PWD:/tmp/nemo-gen-site python3 -m bench gpu_bench --out DIR --log DIR/bench.log \
         2> DIR/bench.log
 
 (``--log`` is where this process's stderr goes: the engines' own log lines, which Ray forwards
@@ -48,10 +48,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from bench.lib.result import make as make_result
+from bench.lib.setup import quiet_environment, token_prompts
+from bench.lib.stats import check
+
 T0 = time.monotonic()
-RESULT: dict = {"date": time.strftime("%Y-%m-%d"), "steps": {}}
+RESULT: dict = {"steps": {}}
+ARGS: dict = {}  # the command line, for the result file
 SKIP: set[str] = set()  # steps named by --skip
 
 
@@ -60,7 +66,8 @@ def elapsed() -> float:
 
 
 def save(out: Path) -> None:
-    (out / "gpu_bench.json").write_text(json.dumps(RESULT, indent=1, default=str))
+    verdicts = {k: check(bool(v.get("ok"))) for k, v in RESULT["steps"].items() if "skipped" not in v}
+    (out / "gpu_bench.json").write_text(json.dumps(make_result("gpu_bench", ARGS, RESULT, verdicts), indent=1) + "\n")
 
 
 def step(name: str, out: Path, deadline_s: float, need_s: float):
@@ -160,7 +167,7 @@ def cache_env(tag: str) -> dict[str, str]:
     """Compile/JIT caches of one's own, so the fleet and the bare engine both start cold. Of this
     run's own too: models of any --layers share hidden and MLP sizes, so a run found the kernels an
     earlier run of the same sitting left in a shared cache (the fleet's engine init 18 s against the
-    cold bare engine's 41 s, 2026-12-02-h200-c.md). Within a run, restarts share the launch's."""
+    cold bare engine's 41 s, bench/results/2026-12-02/h200-c.md). Within a run, restarts share the launch's."""
     base = f"/tmp/nemo-gen-bench-cache-{os.getpid()}-{tag}"
     return {"VLLM_CACHE_ROOT": f"{base}/vllm", "TRITON_CACHE_DIR": f"{base}/triton",
             "TORCHINDUCTOR_CACHE_DIR": f"{base}/inductor", "FLASHINFER_WORKSPACE_BASE": f"{base}/flashinfer"}
@@ -289,7 +296,7 @@ def interleaved_throughput(fleet_run, bare_run, rounds: int, deadline_s: float) 
     the lent H200: both arms 40 % slower by the last round) does not tilt."""
     import statistics
 
-    from front_end import medians
+    from bench.front_end import medians
 
     runs: dict[str, list[dict]] = {"fleet": [], "bare": []}
     for i in range(rounds):
@@ -327,7 +334,7 @@ def call_worker(handle, method: str, *args):
     return ray.get(handle.actor.__ray_call__.remote(fn, method, args), timeout=120)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", required=True, help="the file this process's stderr goes to")
@@ -344,13 +351,13 @@ def main() -> None:
                     help="the bare engine's arguments: plain vLLM's (the model, bf16, the same memory share, "
                     "logprobs mode), or the fleet shard's own (nemo_gen's worker extension and weight transfer too)")
     ap.add_argument("--skip", default="", help="steps not to run, comma-separated (e.g. restart_after_sigkill)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    ARGS.update(vars(args))
     SKIP.update(s for s in args.skip.split(",") if s)
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    quiet_environment(vllm_log="INFO")  # the engines' INFO lines carry the launch breakdown
 
     import torch
 
@@ -427,7 +434,7 @@ def main() -> None:
     fleet = state.get("fleet")
     if fleet is None:
         return
-    tok_prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    tok_prompts = token_prompts(args.prompts)
     probe = tok_prompts[:4]
 
     def greedy(of=fleet):
@@ -573,7 +580,7 @@ def main() -> None:
 
     @step("bare_vllm", out, args.deadline_s, 240)
     def _():
-        from front_end import actor_clock
+        from bench.front_end import actor_clock
 
         prompts_file = work / "prompts.json"
         prompts_file.write_text(json.dumps(tok_prompts))
@@ -587,7 +594,7 @@ def main() -> None:
         # The bare engine stays up after its own runs ("serve"): the fleet's and its runs are then
         # interleaved below, in the same minutes of the same GPU (runs minutes apart differed by
         # 14% on one engine, 2026-12-02).
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gpu_bare_vllm.py")), str(res_file),
+        proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_bare_vllm", str(res_file),
                                  str(model_dir), str(args.util), "512", str(prompts_file), str(args.tokens),
                                  settings.generation.vllm_cfg.logprobs_mode, "serve"],
                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -722,6 +729,7 @@ def main() -> None:
     RESULT["total_s"] = elapsed()
     save(out)
     write_markdown(out)
+    return RESULT
 
 
 def write_markdown(out: Path) -> None:
@@ -817,7 +825,3 @@ def write_markdown(out: Path) -> None:
     if failed:
         lines += ["", "Not measured: " + "; ".join(f"{k}: {v}" for k, v in failed.items())]
     (out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
-
-
-if __name__ == "__main__":
-    main()

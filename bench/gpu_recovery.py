@@ -1,7 +1,7 @@
 """Shard loss on a real GPU, in one run: SIGKILL -> full strength with a warm spare, and the
 orphan a killed shard leaves when the operator disabled Ray's process-group cleanup.
 
-    PYTHONPATH=$PWD:/tmp/nemo-gen-site python3 bench/gpu_recovery.py --out DIR > DIR/recovery.log 2>&1
+    PYTHONPATH=$PWD:/tmp/nemo-gen-site python3 -m bench gpu_recovery --out DIR > DIR/recovery.log 2>&1
 
 1. ``spare``: one shard + one warm spare of the tiny model on one GPU (``fleet.shards_per_gpu=2``),
    a batch in flight when the shard's actor is SIGKILLed: every request answered once; seconds
@@ -24,8 +24,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from bench.lib.result import write_result
+from bench.lib.setup import quiet_environment
+from bench.lib.stats import check
 
 
 def settings(work: Path, name: str, **extra):
@@ -90,13 +95,12 @@ def spare(work: Path) -> dict:
 
 ORPHAN = r"""
 import json, os, signal, sys, time
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-from gpu_recovery import settings, wait_until
+from bench.gpu_recovery import settings, wait_until
 from pathlib import Path
 from nemo_gen import GenerationFleet
 from nemo_gen.host import gpu_memory
 
-fleet = GenerationFleet.launch(settings(Path(sys.argv[2]), "orphan"))
+fleet = GenerationFleet.launch(settings(Path(sys.argv[1]), "orphan"))
 out = {}
 try:
     victim = fleet.status()[0]
@@ -124,7 +128,7 @@ print("RESULT " + json.dumps(out, default=str))
 def start_orphan(work: Path) -> subprocess.Popen:
     """The orphan run, in a process (and Ray cluster) of its own."""
     env = dict(os.environ, RAY_process_group_cleanup_enabled="0")
-    return subprocess.Popen([sys.executable, "-c", ORPHAN, str(Path(__file__).resolve()), str(work)], env=env,
+    return subprocess.Popen([sys.executable, "-c", ORPHAN, str(work)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -137,16 +141,16 @@ def orphan_result(proc: subprocess.Popen) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/nemo-gen-recovery")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = {"date": "2026-12-01", "command": " ".join(sys.argv), "steps": {}}
+    quiet_environment(vllm_log="INFO")
+    result = {"steps": {}}
     from nemo_gen.tiny_model import make_tiny_model
 
     make_tiny_model(work / "tiny")  # once, before the two runs that load it
@@ -163,9 +167,7 @@ def main() -> None:
             result["steps"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                      "trace": traceback.format_exc()[-3000:]}
         result["steps"][name]["seconds"] = time.monotonic() - t
-        (out / "gpu_recovery.json").write_text(json.dumps(result, indent=1, default=str))
+        write_result(out / "gpu_recovery.json", "gpu_recovery", args, result,
+                     {k: check(bool(v.get("ok"))) for k, v in result["steps"].items()})
         print(f"RECOVERY {name}: {json.dumps(result['steps'][name], default=str)[:1500]}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -3,11 +3,11 @@
 # with the stack's parts already received (`bash .gpu/unpack.sh receive .gpu/parts/pNNN` each)
 # and this repository's committed state carried as .gpu-src/:
 #   bash .gpu-src/bench/gpu_sitting.sh tests    install the stack, run tests/gpu  -> $OUT/test_gpu.log
-#   bash .gpu-src/bench/gpu_sitting.sh bench    install, run bench/gpu_bench.py -> $OUT/gpu_bench.{json,md}, bench.log
+#   bash .gpu-src/bench/gpu_sitting.sh bench    install, run python -m bench gpu_bench -> $OUT/gpu_bench.{json,md}, bench.log
 #                                               (BENCH_ARGS: more of its flags, e.g. "--bare-config fleet --interleave 7")
-#   bash .gpu-src/bench/gpu_sitting.sh recovery install, run bench/gpu_recovery.py -> $OUT/gpu_recovery.json
-#   bash .gpu-src/bench/gpu_sitting.sh inflight install, run bench/refit_inflight.py --device gpu -> $OUT/refit_inflight.json
-#   bash .gpu-src/bench/gpu_sitting.sh rl       install, run bench/rl_step.py --device gpu (examples/grpo.py's loop, a 1.13 B
+#   bash .gpu-src/bench/gpu_sitting.sh recovery install, run python -m bench gpu_recovery -> $OUT/gpu_recovery.json
+#   bash .gpu-src/bench/gpu_sitting.sh inflight install, run python -m bench refit_inflight --device gpu -> $OUT/refit_inflight.json
+#   bash .gpu-src/bench/gpu_sitting.sh rl       install, run python -m bench rl_step --device gpu (examples/grpo.py's loop, a 1.13 B
 #                                               Llama, 64 prompts x 8 samples x 128 tokens, sync then async on one fleet)
 #                                               -> $OUT/rl_step-gpu.json, $OUT/rl/{sync,async}/{steps.jsonl,run.png}, rl.log
 #                                               (RL_STEPS, RL_MODE_S: steps and seconds per mode; RL_ARGS: more of its flags)
@@ -20,7 +20,7 @@ export PYTHONPATH=$root/.gpu-src:/tmp/nemo-gen-site PYTHONUNBUFFERED=1 HF_HUB_OF
 # examples/grpo.py's 1b model (4.5 GB, ~1 min to make): made once, by tests/gpu or the rl run
 export NEMO_GEN_RL_WORK=${NEMO_GEN_RL_WORK:-/tmp/nemo-gen-rl}
 # The carried stack has no flashinfer-cubin (pack.py skips it): with FlashInfer's sampler every
-# cold engine start JIT-builds it with nvcc (~80 s, 2026-12-01-h200-bench.md). PyTorch's sampler
+# cold engine start JIT-builds it with nvcc (~80 s, bench/results/2026-12-01/h200-bench.md). PyTorch's sampler
 # instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 # GPU processes an earlier run of this sitting left (a run cut off by its timeout skips the fleet's
@@ -71,7 +71,7 @@ case "${1:-}" in
     cd .gpu-src
     end_left_gpu_processes
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
-    timeout "${BENCH_TIMEOUT:-585}" python3 bench/gpu_bench.py --out "$OUT" --log "$OUT/bench.log" \
+    timeout "${BENCH_TIMEOUT:-585}" python3 -m bench gpu_bench --out "$OUT" --log "$OUT/bench.log" \
       --deadline-s "${BENCH_DEADLINE:-530}" --layers "${BENCH_LAYERS:-11}" --skip "${BENCH_SKIP:-}" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
     echo "bench rc=$?"
     cat "$OUT/gpu_bench.md" 2>/dev/null
@@ -80,14 +80,14 @@ case "${1:-}" in
   recovery)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
     cd .gpu-src
-    timeout "${RECOVERY_TIMEOUT:-330}" python3 bench/gpu_recovery.py --out "$OUT" > "$OUT/recovery.log" 2>&1
+    timeout "${RECOVERY_TIMEOUT:-330}" python3 -m bench gpu_recovery --out "$OUT" > "$OUT/recovery.log" 2>&1
     echo "recovery rc=$?"
     grep "^RECOVERY" "$OUT/recovery.log"
     ;;
   inflight)
     bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
     cd .gpu-src
-    timeout "${INFLIGHT_TIMEOUT:-300}" python3 bench/refit_inflight.py --device gpu --window "${INFLIGHT_WINDOW:-20}" \
+    timeout "${INFLIGHT_TIMEOUT:-300}" python3 -m bench refit_inflight --device gpu --window "${INFLIGHT_WINDOW:-20}" \
       --every "${INFLIGHT_EVERY:-5}" --json "$OUT/refit_inflight.json" > "$OUT/inflight.log" 2>&1
     echo "inflight rc=$?"
     grep -A8 "^mode" "$OUT/inflight.log"; grep -E "^keep:|idle fleet" "$OUT/inflight.log"
@@ -105,7 +105,7 @@ case "${1:-}" in
     gpu_watch=$!
     # the model is made on the host's CPU (~1 min), the fleet launches (~2 min), then each mode runs
     # until RL_STEPS steps or RL_MODE_S seconds, whichever comes first
-    timeout "${RL_TIMEOUT:-585}" python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 \
+    timeout "${RL_TIMEOUT:-585}" python3 -m bench rl_step --device gpu --model-size 1b --prompts 64 --group 8 \
       --max-new-tokens 128 --steps "${RL_STEPS:-20}" --max-seconds "${RL_MODE_S:-120}" --work "$NEMO_GEN_RL_WORK" \
       --out "$OUT/rl" --json "$OUT/rl_step-gpu.json" ${RL_ARGS:-} > "$OUT/rl.log" 2>&1
     echo "rl rc=$?"

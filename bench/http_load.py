@@ -1,8 +1,8 @@
 """A closed-loop HTTP load generator and a /health prober, each run in a process of its own so
 that neither shares an interpreter with the server it measures (bench/overload.py runs them).
 
-    python bench/http_load.py '{"mode": "load", "url": ..., "model": ..., "clients": 64, "window_s": 20, ...}'
-    python bench/http_load.py '{"mode": "health", "url": ..., "window_s": 20, "interval_s": 0.01}'
+    python -m bench.http_load '{"mode": "load", "url": ..., "model": ..., "clients": 64, "window_s": 20, ...}'
+    python -m bench.http_load '{"mode": "health", "url": ..., "window_s": 20, "interval_s": 0.01}'
 
 ``load``: ``clients`` workers, each on its own keep-alive connection, send a completion, wait for
 its answer, and send the next, until ``window_s`` has passed (closed loop: the offered load is the

@@ -23,14 +23,13 @@ starves the server's thread under 200 streams and /health waits for a core, not 
 event loop (bench/results/2026-12-04/cpu-overload.md). ``--engine-niceness`` (default 10) lets
 the server go first, as an operator of such a node would set it.
 
-    .venv/bin/python bench/overload.py [--shards 2] [--capacity 16] [--factor 4] [--window-s 20] [--json out.json]
+    python -m bench overload [--shards 2] [--capacity 16] [--factor 4] [--window-s 20] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,13 +37,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from local_cpu import LocalCpu  # noqa: E402
+from bench.lib.result import write_result
+from bench.lib.setup import LocalCpu, quiet_environment
+from bench.lib.stats import check, met
 
 HEALTH_P99_S = 0.1
 GOODPUT_RATIO = 0.9
@@ -78,7 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run_clients(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run bench/http_load.py jobs side by side, each in its own process; their results."""
-    procs = [subprocess.Popen([sys.executable, str(HERE / "http_load.py"), json.dumps(job)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.http_load", json.dumps(job)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for job in jobs]
     results = []
     for proc, job in zip(procs, jobs):
@@ -126,6 +122,7 @@ def condemned(fleet) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    quiet_environment()
     import ray
 
     from nemo_gen import GenerationFleet
@@ -178,16 +175,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if set(phases) != {"unloaded", "overload", "after", "big+streams"}:  # a partial run: the numbers only
         print(json.dumps({k: {m: v for m, v in r.items() if m != "errors"} for k, r in phases.items()}, indent=1,
                          default=str))
-        return {"name": "overload", "metrics": phases}
+        return write_result(args.json, "overload", args, phases, {})
     over = phases["overload"]
     codes = set(over["statuses"])
     verdicts = {
         "overload: every request answered 200 or 503": codes <= {"200", "503"} and over["sent"] == over["answered"]
         and over["hung"] == 0 and over["lost"] == 0 and "503" in codes,
         "no shard condemned": not phases["after"]["condemned"],
-        f"/health p99 < {HEALTH_P99_S * 1000:.0f} ms in every phase": all(
-            phases[k]["health_p99_s"] < HEALTH_P99_S for k in ("unloaded", "overload", "big+streams")),
-        f"goodput >= {GOODPUT_RATIO} of unloaded (median of the rounds' ratios)": over["goodput_ratio"] >= GOODPUT_RATIO,
+        f"/health p99 < {HEALTH_P99_S * 1000:.0f} ms in every phase": met(all(
+            phases[k]["health_p99_s"] < HEALTH_P99_S for k in ("unloaded", "overload", "big+streams"))),
+        f"goodput >= {GOODPUT_RATIO} of unloaded (median of the rounds' ratios)": met(
+            over["goodput_ratio"] >= GOODPUT_RATIO),
         "after: full strength, 0 restarts": phases["after"]["served"] and set(phases["after"]["states"]) == {"healthy"}
         and not any(phases["after"]["restarts"]),
         "big+streams: the 4 MB prompt answered 400, streams all 200": (phases["big+streams"]["big_prompt"] or {}).get(
@@ -207,14 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     big_prompt = phases["big+streams"]["big_prompt"] or {}
     print(f"4 MB prompt: HTTP {big_prompt.get('status')} after {big_prompt.get('seconds', float('nan')):.2f} s")
     print(f"after: states {phases['after']['states']}, restarts {phases['after']['restarts']}")
-    for name, ok in verdicts.items():
-        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    result = {"name": "overload", "args": vars(args) | {"json": str(args.json) if args.json else None},
-              "metrics": phases, "verdicts": verdicts}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
-    return result
-
-
-if __name__ == "__main__":
-    main()
+    verdicts = {name: v if isinstance(v, str) else check(v) for name, v in verdicts.items()}
+    for name, v in verdicts.items():
+        print(f"  {v}  {name}")
+    return write_result(args.json, "overload", args, phases, verdicts)

@@ -56,7 +56,7 @@ result is flagged NOISY.
 Run it from the repository root::
 
     make bench-recovery
-    .venv/bin/python bench/recovery.py [--rounds 3] [--json out.json]
+    python -m bench recovery [--rounds 3] [--json out.json]
 
 Everything it makes (two tiny models) lives under ``.nemo-gen/bench``; the Ray cluster is a
 private local one, started and stopped by this script.
@@ -66,30 +66,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Before anything imports vLLM, Ray or transformers.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.noise import ForeignCpu, noisy_note
+from bench.lib.setup import HOME, load, quiet_environment
+from bench.lib.stats import percentile, verdict
 
-# This directory (on sys.path when run as a script); it imports pydantic and psutil only.
-from fleet_overhead import ForeignCpu, load
-
-REPO = Path(__file__).resolve().parents[1]
 DETECT_TARGET_S = 1.0  # SIGKILL -> the monitor marks it: at most (max over kills)
 SPARE_TARGET_S = 2.0  # SIGKILL -> slot HEALTHY at the current version, with a spare: at most (max)
 COLD_RATIO_TARGET = 1.2  # the same without a spare / one engine's cold start: at most (median)
-NOISY_SHARE = 0.10
 NAMESPACE = "nemo_gen_bench"
 FLEET = "bench-recovery"
 POLL_S = 0.02
@@ -99,7 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="kills of each kind, and cold starts (default 3)")
     p.add_argument("--recovery-timeout", type=float, default=300.0, help="give up waiting on one recovery (s)")
-    p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
+    p.add_argument("--home", type=Path, default=HOME, help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -108,18 +101,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ``values``, linearly interpolated between the two
-    nearest ranks (numpy's default). With few samples p99 lies next to the max: read ``n``."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def spread(values: Sequence[float]) -> dict[str, float] | None:
@@ -391,6 +372,7 @@ def cold_start(fleet, r: int) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_environment()
     args.home = args.home.resolve()
     args.home.mkdir(parents=True, exist_ok=True)
 
@@ -401,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nemo_gen.tiny_model import make_tiny_model
 
     started = time.monotonic()
-    out: dict[str, Any] = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    out: dict[str, Any] = {}
     out["load_before"] = load()
     print(f"nemo-gen recovery benchmark; {out['load_before']}")
 
@@ -535,9 +517,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["load_after"] = load()
     out["wall_s"] = time.monotonic() - started
 
-    def verdict(value, target) -> str:
-        return "MISSED" if value is None or value > target else "PASS"
-
     print("\n== summary ==")
     print(f"1. crash detection, SIGKILL -> monitor (target <= {DETECT_TARGET_S:g}s on the max)")
     print(f"     shard actor  {fmt_tail(out['detect_actor_s'])}")
@@ -548,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"       Ray's notice: exit -> a watch call on it done           {fmt_tail(out['ray_notice_after_exit_s'])}")
     print(f"       our reaction: Ray's notice -> the monitor marked it     {fmt_tail(out['reaction_s'])}")
     print(f"     (exit -> the monitor marked it, both together:           {fmt_tail(out['detect_after_exit_s'])})")
-    v1 = verdict(all_detect["max"] if all_detect and not missed else None, DETECT_TARGET_S)
+    v1 = verdict(all_detect["max"] if all_detect and not missed else None, DETECT_TARGET_S, higher_is_better=False)
     print(f"     all kills    max {all_detect['max'] if all_detect else float('nan'):.3f}s"
           f"{f', {len(missed)} not seen within 10s' if missed else ''}  {v1}")
     print(f"2. SIGKILL -> slot HEALTHY at v{fleet.weight_version if fleet else '?'}, warm spare "
@@ -556,11 +535,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"     shard actor  {fmt(out['spare_actor_healthy_s'])}")
     print(f"     EngineCore   {fmt(out['spare_engine_healthy_s'])}")
     promoted = all(k["promoted_spare"] for k in kills_b)
-    v2 = verdict(all_spare["max"] if all_spare and promoted else None, SPARE_TARGET_S)
+    v2 = verdict(all_spare["max"] if all_spare and promoted else None, SPARE_TARGET_S, higher_is_better=False)
     print(f"     all kills    max {all_spare['max']:.3f}s{'' if promoted else ' (a spare was NOT promoted)'}  {v2}")
     print(f"3. SIGKILL shard actor -> slot HEALTHY, no spare: {fmt(out['nospare_healthy_s'])}")
     print(f"     one engine's cold start (launch_shard: placement + actor + engine load): {fmt(out['cold_start_s'])}")
-    v3 = verdict(out["nospare_over_cold"]["median"], COLD_RATIO_TARGET)
+    v3 = verdict(out["nospare_over_cold"]["median"], COLD_RATIO_TARGET, higher_is_better=False)
     print(f"     ratio per round {[round(x, 3) for x in ratios]}  median {out['nospare_over_cold']['median']:.3f} "
           f"(target <= {COLD_RATIO_TARGET:g})  {v3}")
     print(f"4. killed shard's processes gone (actor + engine PIDs, polled every {POLL_S * 1e3:.0f} ms)")
@@ -569,15 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"     out of the process table (zombies reaped too): {fmt(out['reaped_s'])}")
     print(f"   left running after the run (of {len(seen_pids)} shard PIDs seen): {left or 'none'}")
     others = out["others_cpu_share"]
-    noisy = f"  NOISY: other processes used up to {others['max']:.0%} of the CPUs" if others["max"] > NOISY_SHARE else ""
+    noisy = noisy_note(others["max"])
     print(f"other processes' CPU share during measurements: mean {others['mean']:.0%}, max {others['max']:.0%}{noisy}")
     print(f"{out['load_before']}  ->  {out['load_after']};  total {out['wall_s']:.0f}s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
-    return 0  # a MISSED is a measurement, not an error: read the verdicts
-
-
-if __name__ == "__main__":  # vLLM and Ray spawn processes that re-import the main module
-    sys.exit(main())
+    write_result(args.json, "recovery", args, out, {"detect": v1, "spare_full_strength": v2, "nospare_over_cold": v3})
+    return 0  # a MISS is a measurement, not an error: read the verdicts

@@ -15,21 +15,23 @@ and the median reported):
 - the floor no transport can beat on this engine: each shard's time in vLLM's CPU weight
   repacking (oneDNN), which every weight change must redo, and the bandwidth fraction it allows.
 
-Run: ``make bench-refit`` or ``.venv/bin/python bench/refit.py [--rounds 3] [--json out.json]``.
+Run: ``make bench-refit`` or ``python -m bench refit [--rounds 3] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.setup import quiet_environment
+from bench.lib.stats import verdict
+
 
 # ~110 M parameters, ~440 MB in float32: hidden 1024, 6 layers, head_dim 64, vocab 16384.
 MODEL = dict(hidden_size=1024, num_layers=6, num_heads=16, intermediate_size=2816, vocab_size=16384,
@@ -118,7 +120,7 @@ def trainer_api_refits(fleet, model_dir: Path, rounds: int) -> list[float]:
     return times
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shards", type=int, default=2)
@@ -127,7 +129,8 @@ def main() -> None:
                    help="how the workers load a refit: the direct path (the default, chosen per model) or, "
                         "for comparison, vLLM's reload_weights for every refit")
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    quiet_environment()
 
     import ray
     from safetensors.torch import load_file
@@ -235,9 +238,8 @@ def main() -> None:
     if "ceiling_fraction_of_copy" in out:
         print(f"  ceiling (repack alone): {out['ceiling_fraction_of_copy']:.2f} of copy")
     print(f"  vs one tensor per RPC: {out['speedup_vs_per_tensor_rpc']:.1f}x")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    verdicts = {k: verdict(out[f"{k}_fraction_of_copy"], 0.5, higher_is_better=True)
+                for k in ("checkpoint", "live", "trainer_api")}
+    if "speedup_vs_restart" in out:
+        verdicts["vs_restart"] = verdict(out["speedup_vs_restart"], 20, higher_is_better=True)
+    return write_result(args.json, "refit", args, out, verdicts)

@@ -10,7 +10,7 @@ alternating round by round (this machine is shared and noisy), and for each it p
 - the time in the actor, which is the same work either way;
 - the answer back, from the actor's return to the client's.
 
-Run: ``.venv/bin/python bench/refit_call.py [--rounds 40] [--shards 1] [--json out.json]``.
+Run: ``python -m bench refit_call [--rounds 40] [--shards 1] [--json out.json]``.
 On the H200 the Ray call cost 1.53 ms to the actor and 1.20 ms back, inside an 8.0 ms refit of a
 4.46 GB model (2026-12-03); the GPU benchmark (bench/gpu_bench.py) measures the line there.
 """
@@ -18,30 +18,29 @@ On the H200 the Ray call cost 1.53 ms to the actor and 1.20 ms back, inside an 8
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.setup import LocalCpu, quiet_environment
+from bench.lib.stats import check, medians
 
 
-def main() -> None:
+
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    quiet_environment()
 
     import ray
     import torch
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from local_cpu import LocalCpu
 
     from nemo_gen import GenerationFleet
     from nemo_gen.vllm_ext.vllm_backend import SharedMemoryTrainerInitInfo
@@ -87,7 +86,7 @@ def main() -> None:
         fleet.shutdown()
         ray.shutdown()
 
-    med = {arm: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for arm, rs in runs.items()}
+    med = {arm: medians(rs) for arm, rs in runs.items()}
     print(f"{args.rounds} refits per transport, {args.shards} shard(s), tiny model (nemo_gen_shm, one call)")
     print(f"{'':14}{'wall':>10}{'to actor':>10}{'in actor':>10}{'back':>10}   (medians, ms)")
     for arm, m in med.items():
@@ -97,11 +96,7 @@ def main() -> None:
     print(f"Ray / direct line: wall {ratio['wall_s']:.2f}x, to actor {ratio['to_actor_s']:.2f}x, "
           f"back {ratio['back_s']:.2f}x; {saved:.2f} ms saved per refit")
     print(f"calls the shards served over their line: {calls} (expected: {args.rounds + 2} each: the set-up, the first refit and the direct rounds)")
-    if args.json:
-        args.json.write_text(json.dumps({"medians": med, "ray_over_direct": ratio, "saved_ms": saved,
-                                         "direct_calls": calls, "rounds": args.rounds, "shards": args.shards,
-                                         "runs": runs}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    metrics = {"medians": med, "ray_over_direct": ratio, "saved_ms": saved, "direct_calls": calls, "runs": runs}
+    return write_result(args.json, "refit_call", args, metrics, {
+        "direct_line_faster": check(ratio["wall_s"] > 1.0),
+        "calls_over_the_line": check(all(c == args.rounds + 2 for c in calls))})

@@ -13,22 +13,24 @@ weights every ``--every`` seconds (alternating two checkpoints of the same shape
   arm's is the floor: a new batch's prefill);
 - how many results spanned two weight versions, and refits done.
 
-Run: ``.venv/bin/python bench/refit_inflight.py [--window 30] [--every 10] [--device cpu|gpu] [--json out.json]``.
+Run: ``python -m bench refit_inflight [--window 30] [--every 10] [--device cpu|gpu] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.setup import quiet_environment
+from bench.lib.stats import verdict
+
 
 PROMPTS = [f"{w} the quick brown fox jumps over the lazy dog" for w in ("One", "Two", "Three", "Four")] * 2
 
@@ -102,7 +104,7 @@ def arm(fleet, mode: str | None, models: list[str], window_s: float, every_s: fl
             "max_stall_s": longest, "results": counted["results"], "spanning_two_versions": counted["two_versions"]}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--window", type=float, default=30.0, help="seconds of load per arm")
     p.add_argument("--every", type=float, default=10.0, help="seconds between refits")
@@ -112,7 +114,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--idle-refits", type=int, default=5, help="refits on the idle fleet (their median is the yardstick)")
     p.add_argument("--json", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    quiet_environment()
 
     from nemo_gen import GenerationFleet
     from nemo_gen.tiny_model import make_tiny_model
@@ -151,9 +154,6 @@ def main() -> None:
           f"{keep['refit_stall_s_median'] / idle_s:.1f}x median over {keep['refits']} refits (target <= 1.5); "
           f"load average {os.getloadavg()[0]:.1f}")
     out["arms"] = arms
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return write_result(args.json, "refit_inflight", args, out, {
+        "keep_throughput": verdict(keep["throughput_vs_no_refit"], 0.9, higher_is_better=True),
+        "keep_stall": verdict(keep["refit_stall_s_median"] / idle_s, 1.5, higher_is_better=False)})

@@ -16,7 +16,7 @@ own time; then the ratios:
 - the logprob mismatch between the engines and the trainer on the sampled tokens (sync: numerics
   only; async: plus one step of training), and the reward over the first and the last 5 steps.
 
-    .venv/bin/python bench/rl_step.py --json bench/results/DATE/rl_step-cpu.json       # CPU, tiny model
+    python -m bench rl_step --json bench/results/DATE/rl_step-cpu.json       # CPU, tiny model
     python3 bench/rl_step.py --device gpu --model-size 1b --prompts 64 --group 8 --max-new-tokens 128 \
         --steps 20 --max-seconds 150 --out $OUT/rl --json $OUT/rl_step-gpu.json      # one H200
 
@@ -27,17 +27,17 @@ Every flag of examples/grpo.py is accepted (``--mode`` is ignored: both run). Ea
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import subprocess
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-ROOT = Path(__file__).resolve().parents[1]
+from bench.lib.result import write_result
+from bench.lib.setup import REPO as ROOT, quiet_environment
+from bench.lib.stats import check, verdict
+
 
 
 def stack(device: str) -> dict:
@@ -87,9 +87,9 @@ def table(modes: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
-    sys.path.insert(0, str(ROOT / "examples"))  # the loop is the example's, as users copy it
-    import grpo
+def main(argv: Sequence[str] | None = None) -> dict:
+    quiet_environment()
+    from examples import grpo  # the loop is the example's, as users copy it
 
     p = grpo.parser()
     p.description = __doc__.splitlines()[0]
@@ -107,8 +107,7 @@ def main(argv=None) -> dict:
         args.mode, args.out = mode, str(out / (mode if r == 0 else f"{mode}-{r}"))
         return args
 
-    command = " ".join(["bench/rl_step.py", *(sys.argv[1:] if argv is None else argv)])
-    result = {"date": time.strftime("%Y-%m-%d"), "command": command, "stack": stack(base.device),
+    result = {"stack": stack(base.device),
               "size": {k: getattr(base, k) for k in ("device", "model_size", "model", "prompts", "group",
                                                      "max_new_tokens", "steps", "rounds", "lr", "shards", "max_lag",
                                                      "max_staleness_tokens", "refit", "engine", "recompute_kv")},
@@ -132,7 +131,7 @@ def main(argv=None) -> dict:
                                              "trace": traceback.format_exc()[-3000:]})
                 release_trainer()
                 summarize(grpo, runs, result)
-                save(result, base.json)
+                save(result, base)
     print(table(result["modes"]))
     if "ratios" in result:
         print(f"async / sync steps per second: {result['ratios']['async_over_sync_steps_per_s']:.2f}")
@@ -152,11 +151,9 @@ def summarize(grpo, runs: dict[str, list[list[dict]]], result: dict) -> None:
                             "idle_share": {m: s["idle_share"] for m, s in modes.items()}}
 
 
-def save(result: dict, path: Path | None) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+def save(result: dict, args) -> None:
+    """The result so far (a GPU sitting may be cut off: every mode's run is kept as it lands)."""
+    verdicts = {"no_errors": check(not result["errors"])}
+    if "ratios" in result:
+        verdicts["async_faster"] = verdict(result["ratios"]["async_over_sync_steps_per_s"], 1.0, higher_is_better=True)
+    write_result(args.json, "rl_step", args, result, verdicts)

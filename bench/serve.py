@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,13 +37,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.noise import NOISY_SHARE, ForeignCpu
+from bench.lib.setup import HOME, at_least_one, load, make_prompts, quiet_environment
+from bench.lib.stats import spread, verdict
 
-from fleet_overhead import NOISY_SHARE, ForeignCpu, at_least_one, load, make_prompts, spread, verdict  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.9  # http / library tokens per second: at least
 NAMESPACE = "nemo_gen_bench"
 
@@ -106,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--rounds", type=int, default=3, help="alternating library/http rounds (default 3)")
-    p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
+    p.add_argument("--home", type=Path, default=HOME, help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     args = p.parse_args(argv)
     return at_least_one(p, args, ("shards", "requests", "concurrency", "max_new_tokens", "rounds"))
@@ -158,6 +155,7 @@ def _children_cpu_s() -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_environment()
     from nemo_gen.fleet.fleet import GenerationFleet
     from nemo_gen.server import start_server
     from nemo_gen.settings import NemoGenSettings
@@ -167,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generation.vllm_cfg.max_model_len": 512, "generation.vllm_cfg.async_engine": True,
         "ray.namespace": NAMESPACE, "ray.log_to_driver": False, "server.port": 0,
     })
-    print(f"bench/serve.py: {args.shards} shards, {args.requests} requests x {args.max_new_tokens} tokens, "
+    print(f"bench serve: {args.shards} shards, {args.requests} requests x {args.max_new_tokens} tokens, "
           f"concurrency {args.concurrency}, {args.rounds} rounds; {load()}", flush=True)
     rounds: list[dict[str, Any]] = []
     with GenerationFleet.launch(settings) as fleet, start_server(fleet) as server, ForeignCpu() as foreign:
@@ -214,11 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = summary["ratio"]
     print(f"http / library throughput at concurrency {args.concurrency}: {s['median']:.3f} "
           f"(min {s['min']:.3f}, max {s['max']:.3f}; target >= {TARGET}) {summary['verdict']}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2))
+    write_result(args.json, "serve", args, summary, {"http_over_library": summary["verdict"],
+                                                     "no_failed_requests": summary["failed"] == 0})
     return 0 if summary["failed"] == 0 else 3
 
-
-if __name__ == "__main__":
-    sys.exit(main())

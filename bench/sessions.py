@@ -36,29 +36,24 @@ ran on the shard of the session's previous turn. Ratios: hit rate affinity / non
 affinity. The "others" column is the CPU share of processes outside this benchmark (someone's
 tests on the shared machine); above 10% the round is NOISY.
 
-    .venv/bin/python bench/sessions.py [--shards 2] [--sessions 32] [--turns 4] [--rounds 2] [--json out.json]
+    python -m bench sessions [--shards 2] [--sessions 32] [--turns 4] [--rounds 2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from fleet_overhead import NOISY_SHARE, ForeignCpu, at_least_one, load  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.lib.noise import NOISY_SHARE, ForeignCpu
+from bench.lib.result import write_result
+from bench.lib.setup import HOME, at_least_one, load, quiet_environment
+from bench.lib.stats import percentile, verdict
 NAMESPACE = "nemo_gen_bench"
 ARMS = ("affinity", "none")
 WORDS = ("plan tool call search file read write test build deploy check agent step result error retry "
@@ -77,7 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=32, help="the engines' KV block size (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default 24)")
     p.add_argument("--rounds", type=int, default=2, help="alternating affinity/none rounds (default 2)")
-    p.add_argument("--home", type=Path, default=REPO / ".nemo-gen" / "bench", help="working directory")
+    p.add_argument("--home", type=Path, default=HOME, help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     args = p.parse_args(argv)
     return at_least_one(p, args, ("shards", "sessions", "turns", "words", "max_new_tokens", "rounds", "block_size"))
@@ -145,25 +140,17 @@ def run_arm(fleet, arm: str, round_: int, args: argparse.Namespace) -> dict[str,
     return {
         "wall_s": wall, "turns": len(every), "hit_rate": d["hits"] / d["queries"] if d["queries"] else 0.0,
         "cache_queries": d["queries"], "cache_hits": d["hits"],
-        "ttft_p50_ms": _pct(later, 50) * 1e3, "ttft_p90_ms": _pct(later, 90) * 1e3,
-        "ttft_all_p50_ms": _pct(every, 50) * 1e3, "ttft_all_p90_ms": _pct(every, 90) * 1e3,
+        "ttft_p50_ms": percentile(later, 50) * 1e3, "ttft_p90_ms": percentile(later, 90) * 1e3,
+        "ttft_all_p50_ms": percentile(every, 50) * 1e3, "ttft_all_p90_ms": percentile(every, 90) * 1e3,
         "vllm_ttft_mean_ms": d["ttft_sum"] / d["ttft_count"] * 1e3 if d["ttft_count"] else None,
         "stayed": sum(stayed) / len(stayed) if stayed else None,
         "last_prompt_tokens": statistics.mean(s[-1]["prompt_tokens"] for s in sessions),
     }
 
 
-def _pct(values: Sequence[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * p / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_environment()
     from nemo_gen.fleet.fleet import GenerationFleet
     from nemo_gen.settings import NemoGenSettings
 
@@ -173,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generation.vllm_cfg.enable_vllm_metrics_logger": True, "generation.vllm_kwargs": {"block_size": args.block_size},
         "ray.namespace": NAMESPACE, "ray.log_to_driver": False,
     })
-    print(f"bench/sessions.py: {args.shards} shards, {args.sessions} sessions x {args.turns} turns "
+    print(f"bench sessions: {args.shards} shards, {args.sessions} sessions x {args.turns} turns "
           f"({args.words}-word user messages, {args.max_new_tokens}-token answers, {args.think_ms:g} ms between "
           f"turns), {args.rounds} rounds, KV block size {args.block_size}, session_affinity_slack "
           f"{settings.fleet.session_affinity_slack}; {load()}", flush=True)
@@ -218,11 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{summary['affinity']['ttft_p50_ms']:.0f} vs {summary['none']['ttft_p50_ms']:.0f} ms "
           f"({summary['ttft_p50_ratio']:.2f}x), p90 {summary['affinity']['ttft_p90_ms']:.0f} vs "
           f"{summary['none']['ttft_p90_ms']:.0f} ms ({summary['ttft_p90_ratio']:.2f}x); {load()}", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2))
+    write_result(args.json, "sessions", args, summary, {
+        "affinity_raises_hit_rate": verdict(summary["hit_rate_ratio"], 1.0, higher_is_better=True),
+        "affinity_lowers_ttft_p50": verdict(summary["ttft_p50_ratio"], 1.0, higher_is_better=True)})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,44 +11,39 @@ started with the fleet's own engine arguments and environment, its runs interlea
 others: whether the same engine is slower inside a shard actor than outside it (on the H200 the
 fleet's batch took 5.3 s where a bare process took 4.1-4.7, 2026-12-02).
 
-Run: ``.venv/bin/python bench/step_loop.py [--prompts 256] [--tokens 64] [--rounds 3] [--bare] [--json out.json]``.
+Run: ``python -m bench step_loop [--prompts 256] [--tokens 64] [--rounds 3] [--bare] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.result import write_result
+from bench.lib.setup import one_shard_tiny, quiet_environment, token_prompts
+from bench.lib.stats import verdict
 
 
-def main() -> None:
+
+def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
     p.add_argument("--bare", action="store_true", help="also LLM.generate in a plain process on the fleet's engine config")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    quiet_environment()
 
-    from front_end import PlainEngine
-    from gpu_bench import in_actor_throughput
+    from bench.front_end import PlainEngine
+    from bench.gpu_bench import in_actor_throughput
     from nemo_gen import GenerationFleet
-    from nemo_gen.settings import NemoGenSettings
-    from nemo_gen.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-steploop-"))
-    settings = NemoGenSettings.load(overrides={
-        "home": str(work / "home"), "model.path": str(make_tiny_model(work / "tiny")), "fleet.name": "bench-steploop",
-        "fleet.num_shards": 1, "generation.vllm_cfg.max_model_len": 512, "health.probe_interval_s": 60})
-    prompts = [[1] + [(7 * i + j) % 250 + 4 for j in range(31)] for i in range(args.prompts)]
+    settings, work = one_shard_tiny("steploop")
+    prompts = token_prompts(args.prompts)
     fleet = GenerationFleet.launch(settings)
     best: dict[str, float] = {}
     bare = None
@@ -79,11 +74,6 @@ def main() -> None:
               f"fleet.generate / bare: {best['fleet_generate'] / best['bare_llm_generate']:.2f}")
     print(f"\nbatch step loop / LLM.generate: {ratios['step_loop']:.2f} (target <= 1.05); "
           f"per-step loop {ratios['step_loop_per_step']:.2f}; load average {os.getloadavg()[0]:.1f}")
-    if args.json:
-        args.json.write_text(json.dumps({"prompts": args.prompts, "tokens": args.tokens, "rounds": args.rounds,
-                                         "best_s": best, "over_llm_generate": ratios,
-                                         "load_average": os.getloadavg()[0]}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return write_result(args.json, "step_loop", args, {"best_s": best, "over_llm_generate": ratios,
+                                                       "load_average": os.getloadavg()[0]},
+                        {"step_loop_over_llm_generate": verdict(ratios["step_loop"], 1.05, higher_is_better=False)})

@@ -9,7 +9,7 @@ driver.
 The controllers run on Prefect's default thread pool, not on prefect-ray's ``RayTaskRunner``:
 they only talk to actors, and as Ray tasks each paid for a Ray worker that imports Prefect and
 nemo_gen and opens its own Prefect client — 2-3 s per run with the workers warm, about 10 s
-with them cold (measured on the 2-core CPU machine; bench/results/2026-12-01-cpu-fleet-overhead.md),
+with them cold (measured on the 2-core CPU machine; bench/results/2026-12-01/cpu-fleet-overhead.md),
 the largest part of the Prefect pipeline's overhead over the plain one. In this process they
 cost milliseconds.
 

@@ -366,7 +366,7 @@ class FleetSettings(_Section):
         "server the shard actor starts first thing, which imports vLLM while the actor does, so the "
         "EngineCore starts with vLLM imported, as a bare vllm.LLM's does. spawn: vLLM's own start inside a "
         "Ray actor, a fresh interpreter that imports vLLM and torch again before it can load "
-        "(bench/results/2026-12-03-h200-b.md). An engine with numa_bind is always spawned.",
+        "(bench/results/2026-12-03/h200-b.md). An engine with numa_bind is always spawned.",
     )
     engine_start_timeout_s: float = Field(600.0, gt=0, description="Deadline for one engine to load.")
     placement_timeout_s: float = Field(

@@ -1,0 +1,48 @@
+"""Every benchmark, its target and where it runs: the one list ``python -m bench`` dispatches
+over and bench/README.md mirrors (a unit test keeps the three in step). Helpers are programs the
+benchmarks start in processes of their own; they are not benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # the module bench/<name>.py and the command ``python -m bench <name>``
+    device: str  # "cpu": the 2-core machine, under the engine lock; "gpu": the lent GPU host; "none": pure logic
+    target: str  # what it checks, as the docstring states it
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark("control_plane", "none", "control-loop tick < 10 ms and routing < 20 us per request at 10,000 shards"),
+    Benchmark("fleet_overhead", "cpu", "fleet / direct tokens/s >= 0.95; Prefect / plain pipeline wall <= 1.10"),
+    Benchmark("serve", "cpu", "HTTP / library tokens/s >= 0.9 at the same concurrency"),
+    Benchmark("sessions", "cpu", "session affinity raises the prefix-cache hit rate and lowers time to first token"),
+    Benchmark("overload", "cpu", "at 4x capacity: load shed with 503s, nothing lost or hung, goodput held, /health fast"),
+    Benchmark("recovery", "cpu", "SIGKILL detected <= 1 s; full strength with a spare <= 2 s; no spare <= 1.2x a cold start"),
+    Benchmark("crash_resume", "cpu", "SIGKILLed and resumed `nemo-gen generate` output equals an uninterrupted run's"),
+    Benchmark("refit", "cpu", "refit bandwidth >= 0.5 of memory copy; faster than an engine restart"),
+    Benchmark("refit_call", "cpu", "a refit's fixed cost: direct control channel well under a Ray actor call"),
+    Benchmark("refit_inflight", "cpu", "tokens/s kept under refits every few seconds, per in-flight mode (drain, keep, abort)"),
+    Benchmark("rl_step", "cpu", "an async GRPO step takes less wall time than a sync one (examples/grpo.py's loop)"),
+    Benchmark("step_loop", "cpu", "the shard's batch step loop / vLLM's LLM.generate <= 1.05"),
+    Benchmark("front_end", "cpu", "the shard actor's front-end work per batch close to a plain process's"),
+    Benchmark("engine_start", "cpu", "engine launch: forkserver against spawn, same tokens, time per launch"),
+    Benchmark("gpu_bench", "gpu", "refit >= 0.5 of copy bandwidth, launch and throughput near a bare vLLM, restart after SIGKILL"),
+    Benchmark("gpu_recovery", "gpu", "SIGKILL -> full strength with a warm spare; no orphaned GPU memory"),
+    Benchmark("cuda_ipc_refit", "gpu", "CUDA-IPC bucketed refit bandwidth as a fraction of device copy"),
+)
+
+# Programs the benchmarks run in their own processes (by path, with arguments of their own).
+HELPERS: dict[str, str] = {
+    "http_load": "closed-loop HTTP load and /health prober (overload)",
+    "gpu_bare_vllm": "a bare vllm.LLM in a plain process (gpu_bench, front_end, step_loop)",
+}
+
+
+def find(name: str) -> Benchmark:
+    for b in BENCHMARKS:
+        if b.name == name:
+            return b
+    raise KeyError(name)
