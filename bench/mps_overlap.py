@@ -8,7 +8,7 @@ the slowdown that overlap costs. Run it once plain and once with the MPS control
 (``nvidia-cuda-mps-control -d``; bench/gpu_sitting.sh's ``mps`` helpers): without MPS the two
 contexts time-slice, with MPS their kernels may share the SMs.
 
-    python3 bench/mps_overlap.py --seconds 10 --json OUT.json
+    python3 -m bench mps_overlap --seconds 10 --json OUT.json
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+from typing import Sequence
 
 HIDDEN, FFN, LAYERS = 2048, 5632, 8
 
@@ -71,11 +72,11 @@ def run(roles: list[str], seconds: float) -> dict[str, float]:
     return res
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     alone = {**run(["trainer"], args.seconds), **run(["generator"], args.seconds)}
     both = run(["trainer", "generator"], args.seconds)
     result = {"mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "alone_per_s": alone, "both_per_s": both,
@@ -85,6 +86,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

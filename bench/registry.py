@@ -32,6 +32,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gpu_bench", "gpu", "refit >= 0.5 of copy bandwidth, launch and throughput near a bare vLLM, restart after SIGKILL"),
     Benchmark("gpu_recovery", "gpu", "SIGKILL -> full strength with a warm spare; no orphaned GPU memory"),
     Benchmark("cuda_ipc_refit", "gpu", "CUDA-IPC bucketed refit bandwidth as a fraction of device copy"),
+    Benchmark("mps_overlap", "gpu", "a trainer and a generator process on one GPU: the slowdown each costs the other, with and without CUDA MPS"),
 )
 
 # Programs the benchmarks run in their own processes (by path, with arguments of their own).

@@ -1,7 +1,7 @@
 """A direct line from the driver to a shard actor on its own host, for the calls of a refit.
 
 A Ray actor call costs a task submission and a reply each way, which at refit sizes where the
-copy itself takes a few milliseconds is most of the refit (bench/results/2026-12-03-h200.md).
+copy itself takes a few milliseconds is most of the refit (bench/results/2026-12-03/h200.md).
 Here the shard actor serves its ``weight_sync`` on a Unix socket (``ChannelServer``), and the
 driver connects to it once (``Channel``). A call then costs a socket round trip.
 

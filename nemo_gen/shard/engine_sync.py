@@ -138,7 +138,7 @@ class SyncEngine(BaseEngine):
                        on_step: Callable[[list[Track]], None] | None = None) -> list[dict]:
         # A stream needs every step's new tokens; a batch only each request's final output, with
         # its tokens' versions from the engine core's labels: per-step outputs for a whole batch
-        # cost the step loop a large share of a batch (bench/results/2026-12-01-h200-pipelined.md).
+        # cost the step loop a large share of a batch (bench/results/2026-12-01/h200-pipelined.md).
         final_only = on_step is None
         vllm_compat.output_kind(params, final_only)
         self.weights.check()

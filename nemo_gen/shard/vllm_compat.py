@@ -76,7 +76,7 @@ def freeze_heap() -> None:
     collector's scans, as vLLM's own API server does once it is up (``freeze_gc_heap``). The
     engine's output processing in this process allocates per request per step, so full
     collections come every batch, and each one would walk that whole heap (bench/front_end.py
-    measures it; bench/results/2026-12-02-h200-b.md). Objects made later are collected as usual."""
+    measures it; bench/results/2026-12-02/h200-b.md). Objects made later are collected as usual."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()

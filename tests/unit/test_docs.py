@@ -21,22 +21,6 @@ PATH = re.compile(rf"(?<![\w/.-])((?:{'|'.join(TOP)})/(?:[\w.-]+/)*[\w.-]*)")
 # [text](target) and ![alt](target); the target ends at a space or the closing parenthesis.
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
-# Link targets another branch brings: results in bench/results/<date>/, docs/performance.md and
-# bench/README.md. Tolerated while missing, and only these; test_the_awaited_files_exist says
-# when they have arrived (then delete this set and that test).
-AWAITED = frozenset({
-    "docs/performance.md",
-    "bench/README.md",
-    "bench/results/2026-11-30/cuda_ipc_refit_h200_8gb.txt",
-    "bench/results/2026-11-30/cuda_ipc_refit_h200_32gb.txt",
-    "bench/results/2026-12-01/h200-tests.md",
-    "bench/results/2026-12-01/h200-recovery.md",
-    "bench/results/2026-12-02/h200.md",
-    "bench/results/2026-12-02/h200-b-tests.txt",
-    "bench/results/2026-12-02/h200-c-tests.txt",
-    "bench/results/2026-12-03/h200-b-tests.txt",
-    "bench/results/2026-12-03/h200-c-tests.txt",
-})
 
 
 def repo_paths(text: str) -> set[str]:
@@ -92,7 +76,7 @@ def test_every_path_architecture_md_names_exists():
 def test_every_path_the_readme_layout_map_names_exists():
     named = layout_paths(layout_map())
     assert {"nemo_gen/core/", "nemo_gen/fleet/driver.py", "nemo_gen/shard/actor.py"} <= named
-    missing = sorted(p for p in named - AWAITED if not (ROOT / p).exists())
+    missing = sorted(p for p in named if not (ROOT / p).exists())
     assert missing == [], f"README.md's layout map names paths that do not exist: {missing}"
 
 
@@ -133,17 +117,5 @@ def test_the_readme_is_a_front_page():
 def test_every_relative_link_resolves():
     missing = {f"{doc.relative_to(ROOT)}: {target}"
                for doc in doc_files() for path, target in links(doc).items()
-               if path not in AWAITED and not (ROOT / path).exists()}
+               if not (ROOT / path).exists()}
     assert sorted(missing) == [], f"links to files that do not exist: {sorted(missing)}"
-
-
-def test_the_awaited_links_are_still_made():
-    linked = {path for doc in doc_files() for path in links(doc)}
-    assert sorted(AWAITED - linked) == [], "AWAITED lists files no doc links any more"
-
-
-@pytest.mark.xfail(strict=True, reason="docs/performance.md, bench/README.md and bench/results/<date>/ come "
-                   "with the bench branch; once merged this passes: delete AWAITED and this test")
-def test_the_awaited_files_exist():
-    missing = sorted(p for p in AWAITED if not (ROOT / p).exists())
-    assert missing == []
