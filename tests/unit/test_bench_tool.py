@@ -80,7 +80,7 @@ def test_each_benchmark_has_main_argv_and_its_help_works(name, capsys, same_envi
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m bench {name} "), out[:300]
     # a folder, or a file (the two single-measurement GPU scripts write one JSON file)
-        writes = "--out" if find(name).device == "gpu" and name not in ("cuda_ipc_refit", "mps_overlap") else "--json"
+    writes = "--out" if find(name).device == "gpu" and name not in ("cuda_ipc_refit", "mps_overlap") else "--json"
     assert writes in out, out
 
 
