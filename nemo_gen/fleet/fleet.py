@@ -1,10 +1,10 @@
 """``GenerationFleet``: N vLLM shards on Ray behind one generate call — the facade.
 
-It owns no logic of its own: it builds the parts from the settings and hands each the others it needs.
-Each piece of state has one owner: ``health`` (core ledger: which slot may serve), ``members``
-(``Membership``: which actor serves each slot, which spares wait), ``weights`` (``FleetWeights``: the
-version, its source, the staged refit, the refit lock), ``adapters`` (``FleetAdapters``: the LoRA
-adapters) and ``background`` (``Background``: whether the fleet is open, and its recovery threads).
+It owns no logic of its own: it builds the parts from the settings and hands each the others
+it needs, by keyword. Each piece of state has one owner: ``members`` (``Membership`` over the
+core ``SlotTable``: each slot's actor, ``health`` state and version, the spares, the losses
+``recovery`` drains), ``weights`` (``FleetWeights``: version, source, staged refit, refit lock),
+``adapters`` (``FleetAdapters``) and ``background`` (``Background``: open or not, its threads).
 
 The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
 ``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back (what to do is
@@ -60,7 +60,7 @@ class GenerationFleet(AdapterVerbs):
         self._ray = ray_connection
         self._tokenizer = tokenizer or load_tokenizer(resolved.tokenizer_dir)
         self.health = GenerationFleetHealth(shard_count=s.fleet.num_shards, policy=policies.health_policy(s))
-        self.members = Membership(shards, spares, first_spare_seq=len(resolved.spares))
+        self.members = Membership(health=self.health, slots=shards, spares=spares, first_spare_seq=len(resolved.spares))
         # eval: engines loaded the checkpoint (version 0). train: dummy weights, STALE until the
         # first refit — nothing re-admits a shard but a refit.
         version, source = (0 if s.is_eval() else None), None
@@ -75,24 +75,22 @@ class GenerationFleet(AdapterVerbs):
         self.background = Background(s.fleet.name)
         self.monitor: FleetMonitor | None = None
         gen_cfg = resolved.generation_config
-        self.refitter = Refitter(self.health, self.members, self.weights, self.driver, gen_cfg,
-                                 s.refit.bucket_bytes, on_spare_failed=lambda name, why: self.spares.drop(name, why))
-        template = (resolved.spares or resolved.shards)[0]
-        self.spares = SparePool(self.members, self.driver, self.refitter, self.background, template, s.fleet.name,
-                                s.fleet.num_shards, lambda: self.settings.fleet.spares, self._watch,
-                                self._stop_and_reap)
-        self.recovery = Recovery(self.health, self.members, self.weights, self.refitter, self.spares, self.driver,
-                                 self.background, resolved.shards, s.fleet.name, s.health.reap_timeout_s,
-                                 policies.backoff_policy(s), lambda: self.settings.health.auto_recover, self._watch)
-        self.router = Router(health=self.health, members=self.members, driver=self.driver, tokenizer=self._tokenizer,
-                             max_model_len=int(resolved.max_model_len or 0), limits=policies.request_limits(s),
-                             decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
-                             serving_version=lambda: self.weights.version, on_lost=self.recovery.shard_lost,
-                             fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack)
+        parts = dict(health=self.health, members=self.members, driver=self.driver)
+        self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes)
+        self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,
+                                template=(resolved.spares or resolved.shards)[0], fleet_name=s.fleet.name,
+                                num_slots=s.fleet.num_shards, wanted=lambda: self.settings.fleet.spares,
+                                watch=self._watch, stop_and_reap=self._stop_and_reap)
+        self.recovery = Recovery(**parts, weights=self.weights, refitter=self.refitter, spares=self.spares,
+                                 background=self.background, specs=resolved.shards, fleet_name=s.fleet.name,
+                                 reap_timeout_s=s.health.reap_timeout_s, backoff=policies.backoff_policy(s),
+                                 auto_recover=lambda: self.settings.health.auto_recover, watch=self._watch)
+        self.router = Router(**parts, tokenizer=self._tokenizer, max_model_len=int(resolved.max_model_len or 0),
+                             limits=policies.request_limits(s), decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
+                             serving_version=lambda: self.weights.version, fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
-        probe_sampling = resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0})
-        self.prober = Prober(self.driver, self.health, self.members, probe_sampling, tokens,
-                             s.health.probe_timeout_s, s.health.warmup_grace_s, self.recovery.shard_lost)
+        self.prober = Prober(**parts, sampling=resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0}),
+                             tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)
         if watch and s.health.enabled:
             self._start_monitor()
         self.http = expose_http(self, self._tokenizer, on_failure=self.detach if attached else self.shutdown)
@@ -198,7 +196,9 @@ class GenerationFleet(AdapterVerbs):
         ``RefitError``, nothing changed; a shard failing while loading is quarantined."""
         self.background.check_open()
         with self.adapters.full_refit(mode := policies.in_flight(self.settings, in_flight)):
-            return self.refitter.refit(source, version, mode)
+            report = self.refitter.refit(source, version, mode)
+        self.recovery.drain()  # (a spare that failed it is replaced now, monitor or not)
+        return report
 
     def weight_sync_client(self, version: int | None = None, draft: bool = False,
                            in_flight: str | None = None) -> FleetWeightSyncClient:
@@ -241,7 +241,7 @@ class GenerationFleet(AdapterVerbs):
     def _start_monitor(self) -> None:
         h, stats = self.settings.health, not self.resolved.shards[0].engine_kwargs.get("disable_log_stats", True)
         self.monitor = FleetMonitor(self.prober, h.watch_interval_s, h.probe_interval_s, self.settings.fleet.name, stats)
-        self.recovery.watching = True
+        self.recovery.start_watching()
         for member, handle in self.members.members().items():
             self.monitor.watch(member, handle)
         self.monitor.start()
@@ -254,6 +254,7 @@ class GenerationFleet(AdapterVerbs):
         if getattr(self, "http", None):  # (a fleet whose server could not start has none)
             self.http.stop()
         self.background.close(detached)
+        self.members.table.close()
         if self.monitor is not None:
             self.monitor.stop()
         self.background.join()
@@ -262,8 +263,7 @@ class GenerationFleet(AdapterVerbs):
 
     def status(self) -> list[ShardStatus]:
         """Per shard: index, ledger state, weight version, actor and engine PIDs; then the spares."""
-        return fleet_status(self.health, self.members, self.driver, self.recovery.orphans,
-                            live=not self.closed, on_lost=self.recovery.shard_lost)
+        return fleet_status(self.health, self.members, self.driver, self.recovery.orphans, live=not self.closed)
 
     def metrics(self) -> dict[str, float]:
         """The fleet's own series (NeMo-RL's ledger names, plus version, re-routing and refits)."""

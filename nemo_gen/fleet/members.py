@@ -1,7 +1,8 @@
 """The fleet's membership: which actor serves each slot, which warm spares wait, and the
 bookkeeping around changing them (slot locks, recoveries and spare starts in progress).
 
-``Membership`` is the one owner of that state; everything else asks it. A ``Member``
+Who holds each slot, with its ledger state and version, is the pure ``SlotTable``'s
+(``nemo_gen.core.slots``); ``Membership`` wraps it for Ray handles and keeps the locks. A ``Member``
 (``nemo_gen.core.members``) names an actor in its role, and ``is_current`` is how news about
 an actor that has since been replaced is recognised as old.
 """
@@ -12,7 +13,9 @@ import logging
 import threading
 from typing import Iterable
 
+from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.members import Member
+from nemo_gen.core.slots import SlotTable
 from nemo_gen.shard.actor import ShardHandle
 
 log = logging.getLogger(__name__)
@@ -31,53 +34,71 @@ def claimed_slots(actors: Iterable[ShardHandle], num_slots: int) -> dict[int, Sh
 
 
 class Membership:
-    def __init__(self, slots: Iterable[ShardHandle], spares: Iterable[ShardHandle], first_spare_seq: int):
+    """The Ray side of the fleet's ``SlotTable``: it keeps each handle's ``index`` and last
+    ``ShardInfo`` in step with the table, and the bookkeeping around changing members."""
+
+    def __init__(self, *, health: GenerationFleetHealth, slots: Iterable[ShardHandle],
+                 spares: Iterable[ShardHandle], first_spare_seq: int):
         self._lock = threading.RLock()
-        self._slots: dict[int, ShardHandle] = {h.index: h for h in slots}
-        self._spares: dict[str, ShardHandle] = {h.name: h for h in spares}
+        spares = list(spares)
+        self.table: SlotTable[ShardHandle] = SlotTable(
+            health=health, slots=[(h.index, h.name, h, h.info.weight_version) for h in slots],
+            spares=[(h.name, h, h.info.weight_version) for h in spares])
         self._slot_locks: dict[int, threading.Lock] = {}
         self._recovering: set[int] = set()
         self._spares_starting = 0
-        seqs = [int(n.rsplit("-", 1)[1]) for n in self._spares if n.rsplit("-", 1)[1].isdigit()]
+        seqs = [int(h.name.rsplit("-", 1)[1]) for h in spares if h.name.rsplit("-", 1)[1].isdigit()]
         self._spare_seq = max([first_spare_seq, *[s + 1 for s in seqs]])
 
     # -- slots ---------------------------------------------------------------------------------
 
     def handle(self, slot: int) -> ShardHandle | None:
         """The actor serving ``slot`` now (it changes when the shard is replaced)."""
-        with self._lock:
-            return self._slots.get(slot)
+        return self.table.handle(slot)
 
     def slots(self) -> list[ShardHandle]:
-        with self._lock:
-            return [self._slots[i] for i in sorted(self._slots)]
+        return [h for _, h in self.table.slots().values()]
 
     def has_slot(self, slot: int) -> bool:
-        with self._lock:
-            return slot in self._slots
+        return self.table.handle(slot) is not None
 
-    def install(self, slot: int, handle: ShardHandle) -> Member:
-        """Make ``handle`` the actor serving ``slot``."""
+    def promote(self, slot: int, spare: ShardHandle, version: int | None) -> Member:
+        """Spare ``spare`` serves ``slot`` (``SlotTable.promote``: all or nothing)."""
+        member = self.table.promote(slot, spare.name, version)
+        spare.index = slot
+        return member
+
+    def install_replacement(self, slot: int, handle: ShardHandle) -> Member:
+        """A new actor serves ``slot`` (``SlotTable.install_replacement``: all or nothing)."""
+        member = self.table.install_replacement(slot, handle.name, handle)
         handle.index = slot
-        with self._lock:
-            self._slots[slot] = handle
-        return Member(handle.name, slot)
+        return member
 
     def is_current(self, member: Member) -> bool:
         """Is ``member`` still in its place? (A replaced slot actor or a taken spare is not.)"""
-        with self._lock:
-            if member.slot is None:
-                return member.name in self._spares
-            handle = self._slots.get(member.slot)
-            return handle is not None and handle.name == member.name
+        return self.table.is_current(member)
 
     def note_version(self, member: Member, version: int) -> None:
         """``member`` loaded ``version`` (its handle's last ``ShardInfo`` is replaced by one at
-        that version, so a spare's readiness is known without asking it)."""
+        that version too, so a spare's readiness is known without asking it)."""
         with self._lock:
-            handle = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
-            if handle is not None and handle.name == member.name:
-                handle.info = handle.info.with_version(version)
+            if self.table.note_version(member, version):
+                handle = self.table.spares().get(member.name) if member.slot is None else self.table.handle(member.slot)
+                if handle is not None:
+                    handle.info = handle.info.with_version(version)
+
+    def ready_spares(self, version: int | None) -> list[str]:
+        return self.table.ready_spares(version)
+
+    # -- losses (events: recovery drains them) --------------------------------------------------
+
+    def condemn(self, member: Member, reason: str) -> bool:
+        """``member`` is gone: out of service at once, and a ``ShardLost`` for recovery."""
+        return self.table.condemn(member, reason)
+
+    def report_loss(self, member: Member, reason: str) -> None:
+        """A reader noticed a loss: queued for recovery, nothing else written."""
+        self.table.report_loss(member, reason)
 
     def slot_lock(self, slot: int) -> threading.Lock:
         """Serializes recovery of one slot (the monitor and a flow may both try)."""
@@ -104,23 +125,19 @@ class Membership:
     # -- spares --------------------------------------------------------------------------------
 
     def spares(self) -> list[ShardHandle]:
-        with self._lock:
-            return list(self._spares.values())
+        return list(self.table.spares().values())
 
     def add_spare(self, handle: ShardHandle) -> Member:
-        with self._lock:
-            self._spares[handle.name] = handle
-        return Member(handle.name, None)
+        return self.table.add_spare(handle.name, handle, handle.info.weight_version)
 
     def pop_spare(self, name: str) -> ShardHandle | None:
         """Remove spare ``name`` from the pool (None if another caller took it first)."""
-        with self._lock:
-            return self._spares.pop(name, None)
+        return self.table.pop_spare(name)
 
     def reserve_spare_starts(self, wanted: int) -> list[int]:
         """Sequence numbers for the spares to start so ``wanted`` are up or coming up."""
         with self._lock:
-            missing = max(0, wanted - len(self._spares) - self._spares_starting)
+            missing = max(0, wanted - len(self.table.spares()) - self._spares_starting)
             self._spares_starting += missing
             seqs = list(range(self._spare_seq, self._spare_seq + missing))
             self._spare_seq += missing
@@ -134,8 +151,8 @@ class Membership:
 
     def members(self, slots: Iterable[int] | None = None) -> dict[Member, ShardHandle]:
         """Member -> handle for ``slots`` (default: every slot) and every warm spare."""
-        with self._lock:
-            chosen = sorted(self._slots) if slots is None else [s for s in slots if s in self._slots]
-            out = {Member(self._slots[s].name, s): self._slots[s] for s in chosen}
-            out.update({Member(name, None): h for name, h in self._spares.items()})
-            return out
+        table = self.table.slots()
+        chosen = sorted(table) if slots is None else [s for s in slots if s in table]
+        out = {Member(table[s][0], s): table[s][1] for s in chosen}
+        out.update({Member(name, None): h for name, h in self.table.spares().items()})
+        return out

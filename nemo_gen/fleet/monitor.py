@@ -10,7 +10,8 @@ condemn the shard (NeMo-RL's streak rules, in the ledger). A SIGSTOPped engine a
 nothing and is condemned this way.
 
 ``Prober`` owns what a probe answer means (shared by the monitor's thread and the heal flow's
-blocking ``probe_round``); what happens to a lost shard is the ``on_lost`` callback's business.
+blocking ``probe_round``); a lost shard is condemned in the slot table, whose ``ShardLost``
+recovery drains.
 
 Stats: when the engines keep vLLM's stats, each probe round also fetches every serving shard's
 (``VllmStats``, off the monitor's thread); ``/metrics`` reads that snapshot and its age, so a scrape
@@ -23,7 +24,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
@@ -36,14 +37,12 @@ from nemo_gen.shard.actor import ShardHandle
 
 log = logging.getLogger(__name__)
 
-LostFn = Callable[[Member, str], None]
-
 
 class Prober:
     """Sends probes and records their answers in the ledger."""
 
-    def __init__(self, driver: ShardDriver, health: GenerationFleetHealth, members: Membership,
-                 sampling: dict[str, Any], tokens: list[int], timeout_s: float, warmup_s: float, on_lost: LostFn):
+    def __init__(self, *, driver: ShardDriver, health: GenerationFleetHealth, members: Membership,
+                 sampling: dict[str, Any], tokens: list[int], timeout_s: float, warmup_s: float):
         self.driver = driver
         self.health = health
         self.members = members
@@ -51,7 +50,6 @@ class Prober:
         self.tokens = tokens
         self.timeout_s = timeout_s
         self.warmup_s = warmup_s
-        self.on_lost = on_lost
         self.detections: list[dict[str, Any]] = []  # (for benchmarks and status) what was seen when
 
     def send(self, handle: ShardHandle) -> Call:
@@ -89,7 +87,7 @@ class Prober:
     def detected(self, member: Member, by: str, reason: str) -> None:
         key = member.name if member.is_spare else member.slot
         self.detections.append({"key": key, "name": member.name, "at": time.monotonic(), "by": by, "reason": reason})
-        self.on_lost(member, reason)
+        self.members.condemn(member, reason)
 
     def probe_round(self, unhealthy_threshold: int) -> list[dict[str, Any]]:
         """One blocking round over the serving shards (the heal flow's, where no monitor runs):

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -30,8 +31,9 @@ from ray.util import get_node_ip_address
 from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
-from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Restart, Retire, plan, plan_slot
+from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Retire, plan, plan_slot
 from nemo_gen.core.retry import describe, is_retriable
+from nemo_gen.core.slots import SlotConflict
 from nemo_gen.environment import REAPING_FLAG
 from nemo_gen.errors import ShardRetired, StaleShard
 from nemo_gen.host import gpu_memory
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # After the actor is gone, what Ray's cleanup would have needed, so orphans are really orphans.
 _ORPHAN_SETTLE_S = 0.5
+# How often the loss drainer looks at whether the fleet closed (a queued loss wakes it at once).
+_DRAIN_POLL_S = 0.5
 
 
 @dataclass
@@ -125,7 +129,11 @@ def reap_shard(driver: ShardDriver, handle: ShardHandle, timeout_s: float) -> Re
 
 
 class Recovery:
-    def __init__(self, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
+    """Brings lost slots back. Losses reach it as ``ShardLost`` events on the slot table's queue
+    (queued by the router, the prober, the death watch, refit and status), which ``drain`` turns
+    into actions; while the fleet watches itself a thread drains as they come."""
+
+    def __init__(self, *, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
                  refitter: Refitter, spares: SparePool, driver: ShardDriver, background: Background,
                  specs: Sequence[ShardSpec], fleet_name: str, reap_timeout_s: float, backoff: BackoffPolicy,
                  auto_recover: Callable[[], bool], watch: Callable[[Member, ShardHandle], None]):
@@ -144,23 +152,43 @@ class Recovery:
         self._watch = watch
         self.watching = False  # a monitor runs: this process heals its own fleet
         self.orphans: list[dict[str, Any]] = []  # processes left by dead shards (cleanup disabled)
+        self._drainer: threading.Thread | None = None
 
     # -- news of a loss ----------------------------------------------------------------------------
 
     def shard_lost(self, member: Member, reason: str) -> None:
-        """The death watch, a probe streak or a failed call says ``member`` is gone or wedged. A
-        slot goes DEAD (its requests are re-routed) and, with ``health.auto_recover``, is
-        restarted in the background; a spare is replaced."""
-        if member.is_spare:
-            self.spares.drop(member.name, reason)
-            return
-        if self.background.closed or not self.members.is_current(member):
-            return
-        self.health.mark_dead(member.slot, reason)
-        # Only a fleet that watches itself heals itself; an attached one (a flow's) leaves
-        # recovery to the heal flow and its retry policy.
-        if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
-            self.recover_in_background(member.slot)
+        """``member`` is gone or wedged: condemned (``SlotTable.condemn``), then acted on."""
+        self.members.condemn(member, reason)
+        self.drain()
+
+    def drain(self) -> None:
+        """Act on every queued ``ShardLost``: a lost spare is replaced; a slot still held by the
+        lost actor goes DEAD (its requests are re-routed) and, with ``health.auto_recover`` in a
+        fleet that watches itself, is restarted in the background. Old news is dropped."""
+        for lost in self.members.table.drain_losses():
+            member = lost.member
+            if member.is_spare:
+                self.spares.drop(member.name, lost.reason)
+                continue
+            if self.background.closed or not self.members.is_current(member):
+                continue
+            self.health.mark_dead(member.slot, lost.reason)  # (a status read only queued it)
+            # Only a fleet that watches itself heals itself; an attached one (a flow's) leaves
+            # recovery to the heal flow and its retry policy.
+            if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
+                self.recover_in_background(member.slot)
+
+    def start_watching(self) -> None:
+        """This process heals its own fleet: losses are drained as they are queued."""
+        self.watching = True
+
+        def loop() -> None:
+            while not self.background.closed:
+                if self.members.table.wait_losses(_DRAIN_POLL_S):
+                    self.drain()
+
+        self._drainer = threading.Thread(target=loop, name=f"nemo-gen-{self._fleet_name}-losses", daemon=True)
+        self._drainer.start()
 
     def recover_in_background(self, slot: int):
         """Start ``recover`` for ``slot`` unless it is already running."""
@@ -182,6 +210,7 @@ class Recovery:
 
     def plan(self) -> list[Action]:
         """What every slot that is not serving needs now (the heal flow's worklist)."""
+        self.drain()
         return plan(self.health.snapshot(), self.weights.version, self.spares.ready(self.weights.version),
                     self.health.policy.max_restart_attempts_per_shard)
 
@@ -196,6 +225,7 @@ class Recovery:
         ``EngineStartError``/``ShardDiedError`` (infra: worth another attempt) when the
         replacement fails, ``PlacementError`` (data) when the cluster cannot hold it."""
         health = self.health
+        self.drain()
         shard = self._slot(index)
         if shard.state in SERVING_STATES:
             return {"shard": index, "action": "none", "state": shard.state.value}
@@ -247,14 +277,17 @@ class Recovery:
         (the spare takes it too), so the slot never gets weights behind the fleet's. None when
         no spare is at the version after all (a restart follows)."""
         with self.weights.refitting():
-            spare = self.spares.take(self.weights.version, name)
+            version = self.weights.version
+            spare = self.spares.pick(version, name)
             if spare is None:
                 return None
             self.driver.assign(spare, index, self._attempts(index))
-            self._watch(self.members.install(index, spare), spare)
-            self.health.mark_loaded(index)
-            if self.weights.version is not None:  # else: train mode before its first refit
-                self.health.report_refit(index, self.weights.version)
+            try:
+                member = self.members.promote(index, spare, version)
+            except SlotConflict as exc:  # dropped meanwhile: nothing changed, a restart follows
+                log.warning("shard %d: spare %s not promoted: %s", index, name, exc)
+                return None
+            self._watch(member, spare)
         self.spares.replenish()
         return "promoted-spare"
 
@@ -263,9 +296,12 @@ class Recovery:
         spec = dataclasses.replace(self._specs[index], name=f"{self._fleet_name}-shard-{index}-r{attempt}")
         handle = self.driver.launch(spec)
         self.driver.assign(handle, index, attempt)
-        member = self.members.install(index, handle)
+        try:
+            member = self.members.install_replacement(index, handle)
+        except SlotConflict:  # the slot left RESTARTING meanwhile: the new actor has no place
+            self.driver.stop(handle)
+            raise
         self._watch(member, handle)
-        self.health.mark_loaded(index)
         try:
             self.refitter.catch_up(member, handle)
             return "restarted"

@@ -59,16 +59,14 @@ def metas_of(expected: dict[str, Any]) -> dict[str, TensorMeta]:
 
 
 class Refitter:
-    def __init__(self, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
-                 driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int,
-                 on_spare_failed: Callable[[str, str], None]):
+    def __init__(self, *, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
+                 driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int):
         self.health = health
         self.members = members
         self.weights = weights
         self.driver = driver
         self._generation_config = generation_config
         self.bucket_bytes = bucket_bytes
-        self._on_spare_failed = on_spare_failed
         # Refits that landed (on at least one shard), their seconds and bytes: metrics.
         self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
         # Run on a newcomer after it caught up, under the refit lock (the fleet's LoRA adapters).
@@ -244,7 +242,7 @@ class Refitter:
             self.members.note_version(member, version)
         if member.is_spare:
             if error:
-                self._on_spare_failed(member.name, error)
+                self.members.condemn(member, error)  # recovery drops and replaces it
             return
         if not self.members.is_current(member):
             return

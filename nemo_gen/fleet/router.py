@@ -63,7 +63,7 @@ def _is_chat(prompt: Any) -> bool:
 class Router:
     def __init__(self, *, health: GenerationFleetHealth, members: Membership, driver: ShardDriver, tokenizer: Any,
                  max_model_len: int, decode_text: bool, limits: RequestLimits, serving_version: Callable[[], int | None],
-                 on_lost: Callable[[Member, str], None], fleet_name: str, session_slack: int,
+                 fleet_name: str, session_slack: int,
                  clock: Clock = time.monotonic):
         self.health = health
         self.selector = HealthyShardSelector(health)
@@ -77,7 +77,6 @@ class Router:
         self.admission = Admission(limits.max_pending, limits.tries.retry_after_s)
         self.clock = clock  # requests' deadlines run on it (a test may turn it fast)
         self._version = serving_version
-        self._on_lost = on_lost
         self._fleet_name = fleet_name
         # session id -> the slot that served its last turn (its prompt's KV is cached there).
         self._sessions: OrderedDict[str, int] = OrderedDict()
@@ -253,9 +252,9 @@ class Router:
 
     def _condemn(self, member: Member, why: BaseException) -> None:
         """A call on the shard failed because the shard is dead (its actor or engine is gone):
-        certain, not a streak — straight to DEAD (and recovery, when on). Only dead condemns."""
+        certain, not a streak — straight to DEAD, and a ``ShardLost`` for recovery. Only dead condemns."""
         log.warning("shard %d failed: %s; re-routing its requests", member.slot, why)
-        self._on_lost(member, describe(why).splitlines()[0])
+        self.members.condemn(member, describe(why).splitlines()[0])
 
     def _timeout(self, deadline: Deadline, shard: int | None, what: str = "no answer") -> RequestTimeout:
         self.timed_out += 1

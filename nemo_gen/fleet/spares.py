@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class SparePool:
-    def __init__(self, members: Membership, driver: ShardDriver, refitter: Refitter, background: Background,
+    def __init__(self, *, members: Membership, driver: ShardDriver, refitter: Refitter, background: Background,
                  template: ShardSpec, fleet_name: str, num_slots: int, wanted: Callable[[], int],
                  watch: Callable[[Member, ShardHandle], None], stop_and_reap: Callable[[ShardHandle], None]):
         self.members = members
@@ -40,12 +40,12 @@ class SparePool:
         self._stop_and_reap = stop_and_reap
 
     def ready(self, version: int | None) -> list[str]:
-        """Spares believed to be at ``version`` (from what they last said; ``take`` asks again)."""
-        return [h.name for h in self.members.spares() if h.info.weight_version == version]
+        """Spares believed to be at ``version`` (from what they last said; ``pick`` asks again)."""
+        return self.members.ready_spares(version)
 
-    def take(self, version: int | None, name: str | None = None) -> ShardHandle | None:
-        """A spare at ``version`` (``name`` first, when given), removed from the pool; None if
-        none is. A spare that does not answer is dropped on the way."""
+    def pick(self, version: int | None, name: str | None = None) -> ShardHandle | None:
+        """A spare that says it is at ``version`` (``name`` first, when given), left in the pool
+        (``Membership.promote`` takes it); None if none is. One that does not answer is dropped."""
         spares = sorted(self.members.spares(), key=lambda h: h.name != name)
         for spare in spares:
             try:
@@ -55,8 +55,6 @@ class SparePool:
                 continue
             if info.weight_version != version:
                 continue  # still catching up
-            if self.members.pop_spare(spare.name) is None:
-                continue  # taken by another recovery meanwhile
             return spare
         return None
 

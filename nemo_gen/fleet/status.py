@@ -1,14 +1,14 @@
 """What ``fleet.status()`` reports: one row per slot (ledger state, weight version, PIDs, node,
 restarts, last error, orphans a dead actor of the slot left running), then one per spare.
 
-Live shards are asked for their own account (``info``); one that does not answer is
-condemned, since a live actor answers at once.
+Live shards are asked for their own account (``info``). A read never writes: one found dead
+shows as "dead" in its row and is reported to recovery as a ``ShardLost`` (queued, not acted on).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
@@ -41,7 +41,7 @@ class ShardStatus:
 
 
 def fleet_status(health: GenerationFleetHealth, members: Membership, driver: ShardDriver,
-                 orphans: list[dict[str, Any]], live: bool, on_lost: Callable[[Member, str], None]) -> list[ShardStatus]:
+                 orphans: list[dict[str, Any]], live: bool) -> list[ShardStatus]:
     """The rows; ``live`` False (a closed fleet): what was last known, without asking anyone."""
     out = []
     snaps = health.snapshot()
@@ -53,16 +53,17 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
         slot = snap.dp_shard_idx
         handle = members.handle(slot)
         info = handle.info if handle else ShardInfo(slot=slot, weight_version=None)
-        answer = answers.get(slot)
+        answer, state = answers.get(slot), health.state_of(slot).value
         if isinstance(answer, ShardDiedError):
-            on_lost(Member(handle.name, slot), f"ShardDiedError: {answer}")
+            members.report_loss(Member(handle.name, slot), f"ShardDiedError: {answer}")
+            state = ShardState.DEAD.value
         elif isinstance(answer, BaseException):
             raise answer
         elif answer is not None:
             info = answer
         left = [o for o in orphans if o["shard"] == slot and alive(o["pid"])]
         out.append(ShardStatus(
-            index=slot, state=str(health.state_of(slot).value), weight_version=info.weight_version,
+            index=slot, state=str(state), weight_version=info.weight_version,
             actor_pid=info.actor_pid, engine_pids=list(info.engine_pids),
             node_id=info.node_id, restarts=snap.restart_attempts, last_error=snap.last_error or None,
             name=handle.name if handle else None, orphans=_with_gpu(left),

@@ -244,8 +244,21 @@ def test_status_lists_slots_then_spares(settings, driver):
             (0, "healthy", "fake-shard-0"), (1, "healthy", "fake-shard-1"), (2, "spare", "fake-spare-0")]
         driver.set_hung(fleet.handle(1).name)
         fleet.settings.health.auto_recover = False
-        rows = fleet.status()  # a shard that does not answer info is condemned
+        rows = fleet.status()  # a shard that does not answer info shows dead; recovery is told
         assert rows[1].state == "dead"
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.DEAD, what="the loss drained")
+
+
+def test_status_only_reads_a_loss_it_sees_is_queued_for_recovery(settings, driver):
+    from nemo_gen.core.planner import Restart
+
+    with fake_fleet(settings(), driver, watch=False) as fleet:
+        driver.set_dead(fleet.handle(1).name)
+        before = fleet.health.snapshot()
+        assert [r.state for r in fleet.status()] == ["healthy", "dead"]
+        assert fleet.health.snapshot() == before  # the ledger is untouched: a read never writes
+        assert fleet.recovery.plan() == [Restart(1, 1)]  # the queued loss, drained by the planner
+        assert fleet.health.state_of(1) is ShardState.DEAD
 
 
 def test_n_samples_come_back_as_one_result_from_one_shard(settings, driver):

@@ -1,0 +1,209 @@
+"""The slot table: one owner for each slot's actor, ledger state and weight version, and for the
+warm spares; plus the queue of losses that recovery drains.
+
+A slot's actor, its ledger state (``GenerationFleetHealth``) and the version it holds used to be
+kept in step by hand across three owners. Here they change together, under one lock, through
+transactions that are all-or-nothing:
+
+- ``promote``: a warm spare takes a slot that is being restarted (it leaves the pool, serves the
+  slot, goes STALE, and HEALTHY at the fleet's version);
+- ``install_replacement``: a freshly started actor takes a slot being restarted (STALE until a
+  refit);
+- ``condemn``: a member is known to be gone; a slot leaves the serving set at once, and a
+  ``ShardLost`` is queued for recovery.
+
+Losses are events, not callbacks: whoever sees one (a failed call, a probe, the death watch,
+a status read) queues a ``ShardLost``; recovery drains the queue (``drain_losses``) and acts.
+Reads never write. Generic over the handle type (a Ray actor handle in the fleet, anything in
+tests); the model is Ray Serve's ``ReplicaStateContainer``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Generic, Iterable, TypeVar
+
+from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.members import Member
+
+H = TypeVar("H")
+
+
+@dataclass(frozen=True)
+class ShardLost:
+    """News that ``member`` is gone or wedged, for recovery to act on."""
+
+    member: Member
+    reason: str
+
+
+class SlotConflict(RuntimeError):
+    """A transaction's precondition does not hold (the spare was taken, the slot is not being
+    restarted): nothing was changed."""
+
+
+@dataclass
+class _Entry(Generic[H]):
+    name: str
+    handle: H
+    version: int | None
+
+
+class SlotTable(Generic[H]):
+    def __init__(self, *, health: GenerationFleetHealth, slots: Iterable[tuple[int, str, H, int | None]] = (),
+                 spares: Iterable[tuple[str, H, int | None]] = ()):
+        self._lock = threading.RLock()
+        self._health = health
+        self._slots: dict[int, _Entry[H]] = {i: _Entry(n, h, v) for i, n, h, v in slots}
+        self._spares: dict[str, _Entry[H]] = {n: _Entry(n, h, v) for n, h, v in spares}
+        self._losses: deque[ShardLost] = deque()
+        self._news = threading.Condition(self._lock)
+        self._closed = False  # the fleet is going away: its actors' deaths are no news
+
+    # -- reads (never write) ---------------------------------------------------------------------
+
+    def handle(self, slot: int) -> H | None:
+        with self._lock:
+            entry = self._slots.get(slot)
+            return entry.handle if entry else None
+
+    def slots(self) -> dict[int, tuple[str, H]]:
+        with self._lock:
+            return {i: (self._slots[i].name, self._slots[i].handle) for i in sorted(self._slots)}
+
+    def spares(self) -> dict[str, H]:
+        with self._lock:
+            return {n: e.handle for n, e in self._spares.items()}
+
+    def is_current(self, member: Member) -> bool:
+        """Is ``member`` still in its place? (A replaced slot actor or a taken spare is not.)"""
+        with self._lock:
+            entry = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
+            return entry is not None and entry.name == member.name
+
+    def version_of(self, member: Member) -> int | None:
+        with self._lock:
+            entry = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
+            return entry.version if entry is not None and entry.name == member.name else None
+
+    def ready_spares(self, version: int | None) -> list[str]:
+        """Spares believed to be at ``version``."""
+        with self._lock:
+            return [n for n, e in self._spares.items() if e.version == version]
+
+    # -- single writes ---------------------------------------------------------------------------
+
+    def note_version(self, member: Member, version: int) -> bool:
+        """``member`` loaded ``version``; False (nothing written) when it is no longer current."""
+        with self._lock:
+            entry = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
+            if entry is None or entry.name != member.name:
+                return False
+            entry.version = version
+            return True
+
+    def add_spare(self, name: str, handle: H, version: int | None) -> Member:
+        with self._lock:
+            self._spares[name] = _Entry(name, handle, version)
+        return Member(name, None)
+
+    def pop_spare(self, name: str) -> H | None:
+        """Remove spare ``name`` from the pool (None if another caller took it first)."""
+        with self._lock:
+            entry = self._spares.pop(name, None)
+            return entry.handle if entry else None
+
+    # -- transactions ----------------------------------------------------------------------------
+
+    def _require_restarting(self, slot: int) -> None:
+        state = self._health.state_of(slot)
+        if state is not ShardState.RESTARTING:
+            raise SlotConflict(f"slot {slot} is {state.value}, not restarting")
+
+    def _swap(self, slot: int, entry: _Entry[H], ledger) -> None:
+        """Put ``entry`` in ``slot`` and run the ledger steps; if one raises, the slot's old actor is
+        put back and the slot is left out of service (DEAD), then the error propagates."""
+        old = self._slots.get(slot)
+        self._slots[slot] = entry
+        try:
+            ledger()
+        except BaseException:
+            if old is None:
+                del self._slots[slot]
+            else:
+                self._slots[slot] = old
+            self._health.mark_dead(slot, "slot change failed")
+            raise
+
+    def promote(self, slot: int, spare: str, version: int | None) -> Member:
+        """Spare ``spare`` serves ``slot`` (being restarted), HEALTHY at ``version`` (STALE when
+        there is no version yet); the caller has asked the spare that it holds ``version``. ``SlotConflict`` and nothing changed when the spare is gone or
+        the slot is not being restarted; any other failure puts both back."""
+        with self._lock:
+            self._require_restarting(slot)
+            entry = self._spares.get(spare)
+            if entry is None:
+                raise SlotConflict(f"spare {spare} is no longer in the pool")
+            del self._spares[spare]
+
+            def ledger() -> None:
+                self._health.mark_loaded(slot)
+                if version is not None:  # else: train mode before its first refit
+                    self._health.report_refit(slot, version)
+
+            try:
+                self._swap(slot, _Entry(spare, entry.handle, version), ledger)
+            except BaseException:
+                self._spares[spare] = entry
+                raise
+            return Member(spare, slot)
+
+    def install_replacement(self, slot: int, name: str, handle: H) -> Member:
+        """A freshly started actor serves ``slot`` (being restarted): STALE, no version, until a
+        refit. ``SlotConflict`` and nothing changed when the slot is not being restarted."""
+        with self._lock:
+            self._require_restarting(slot)
+            self._swap(slot, _Entry(name, handle, None), lambda: self._health.mark_loaded(slot))
+            return Member(name, slot)
+
+    def condemn(self, member: Member, reason: str) -> bool:
+        """``member`` is known to be gone: a slot it still holds leaves the serving set at once
+        (DEAD), and a ``ShardLost`` is queued. False (nothing done) for old news."""
+        with self._lock:
+            if self._closed or not self.is_current(member):
+                return False
+            if member.slot is not None:
+                self._health.mark_dead(member.slot, reason)
+            self._post(ShardLost(member, reason))
+            return True
+
+    # -- the loss queue ----------------------------------------------------------------------------
+
+    def report_loss(self, member: Member, reason: str) -> None:
+        """Queue news of a loss without acting on it (a reader's way: recovery decides)."""
+        with self._lock:
+            self._post(ShardLost(member, reason))
+
+    def _post(self, event: ShardLost) -> None:
+        self._losses.append(event)
+        self._news.notify_all()
+
+    def drain_losses(self) -> list[ShardLost]:
+        """Every queued loss, oldest first; the queue is left empty."""
+        with self._lock:
+            out = list(self._losses)
+            self._losses.clear()
+            return out
+
+    def wait_losses(self, timeout_s: float) -> bool:
+        """Block until a loss is queued (True), the table is closed or ``timeout_s`` passes."""
+        with self._lock:
+            return self._news.wait_for(lambda: bool(self._losses) or self._closed, timeout_s) and not self._closed
+
+    def close(self) -> None:
+        """The fleet shuts down: nothing is condemned from here on; wakes ``wait_losses``."""
+        with self._lock:
+            self._closed = True
+            self._news.notify_all()
