@@ -29,6 +29,8 @@ class Sample:
     logprobs: list[float]
     finish_reason: str | None
     weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
+    # Each token's {token id: logprob} for it and its top alternatives; None: not asked (sampling "logprobs").
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -68,6 +70,10 @@ class GenerationResult:
     # or more when a refit landed while the request ran (refit.in_flight keep / abort).
     weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # None unless asked for: samples[0]'s top_logprobs; the prompt's ({token id: logprob} per
+    # prompt token, the first None), sampling "prompt_logprobs".
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def ok(self) -> bool:
@@ -78,6 +84,12 @@ class GenerationResult:
         data = asdict(self)
         if len(self.samples) <= 1:
             data.pop("samples")
+        for key in ("top_logprobs", "prompt_logprobs"):
+            if data[key] is None:
+                data.pop(key)
+        if all(s.get("top_logprobs") is None for s in data.get("samples", ())):
+            for s in data.get("samples", ()):
+                s.pop("top_logprobs", None)
         return data
 
     @classmethod

@@ -24,7 +24,7 @@ from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.fleet.batch import Piece, Track, sampled_by, spans_between
+from nemo_gen.fleet.batch import Piece, Track, prompt_entries, sampled_by, spans_between, top_entries
 from nemo_gen.fleet.streaming import Cursor, merge
 
 
@@ -33,6 +33,11 @@ def sampling_params(s: dict[str, Any]):
     from vllm import SamplingParams
 
     top_k = s.get("top_k")
+    structured = None
+    if s.get("structured_outputs"):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(**s["structured_outputs"])
     return SamplingParams(
         max_tokens=s["max_new_tokens"],
         n=s.get("n") or 1,
@@ -45,7 +50,9 @@ def sampling_params(s: dict[str, Any]):
         seed=s.get("seed"),
         ignore_eos=bool(s.get("ignore_eos") or False),
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
-        logprobs=0,
+        logprobs=s.get("logprobs") or 0,
+        prompt_logprobs=s.get("prompt_logprobs"),
+        structured_outputs=structured,
     )
 
 
@@ -76,13 +83,16 @@ def _freeze_heap() -> None:
     freeze_gc_heap()
 
 
-def _sample_dict(comp, spans: list[tuple[int | None, int]]) -> dict[str, Any]:
+def _sample_dict(comp, spans: list[tuple[int | None, int]], top: bool = False) -> dict[str, Any]:
     """One finished (cumulative) completion output as a sample of a result; ``spans``: its
-    tokens by the version that sampled them."""
+    tokens by the version that sampled them; ``top``: with each token's alternatives."""
     token_ids = list(comp.token_ids)
     logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)] if comp.logprobs else []
-    return {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
-            "finish_reason": comp.finish_reason, "weight_versions": spans}
+    out = {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
+           "finish_reason": comp.finish_reason, "weight_versions": spans}
+    if top:
+        out["top_logprobs"] = top_entries(comp.logprobs)
+    return out
 
 
 def _samples_of(processor: Any, internal: str) -> tuple[Any, list[str]]:
@@ -780,6 +790,7 @@ class Engine:
 
         request_id = f"nemo-gen-{next(self._ids)}"
         latest: dict[int, Any] = {}
+        prompt_lps = None
         self._check_weights()
         self._async_running.add(request_id)
         try:
@@ -792,6 +803,7 @@ class Engine:
                     # reader lagged and they were merged): keep each sample's latest (cumulative) state.
                     for comp in out.outputs:
                         latest[comp.index] = comp
+                    prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
         except (ValueError, TypeError) as exc:
             return _error_dict(req, exc)
         finally:
@@ -799,8 +811,10 @@ class Engine:
         self._check_weights()
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
-        samples = [_sample_dict(latest[i], self._label_spans(latest[i])) for i in sorted(latest)]
-        return {"index": req.index, **samples[0], "samples": samples, "error": None}
+        top = bool(params.logprobs)
+        samples = [_sample_dict(latest[i], self._label_spans(latest[i]), top) for i in sorted(latest)]
+        extra = {"prompt_logprobs": prompt_entries(prompt_lps)} if params.prompt_logprobs is not None else {}
+        return {"index": req.index, **samples[0], "samples": samples, "error": None, **extra}
 
     def _check_weights(self) -> None:
         """A request must not run, or return, on weights a failed swap left half-loaded."""
