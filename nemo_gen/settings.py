@@ -665,6 +665,43 @@ class ServerSettings(_Section):
         "server tokenizes; a longer one is answered 400 naming the field, before any tokenizing.",
     )
 
+    tool_call_parser: str | None = Field(
+        None, description="vLLM's tool-call parser (its ToolParserManager name: hermes, llama3_json, "
+        "pythonic...) that reads tool calls out of the model's text for tool_choice auto, and constrains "
+        "required / named ones; unset: a request with tool_choice other than none is answered 400.",
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "auto", description="vLLM's --tool-strict-level: the least a request with tools is constrained to. auto: "
+        "tool_choice required / a named function force the call's envelope, and a tool's arguments follow its "
+        "schema when the tool says strict: true; function: every request with tools gets the envelope; "
+        "parameter: every tool's arguments follow its schema, as if each were strict.",
+    )
+    tool_call_whitespace: int | None = Field(
+        4, ge=0, description="Longest run of whitespace characters the grammar of a constrained tool call "
+        "(tool_choice required / named, server.tool_strict_level) lets the model write between JSON tokens "
+        "(xgrammar's max_whitespace_cnt); null: unbounded, as vLLM leaves it. Bounded, a model that favours "
+        "whitespace (a random one) still closes its call within max_tokens.",
+    )
+    reasoning_parser: str | None = Field(
+        None, description="vLLM's reasoning parser (its ReasoningParserManager name: deepseek_r1, qwen3...) "
+        "that splits the model's reasoning out of a chat answer into message.reasoning; unset: none is split.",
+    )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, value: str | None) -> str | None:
+        from nemo_gen.config import vllm_choices
+
+        return value if value is None else _one_of(value, vllm_choices.tool_parsers(), "a tool-call parser vLLM registers")
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        from nemo_gen.config import vllm_choices
+
+        return value if value is None else _one_of(value, vllm_choices.reasoning_parsers(),
+                                                   "a reasoning parser vLLM registers")
+
     @model_validator(mode="after")
     def _refit_open_to_the_network(self) -> "ServerSettings":
         why = exposure_problem(self.host, self.allow_refit, self.api_key)

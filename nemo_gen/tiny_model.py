@@ -280,8 +280,14 @@ def _train_tokenizer(vocab_size: int) -> Any:
 
 # A minimal chat format in the tiny tokenizer's own special tokens, so chat prompts (lists of
 # {"role", "content"} messages) render and run on the tiny model like on a real instruct model.
+# With tools it renders them and earlier tool calls as Hermes does (<tools>, <tool_call>{json}</tool_call>),
+# so vLLM's "hermes" tool parser reads the calls; without, it renders what it always did.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}" + BOS + "{{ m['role'] }}\n{{ m['content'] }}" + EOS + "\n{% endfor %}"
+    "{% if tools %}" + BOS + "system\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>" + EOS
+    + "\n{% endif %}"
+    "{% for m in messages %}" + BOS + "{{ m['role'] }}\n{% if m['content'] is not none %}{{ m['content'] }}{% endif %}"
+    "{% for tc in m.get('tool_calls') or [] %}<tool_call>{{ {'name': tc['function']['name'], "
+    "'arguments': tc['function']['arguments']} | tojson }}</tool_call>{% endfor %}" + EOS + "\n{% endfor %}"
     "{% if add_generation_prompt %}" + BOS + "assistant\n{% endif %}"
 )
 

@@ -7,7 +7,8 @@ installed package's files with ``ast``: the cache dtypes (``vllm/config/cache.py
 ``CacheDType``), model dtypes (``vllm/config/model.py`` ``ModelDType``), load formats
 (``vllm/model_executor/model_loader/__init__.py`` ``LoadFormats``), the weight-transfer
 backends registered in ``vllm/distributed/weight_transfer/factory.py`` (plus nemo_gen's own,
-registered by ``nemo_gen.vllm_ext.vllm_backend``), and the ``EngineArgs`` fields
+registered by ``nemo_gen.vllm_ext.vllm_backend``), the tool-call and reasoning parsers registered
+in ``vllm/tool_parsers/__init__.py`` and ``vllm/reasoning/__init__.py``, and the ``EngineArgs`` fields
 (``vllm/engine/arg_utils.py``) that ``vllm_kwargs`` may name.
 
 Every function returns ``None`` when vLLM is not installed here (a host that only renders
@@ -20,6 +21,7 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from nemo_gen.core.manifest import OWN_BACKENDS
 
@@ -54,19 +56,35 @@ def _module(relpath: str) -> ast.Module | None:
         return None
 
 
-def _literal(relpath: str, name: str) -> tuple[str, ...] | None:
-    """The strings of ``name = Literal[...]`` at the top level of ``relpath``."""
+def _assigned(relpath: str, name: str, kind: type) -> Any:
+    """The value of ``name = ...`` at the top level of ``relpath`` when it is an ``ast`` ``kind``."""
     tree = _module(relpath)
     if tree is None:
         return None
     for node in tree.body:
         targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and isinstance(node.value, ast.Subscript):
-            inner = node.value.slice
-            elts = inner.elts if isinstance(inner, ast.Tuple) else [inner]
-            values = tuple(e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
-            return values or None
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets) and isinstance(node.value, kind):
+            return node.value
     return None
+
+
+def _strings(nodes: list[Any]) -> tuple[str, ...] | None:
+    return tuple(e.value for e in nodes if isinstance(e, ast.Constant) and isinstance(e.value, str)) or None
+
+
+def _literal(relpath: str, name: str) -> tuple[str, ...] | None:
+    """The strings of ``name = Literal[...]`` at the top level of ``relpath``."""
+    value = _assigned(relpath, name, ast.Subscript)
+    if value is None:
+        return None
+    inner = value.slice
+    return _strings(inner.elts if isinstance(inner, ast.Tuple) else [inner])
+
+
+def _dict_keys(relpath: str, name: str) -> tuple[str, ...] | None:
+    """The string keys of ``name = {...}`` at the top level of ``relpath``."""
+    value = _assigned(relpath, name, ast.Dict)
+    return None if value is None else _strings(value.keys)
 
 
 @functools.cache
@@ -117,6 +135,18 @@ def weight_transfer_backends() -> tuple[str, ...] | None:
     if not names:
         return None
     return tuple(dict.fromkeys([*NEMO_GEN_BACKENDS, *names]))
+
+
+@functools.cache
+def tool_parsers() -> tuple[str, ...] | None:
+    """The tool-call parsers vLLM registers (``ToolParserManager``): what ``server.tool_call_parser`` may be."""
+    return _dict_keys("tool_parsers/__init__.py", "_TOOL_PARSERS_TO_REGISTER")
+
+
+@functools.cache
+def reasoning_parsers() -> tuple[str, ...] | None:
+    """The reasoning parsers vLLM registers (``ReasoningParserManager``): what ``server.reasoning_parser`` may be."""
+    return _dict_keys("reasoning/__init__.py", "_REASONING_PARSERS_TO_REGISTER")
 
 
 @functools.cache

@@ -29,6 +29,8 @@ class Sample:
     logprobs: list[float]
     finish_reason: str | None
     weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
+    # Each token's {token id: logprob} for it and its top alternatives; None: not asked (sampling "logprobs").
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -71,6 +73,10 @@ class GenerationResult:
     # The LoRA adapter that produced it (``generate(..., adapter=name)``) and its version; None: the base model.
     adapter: str | None = None
     adapter_version: int | None = None
+    # None unless asked for: samples[0]'s top_logprobs; the prompt's ({token id: logprob} per
+    # prompt token, the first None), sampling "prompt_logprobs".
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,6 +90,12 @@ class GenerationResult:
         if self.adapter is None:
             data.pop("adapter")
             data.pop("adapter_version")
+        for key in ("top_logprobs", "prompt_logprobs"):
+            if data[key] is None:
+                data.pop(key)
+        if all(s.get("top_logprobs") is None for s in data.get("samples", ())):
+            for s in data.get("samples", ()):
+                s.pop("top_logprobs", None)
         return data
 
     @classmethod

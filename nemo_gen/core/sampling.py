@@ -23,7 +23,16 @@ SAMPLING_KEYS = (
     "seed",
     "ignore_eos",
     "n",  # samples per prompt (a GRPO group): one engine request, the prompt prefilled once
+    # Decoding constrained to a grammar: vLLM's StructuredOutputsParams as a dict ({"json": schema},
+    # {"regex": ...}, {"choice": [...]}, {"grammar": ...}); how the HTTP server forces a tool call.
+    "structured_outputs",
+    # Alternatives per token beside the sampled one's logprob (0: that one only, what RL needs), and
+    # the prompt's logprobs (None: not computed): what the HTTP server's logprobs fields ask for.
+    "logprobs",
+    "prompt_logprobs",
 )
+_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def resolve_sampling(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,5 +100,13 @@ def _check(s: dict[str, Any]) -> None:
         raise RequestError(f"n must be a positive integer (samples per prompt), got {n!r}")
     if n is not None and n > 1 and temp == 0:
         raise RequestError(f"n={n} samples need temperature > 0: greedy decoding gives one answer (vLLM refuses it)")
+    for key in ("logprobs", "prompt_logprobs"):
+        if s[key] is not None and (not _int(s[key]) or s[key] < 0):
+            raise RequestError(f"{key} must be null or an integer >= 0, got {s[key]!r}")
+    so = s["structured_outputs"]
+    if so is not None and (not isinstance(so, dict) or sum(so.get(k) is not None for k in _STRUCTURED) != 1
+                           or set(so) - set(_STRUCTURED) - set(_STRUCTURED_OPTIONS)):
+        raise RequestError(f"structured_outputs must be null or a dict with exactly one of {list(_STRUCTURED)} "
+                           f"(and options {list(_STRUCTURED_OPTIONS)}), got {so!r}")
     if s["ignore_eos"] is not None and not isinstance(s["ignore_eos"], bool):
         raise RequestError(f"ignore_eos must be true, false or null, got {s['ignore_eos']!r}")

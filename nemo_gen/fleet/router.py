@@ -150,7 +150,8 @@ class Router:
             index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids), text=first.text,
             token_ids=first.token_ids, logprobs=first.logprobs, finish_reason=first.finish_reason, shard=shard,
             weight_version=first.weight_versions[-1][0] if first.weight_versions else version,
-            weight_versions=first.weight_versions, samples=samples,
+            weight_versions=first.weight_versions, samples=samples, top_logprobs=first.top_logprobs,
+            prompt_logprobs=raw.get("prompt_logprobs"),
         )
 
     def _sample(self, raw: dict[str, Any], version: int | None) -> Sample:
@@ -159,7 +160,7 @@ class Router:
             text = self.tokenizer.decode(raw["token_ids"], skip_special_tokens=True)
         spans = [(v, n) for v, n in raw.get("weight_versions") or [(version, len(raw["token_ids"]))]]
         return Sample(text=text or "", token_ids=raw["token_ids"], logprobs=raw["logprobs"],
-                      finish_reason=raw["finish_reason"], weight_versions=spans)
+                      finish_reason=raw["finish_reason"], weight_versions=spans, top_logprobs=raw.get("top_logprobs"))
 
     # -- routing ---------------------------------------------------------------------------------
 

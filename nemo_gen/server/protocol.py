@@ -1,59 +1,35 @@
-"""OpenAI requests into fleet calls, fleet results into OpenAI responses — on vLLM's own protocol
-models (``vllm.entrypoints.openai.*``, ``vllm.entrypoints.serve.engine.protocol``), so the
-schemas are vLLM's and nothing here restates them.
+"""OpenAI requests into fleet calls — on vLLM's own protocol models (``vllm.entrypoints.openai.*``,
+``vllm.entrypoints.serve.engine.protocol``), so the schemas are vLLM's and nothing here restates
+them. Results out: ``nemo_gen.server.responses``; tools and reasoning: ``nemo_gen.server.tools``.
 
 A request is validated by vLLM's model, then every field it sets is either acted on or refused
 by name (``ApiError`` 400 with ``param``): a field vLLM knows but nemo_gen does not act on
-(``presence_penalty``, ``tools``, ``echo``...) is refused unless its value asks for nothing (the
-default, or a neutral value such as a zero penalty), and so is a field neither knows. What is
-acted on maps to the fleet's sampling keywords (``SAMPLING``): ``max_tokens`` /
-``max_completion_tokens`` -> ``max_new_tokens``, ``stop`` -> ``stop_strings``, and ``n``,
-``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``ignore_eos``,
-``bad_words`` as they are. A field left out takes the generation config's default (the
-operator's), not OpenAI's 16 tokens.
+(``presence_penalty``, ``echo``...) is refused unless its value asks for nothing (the default,
+or a neutral value such as a zero penalty), and so is a field neither knows. What is acted on
+maps to the fleet's sampling keywords (``SAMPLING``): ``max_tokens`` / ``max_completion_tokens``
+-> ``max_new_tokens``, ``stop`` -> ``stop_strings``, and ``n``, ``temperature``, ``top_p``,
+``top_k``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``bad_words`` as they are; vLLM's
+``structured_outputs`` (and a forced tool call's schema) -> ``structured_outputs``. A field left
+out takes the generation config's default (the operator's), not OpenAI's 16 tokens.
 
-Logprobs: the engines return the sampled token's logprob only, so ``logprobs: 0`` (completions)
-and ``logprobs: true`` with ``top_logprobs: 0`` (chat) are served; asking for top-k
-alternatives is refused rather than answered with the sampled token alone.
-
-Every body carries a ``nemo_gen`` object (``weight_version``, ``shard``, ``weight_versions``)
-and so does every choice (its own shard, version and spans).
+A chat request's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and messages with
+``tool_calls`` / ``tool_call_id`` are kept on the ``Call`` (``request``, ``messages``) for
+``nemo_gen.server.tools``, which renders such a prompt itself.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping
 
 from pydantic import ValidationError
-from vllm.entrypoints.generate.base.protocol import DeltaMessage
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatMessage,
-)
-from vllm.entrypoints.openai.completion.protocol import (
-    CompletionLogProbs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionResponseChoice,
-    CompletionResponseStreamChoice,
-    CompletionStreamResponse,
-)
-from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 
-from nemo_gen.core.detokenize import IncrementalText
-from nemo_gen.shard.batch import add_span
 
 # OpenAI (and vLLM-extension) request fields -> the fleet's sampling keywords.
 SAMPLING = {
@@ -71,19 +47,27 @@ SAMPLING = {
 }
 # Fields acted on besides sampling. request_id names the response; user / session_id pick the session;
 # timeout_s (nemo-gen's) is the request's deadline (a stream's: between two tokens).
+# structured_outputs / response_format constrain decoding; prompt_logprobs asks for the prompt's.
 _COMMON = {"model", "stream", "stream_options", "user", "session_id", "request_id", "return_token_ids", "logprobs",
-           "timeout_s"}
+           "timeout_s", "structured_outputs", "response_format", "prompt_logprobs"}
 COMPLETION_FIELDS = frozenset(_COMMON | set(SAMPLING) - {"max_completion_tokens"} | {"prompt"})
-CHAT_FIELDS = frozenset(_COMMON | set(SAMPLING) | {"messages", "top_logprobs"})
+CHAT_FIELDS = frozenset(_COMMON | set(SAMPLING) | {"messages", "top_logprobs", "tools", "tool_choice",
+                                                    "parallel_tool_calls", "include_reasoning"})
+# The most alternatives per token a request may ask for (OpenAI's bound; the engines' max_logprobs).
+MAX_TOP_LOGPROBS = 20
 # Values of fields nemo_gen does not act on that ask for nothing (besides the field's default).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "min_p": (0, 0.0), "min_tokens": (0,), "echo": (False,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
-    "add_generation_prompt": (True,), "skip_special_tokens": (True,), "include_reasoning": (True,),
-    "best_of": (1,), "prompt_logprobs": (0,), "priority": (0,), "length_penalty": (1, 1.0),
+    "add_generation_prompt": (True,), "skip_special_tokens": (True,),
+    "best_of": (1,), "priority": (0,), "length_penalty": (1, 1.0),
 }
 _MESSAGE_KEYS = {"role", "content", "name"}
+# Keys of a message in a tool-using conversation: the server renders such a chat itself (tools.py).
+_TOOL_MESSAGE_KEYS = {"tool_calls", "tool_call_id", "reasoning", "reasoning_content"}
+# StructuredOutputsParams fields the fleet's structured_outputs keyword carries (one of them is set).
+STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 class ApiError(Exception):
@@ -119,10 +103,20 @@ def validation_error(exc: ValidationError) -> ApiError:
             param = ctx.parameter
             break
     if param is None and errors:
-        param = clean_loc_for_param(tuple(errors[0].get("loc") or ())) or None
+        loc = tuple(errors[0].get("loc") or ())
+        param = _message_param(loc) or clean_loc_for_param(loc) or None
     first = errors[0] if errors else {}
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return bad(f"{param}: {message}" if param else message, param)
+
+
+def _message_param(loc: tuple[Any, ...]) -> str | None:
+    """A bad message's field as ``messages[i].key`` (the location also names the union member
+    types pydantic tried, which mean nothing to a client)."""
+    if len(loc) < 2 or loc[0] != "messages" or not isinstance(loc[1], int):
+        return None
+    key = next((k for k in loc[2:] if k in _MESSAGE_KEYS | _TOOL_MESSAGE_KEYS), None)
+    return f"messages[{loc[1]}]" + (f".{key}" if key else "")
 
 
 @dataclass
@@ -141,6 +135,11 @@ class Call:
     request_id: str | None
     sent: frozenset[str]  # the request's own fields (errors name them as sent)
     timeout_s: float | None = None  # the request's deadline; None: the fleet's (fleet.request_timeout_s)
+    top_logprobs: int = 0  # alternatives shown per generated token (chat top_logprobs, completions logprobs)
+    prompt_logprobs: int | None = None  # the prompt's logprobs, this many alternatives per token
+    request: Any = None  # vLLM's request model (tools, tool_choice...)
+    tooled: bool = False  # a chat with tools or tool messages: the server renders its prompt (tools.py)
+    turn: Any = None  # tools.ChatTurn: parsers for the answers (tools or a reasoning parser)
 
     @property
     def samples(self) -> int:
@@ -168,7 +167,12 @@ def _parse(model_cls: type, body: Any, acted_on: frozenset[str]):
     try:
         req = model_cls.model_validate(body)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        error = validation_error(exc)
+        head = (error.param or "").split(".")[0].split("[")[0]
+        if error.param and head not in model_cls.model_fields and "messages" in model_cls.model_fields:
+            # vLLM validates messages on their own (a location without the field): name the field
+            error = bad(f"messages: {error.message.split(': ', 1)[-1]}", "messages")
+        raise error from None
     except VLLMClientError as exc:  # raised as it is by some of vLLM's validators
         param = getattr(exc, "parameter", None)
         message = str(exc).split(" (parameter=", 1)[0]
@@ -177,8 +181,20 @@ def _parse(model_cls: type, body: Any, acted_on: frozenset[str]):
     return req
 
 
-def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+def _sampling(body: Mapping[str, Any], req: Any = None, top_logprobs: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if req is not None:
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad("prompt_logprobs: not available with stream: true", "prompt_logprobs")
+        if (structured := structured_of(req)) is not None:
+            out["structured_outputs"] = structured
+        if top_logprobs:
+            out["logprobs"] = top_logprobs
+        if req.prompt_logprobs is not None:
+            if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad(f"prompt_logprobs: between 0 and {MAX_TOP_LOGPROBS} alternatives per prompt token, "
+                          f"got {req.prompt_logprobs}", "prompt_logprobs")
+            out["prompt_logprobs"] = req.prompt_logprobs
     for field, key in SAMPLING.items():
         value = body.get(field)
         if value is None:
@@ -242,13 +258,12 @@ def parse_completion(body: Any, session_header: str | None = None, timeout_heade
         prompts = list(prompt)
     if any((isinstance(p, (str, list)) and len(p) == 0) for p in prompts):
         raise bad("prompt: an empty prompt", "prompt")
-    if req.logprobs is not None and req.logprobs > 0:
-        raise bad(f"logprobs: the engines return the sampled token's logprob only; use logprobs=0 "
-                  f"(got {req.logprobs})", "logprobs")
-    return Call(prompts=prompts, sampling=_sampling(body), session_id=_session(body, session_header),
+    top = _top_logprobs(req, req.logprobs or 0, "logprobs")
+    return Call(prompts=prompts, sampling=_sampling(body, req, top), session_id=_session(body, session_header),
                 stream=bool(req.stream), include_usage=_stream_options(body), logprobs=req.logprobs is not None,
                 token_ids=bool(req.return_token_ids), n=int(req.n or 1), request_id=body.get("request_id"),
-                sent=frozenset(body), timeout_s=timeout_of(body, timeout_header))
+                sent=frozenset(body), timeout_s=timeout_of(body, timeout_header), top_logprobs=top,
+                prompt_logprobs=req.prompt_logprobs, request=req)
 
 
 def _content_text(i: int, content: Any) -> str:
@@ -264,25 +279,56 @@ def _content_text(i: int, content: Any) -> str:
     raise bad(f"messages[{i}].content: text is required", f"messages[{i}].content")
 
 
+def chat_message(i: int, msg: Any) -> dict[str, Any]:
+    """One chat message as the chat template gets it: text content, and a tool-using
+    conversation's keys as they came (vLLM's request model has checked their shape)."""
+    if not isinstance(msg, dict):
+        raise bad(f"messages[{i}]: a message is an object with role and content", f"messages[{i}]")
+    extra = sorted(set(msg) - _MESSAGE_KEYS - _TOOL_MESSAGE_KEYS)
+    if extra:
+        raise bad(f"messages[{i}].{extra[0]}: not supported by nemo-gen serve", f"messages[{i}].{extra[0]}")
+    content = msg.get("content")
+    out = {"role": str(msg.get("role")),
+           "content": None if content is None and msg.get("tool_calls") else _content_text(i, content)}
+    out.update({k: msg[k] for k in _TOOL_MESSAGE_KEYS & set(msg) if msg[k] is not None})
+    return out
+
+
 def parse_chat(body: Any, session_header: str | None = None, timeout_header: str | None = None) -> Call:
     req = _parse(ChatCompletionRequest, body, CHAT_FIELDS)
     if not req.messages:
         raise bad("messages: at least one message is required", "messages")
-    messages = []
-    for i, msg in enumerate(body["messages"]):
-        if not isinstance(msg, dict):
-            raise bad(f"messages[{i}]: a message is an object with role and content", f"messages[{i}]")
-        extra = sorted(set(msg) - _MESSAGE_KEYS)
-        if extra:
-            raise bad(f"messages[{i}].{extra[0]}: not supported by nemo-gen serve", f"messages[{i}].{extra[0]}")
-        messages.append({"role": str(msg.get("role")), "content": _content_text(i, msg.get("content"))})
-    if req.top_logprobs:
-        raise bad(f"top_logprobs: the engines return the sampled token's logprob only; use top_logprobs=0 "
-                  f"(got {req.top_logprobs})", "top_logprobs")
-    return Call(prompts=[messages], sampling=_sampling(body), session_id=_session(body, session_header),
+    messages = [chat_message(i, msg) for i, msg in enumerate(body["messages"])]
+    top = _top_logprobs(req, req.top_logprobs or 0, "top_logprobs") if req.logprobs else 0
+    tooled = bool(req.tools) or any(set(m) - _MESSAGE_KEYS for m in messages)
+    return Call(prompts=[messages], sampling=_sampling(body, req, top), session_id=_session(body, session_header),
                 stream=bool(req.stream), include_usage=_stream_options(body), logprobs=bool(req.logprobs),
                 token_ids=bool(req.return_token_ids), n=int(req.n or 1), request_id=body.get("request_id"),
-                sent=frozenset(body), timeout_s=timeout_of(body, timeout_header))
+                sent=frozenset(body), timeout_s=timeout_of(body, timeout_header), top_logprobs=top,
+                prompt_logprobs=req.prompt_logprobs, request=req, tooled=tooled)
+
+
+def _top_logprobs(req: Any, value: int, param: str) -> int:
+    """Alternatives per token, checked; a stream carries the sampled tokens' logprobs only (the
+    engines' stream deltas hold no alternatives), and no prompt logprobs (``_sampling``)."""
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad(f"{param}: between 0 and {MAX_TOP_LOGPROBS} alternatives per token, got {value}", param)
+    if req.stream and value:
+        raise bad(f"{param}: alternatives per token are not streamed by nemo-gen serve; ask without stream, "
+                  f"or with {param}=0", param)
+    return value
+
+
+def structured_of(req: Any) -> dict[str, Any] | None:
+    """vLLM's request constraint (``structured_outputs``, ``response_format``) as the fleet's
+    ``structured_outputs`` keyword."""
+    so = req.extract_structured_outputs() if hasattr(req, "extract_structured_outputs") else req.structured_outputs
+    if so is None:
+        return None
+    out = {k: v for k in STRUCTURED if (v := getattr(so, k, None)) not in (None, False)}
+    if out:
+        out.update({k: v for k in STRUCTURED_OPTIONS if (v := getattr(so, k, None)) not in (None, False)})
+    return out or None
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,209 +363,3 @@ def request_error(message: str, call: Call, prompt_field: str) -> ApiError:
     if param and word in SAMPLING.values() and word != param:
         text = f"{param} (the fleet's {word}){text[len(word):]}"
     return bad(text, param)
-
-
-# --------------------------------------------------------------------------------------------
-# results out
-
-
-def samples_of(result: Any) -> list[Any]:
-    """The result's samples (``n`` of them); a fleet without ``n`` support: the result itself."""
-    return list(getattr(result, "samples", None) or []) or [result]
-
-
-def spans_of(item: Any) -> list[list[Any]]:
-    return [[v, n] for v, n in (getattr(item, "weight_versions", None) or [])]
-
-
-def provenance(results: Sequence[Any]) -> dict[str, Any]:
-    """The body's ``nemo_gen`` object: the weight version that produced the response (the oldest
-    of its results, when several prompts were served under different versions), the shard (None
-    when several served it), and the version spans (one prompt)."""
-    versions = [r.weight_version for r in results]
-    known = [v for v in versions if v is not None]
-    shards = {r.shard for r in results}
-    out = {"weight_version": min(known) if known else None,
-           "shard": next(iter(shards)) if len(shards) == 1 else None}
-    if len(results) == 1:
-        out["weight_versions"] = spans_of(results[0])
-    return out
-
-
-def _choice_provenance(result: Any, sample: Any) -> dict[str, Any]:
-    spans = spans_of(sample) or spans_of(result)
-    return {"shard": result.shard, "weight_version": spans[-1][0] if spans else result.weight_version,
-            "weight_versions": spans}
-
-
-def _usage(results: Sequence[Any]) -> UsageInfo:
-    prompt = sum(len(r.prompt_token_ids) for r in results)
-    completion = sum(len(s.token_ids) for r in results for s in samples_of(r))
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-class Detokenizer:
-    """Token strings and text pieces from the fleet's tokenizer (the driver's copy)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-
-    def token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def pieces(self, token_ids: Sequence[int], text: str) -> list[str]:
-        """One text piece per token, in order, that join to exactly ``text`` (the engine's text:
-        stop strings already cut). A token that completes no character gets ""; whatever the
-        pieces cannot place goes to the last piece. Linear in the tokens (``IncrementalText``)."""
-        ids = list(token_ids)
-        if not ids:
-            return [text] if text else []
-        decoded, pieces, sent, placing = IncrementalText(self.tokenizer), [], 0, True
-        for token in ids:
-            piece = decoded.add([token])
-            if not placing:
-                piece = ""
-            elif text.startswith(piece, sent):
-                sent += len(piece)
-            else:  # the engine's text parts from the tokens' here (a stop string cut it): the rest at the end
-                common = 0
-                while common < len(piece) and sent + common < len(text) and piece[common] == text[sent + common]:
-                    common += 1
-                piece, sent, placing = piece[:common], sent + common, False
-            pieces.append(piece)
-        pieces[-1] += text[sent:]
-        return pieces
-
-
-def _completion_logprobs(detok: Detokenizer, sample: Any, pieces: list[str] | None) -> CompletionLogProbs:
-    tokens = [detok.token(t) for t in sample.token_ids]
-    lps = [float(x) for x in sample.logprobs]
-    offsets, at = [], 0
-    for piece in pieces if pieces is not None else detok.pieces(sample.token_ids, sample.text or ""):
-        offsets.append(at)
-        at += len(piece)
-    return CompletionLogProbs(text_offset=offsets, token_logprobs=lps, tokens=tokens,
-                              top_logprobs=[{tok: lp} for tok, lp in zip(tokens, lps)])
-
-
-def _chat_logprobs(detok: Detokenizer, token_ids: Sequence[int], logprobs: Sequence[float]) -> ChatCompletionLogProbs:
-    content = []
-    for tid, lp in zip(token_ids, logprobs):
-        tok = detok.token(tid)
-        content.append(ChatCompletionLogProbsContent(token=tok, logprob=float(lp), bytes=list(tok.encode("utf-8"))))
-    return ChatCompletionLogProbs(content=content)
-
-
-def _choices(call: Call, results: Sequence[Any]) -> Iterator[tuple[int, Any, Any]]:
-    """(choice index, result, sample): prompt-major, as OpenAI numbers them."""
-    for i, result in enumerate(results):
-        for k, sample in enumerate(samples_of(result)):
-            yield i * call.n + k, result, sample
-
-
-def completion_response(call: Call, model: str, results: Sequence[Any], detok: Detokenizer,
-                        response_id: str | None = None) -> CompletionResponse:
-    choices = []
-    for index, result, sample in _choices(call, results):
-        choices.append(CompletionResponseChoice(
-            index=index, text=sample.text or "", finish_reason=sample.finish_reason,
-            logprobs=_completion_logprobs(detok, sample, None) if call.logprobs else None,
-            token_ids=list(sample.token_ids) if call.token_ids else None,
-            prompt_token_ids=list(result.prompt_token_ids) if call.token_ids else None,
-            nemo_gen=_choice_provenance(result, sample),
-        ))
-    extra = {"id": response_id} if response_id else {}
-    return CompletionResponse(model=model, choices=choices, usage=_usage(results), nemo_gen=provenance(results),
-                              **extra)
-
-
-def chat_response(call: Call, model: str, results: Sequence[Any], detok: Detokenizer,
-                  response_id: str | None = None) -> ChatCompletionResponse:
-    choices = []
-    for index, result, sample in _choices(call, results):
-        choices.append(ChatCompletionResponseChoice(
-            index=index, message=ChatMessage(role="assistant", content=sample.text or ""),
-            finish_reason=sample.finish_reason,
-            logprobs=_chat_logprobs(detok, sample.token_ids, sample.logprobs) if call.logprobs else None,
-            token_ids=list(sample.token_ids) if call.token_ids else None,
-            nemo_gen=_choice_provenance(result, sample),
-        ))
-    extra = {"id": response_id} if response_id else {}
-    prompt_ids = list(results[0].prompt_token_ids) if call.token_ids else None
-    return ChatCompletionResponse(model=model, choices=choices, usage=_usage(results), nemo_gen=provenance(results),
-                                  prompt_token_ids=prompt_ids, **extra)
-
-
-# --------------------------------------------------------------------------------------------
-# streams: server-sent events as the fleet generates
-
-
-def sse(payload: Any) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-def _dump(model: Any) -> dict[str, Any]:
-    return model.model_dump(exclude_none=True)
-
-
-class StreamFormat:
-    """The chunks of one streamed response, made as the fleet's deltas (``Delta``) arrive.
-
-    Completions: one chunk per delta (the tokens one engine step — or, behind a slow reader,
-    several — made for one choice: their text, and logprobs / token ids when asked). Chat: a role
-    chunk per choice first, then the same. A choice's last chunk carries its ``finish_reason``
-    and its own ``nemo_gen`` (shard, version of its last token, ``weight_versions`` spans of all
-    its tokens); the stream's final chunk (no choices; ``usage`` with
-    ``stream_options.include_usage``) carries the response's ``nemo_gen``; then ``[DONE]``."""
-
-    def __init__(self, call: Call, model: str, detok: Detokenizer, response_id: str, chat: bool):
-        self.call, self.model, self.detok, self.id, self.chat = call, model, detok, response_id, chat
-        self.created = int(time.time())
-        self.spans: dict[int, list[list[Any]]] = {}  # choice index -> its tokens' version spans so far
-        self.chars: dict[int, int] = {}  # choice index -> text characters sent (completion logprob offsets)
-
-    def _chunk(self, choices: list[Any], **extra: Any) -> str:
-        cls = ChatCompletionStreamResponse if self.chat else CompletionStreamResponse
-        return sse(_dump(cls(id=self.id, created=self.created, model=self.model, choices=choices, **extra)))
-
-    def start(self) -> list[str]:
-        if not self.chat:
-            return []
-        return [self._chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                for i in range(len(self.call.prompts) * self.call.n)]
-
-    def delta(self, prompt: int, d: Any) -> str:
-        index = prompt * self.call.n + d.sample
-        spans = self.spans.setdefault(index, [])
-        for version, count in d.weight_versions:
-            add_span(spans, version, count)
-        prov = None
-        if d.finish_reason is not None:
-            prov = {"shard": d.shard, "weight_version": spans[-1][0] if spans else None,
-                    "weight_versions": [list(s) for s in spans]}
-        ids = list(d.token_ids) if self.call.token_ids else None
-        if self.chat:
-            logprobs = _chat_logprobs(self.detok, d.token_ids, d.logprobs) if self.call.logprobs else None
-            choice = ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=d.text), logprobs=logprobs,
-                                                        finish_reason=d.finish_reason, token_ids=ids, nemo_gen=prov)
-        else:
-            at = self.chars.get(index, 0)
-            self.chars[index] = at + len(d.text)
-            logprobs = None
-            if self.call.logprobs:
-                tokens = [self.detok.token(t) for t in d.token_ids]
-                offsets = []
-                for tok in tokens:
-                    offsets.append(at)
-                    at += len(tok)
-                lps = [float(x) for x in d.logprobs]
-                logprobs = CompletionLogProbs(text_offset=offsets, token_logprobs=lps, tokens=tokens,
-                                              top_logprobs=[{tok: lp} for tok, lp in zip(tokens, lps)])
-            choice = CompletionResponseStreamChoice(index=index, text=d.text, logprobs=logprobs,
-                                                    finish_reason=d.finish_reason, token_ids=ids, nemo_gen=prov)
-        return self._chunk([choice])
-
-    def end(self, results: Sequence[Any]) -> list[str]:
-        usage = _usage(results) if self.call.include_usage else None
-        return [self._chunk([], usage=usage, nemo_gen=provenance(results)), sse("[DONE]")]

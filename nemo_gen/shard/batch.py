@@ -63,6 +63,20 @@ class Piece:
     finish_reason: str | None
 
 
+def top_entries(logprobs: Any) -> list[dict[int, float]]:
+    """vLLM's per-token logprob entries as {token id: logprob}: the sampled token and the top
+    alternatives the request asked for (``SamplingParams.logprobs``)."""
+    return [{int(t): float(lp.logprob) for t, lp in entry.items()} for entry in logprobs or ()]
+
+
+def prompt_entries(prompt_logprobs: Any) -> list[dict[int, float] | None] | None:
+    """vLLM's ``RequestOutput.prompt_logprobs`` the same way (the first token's is None)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {int(t): float(lp.logprob) for t, lp in entry.items()}
+            for entry in prompt_logprobs]
+
+
 @dataclass
 class SampleTrack:
     tokens: list[int] = field(default_factory=list)
@@ -70,6 +84,7 @@ class SampleTrack:
     text: str = ""
     spans: list[list[Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    top: list[dict[int, float]] | None = None  # each token's alternatives, when the request asked for them
 
     def add(self, piece: Piece) -> None:
         for version, count in piece.spans:
@@ -77,13 +92,18 @@ class SampleTrack:
         self.tokens += piece.token_ids
         if piece.logprobs:
             self.logprobs += [float(lp[tok].logprob) for tok, lp in zip(piece.token_ids, piece.logprobs)]
+            if self.top is not None:
+                self.top += top_entries(piece.logprobs)
         self.text += piece.text
         if piece.finish_reason is not None:
             self.finish_reason = piece.finish_reason
 
     def as_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.tokens, "text": self.text, "logprobs": self.logprobs,
-                "finish_reason": self.finish_reason, "weight_versions": [tuple(s) for s in self.spans]}
+        out = {"token_ids": self.tokens, "text": self.text, "logprobs": self.logprobs,
+               "finish_reason": self.finish_reason, "weight_versions": [tuple(s) for s in self.spans]}
+        if self.top is not None:
+            out["top_logprobs"] = self.top
+        return out
 
 
 @dataclass
@@ -99,18 +119,22 @@ class Track:
     # Its engine requests report only their final outputs (an unstreamed batch): what a running
     # part has made is in the engine's request state until then, not here.
     final_only: bool = False
+    prompt_logprobs: list[Any] | None = None  # the prompt's, when the request asked for them
 
     @classmethod
     def start(cls, req: GenerationRequest, params: Any, rid: str, internal_id: str,
               final_only: bool = False) -> "Track":
         n = max(1, int(getattr(params, "n", 1) or 1))
-        return cls(req, params, params.max_tokens, [SampleTrack() for _ in range(n)], {rid: (internal_id, None)},
-                   final_only=final_only)
+        top = bool(getattr(params, "logprobs", 0))
+        return cls(req, params, params.max_tokens, [SampleTrack(top=[] if top else None) for _ in range(n)],
+                   {rid: (internal_id, None)}, final_only=final_only)
 
     def observe(self, rid: str, out: Any, spans_of: Callable[[Any], list[tuple[Any, int]]]) -> bool:
         """An output of part ``rid`` (a step's delta, or a final output); ``spans_of(completion)``:
         its tokens' versions. True when the whole request is finished."""
         _, sample = self.parts[rid]
+        if self.prompt_logprobs is None and getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = prompt_entries(out.prompt_logprobs)
         for comp in out.outputs:
             piece = Piece(list(comp.token_ids), comp.logprobs, comp.text or "", spans_of(comp), comp.finish_reason)
             self.samples[comp.index if sample is None else sample].add(piece)
@@ -153,6 +177,8 @@ class Track:
             s.finish_reason = s.finish_reason or "abort"
         samples = [s.as_dict() for s in self.samples]
         self.result = {"index": self.req.index, **samples[0], "samples": samples, "error": None}
+        if self.prompt_logprobs is not None:
+            self.result["prompt_logprobs"] = self.prompt_logprobs
         return self.result
 
 

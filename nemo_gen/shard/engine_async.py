@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
-from nemo_gen.shard.batch import Track, spans_between
+from nemo_gen.shard.batch import Track, prompt_entries, spans_between
 from nemo_gen.shard.engine_base import BaseEngine, error_dict
 from nemo_gen.shard.swap import AsyncSwap
 from nemo_gen.shard.streaming import Cursor
@@ -64,6 +64,7 @@ class AsyncEngine(BaseEngine):
     async def _one(self, req: GenerationRequest, params: Any) -> dict:
         request_id = f"nemo-gen-{next(self._ids)}"
         latest: dict[int, Any] = {}
+        prompt_lps = None
         self.weights.check()
         self.running.add(request_id)
         try:
@@ -76,6 +77,7 @@ class AsyncEngine(BaseEngine):
                     # reader lagged and they were merged): keep each sample's latest (cumulative) state.
                     for comp in out.outputs:
                         latest[comp.index] = comp
+                    prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
         except (ValueError, TypeError) as exc:
             return error_dict(req, exc)
         finally:
@@ -83,8 +85,10 @@ class AsyncEngine(BaseEngine):
         self.weights.check()
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
-        samples = [vllm_compat.sample_dict(latest[i], self._version_spans(latest[i])) for i in sorted(latest)]
-        return {"index": req.index, **samples[0], "samples": samples, "error": None}
+        top = bool(params.logprobs)
+        samples = [vllm_compat.sample_dict(latest[i], self._version_spans(latest[i]), top) for i in sorted(latest)]
+        extra = {"prompt_logprobs": prompt_entries(prompt_lps)} if params.prompt_logprobs is not None else {}
+        return {"index": req.index, **samples[0], "samples": samples, "error": None, **extra}
 
     async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
         rid = f"nemo-gen-{next(self._ids)}"

@@ -16,7 +16,7 @@ import threading
 import uuid
 from typing import Any, Callable
 
-from nemo_gen.shard.batch import Piece, Track
+from nemo_gen.shard.batch import Piece, Track, top_entries
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 
 VersionOf = Callable[[Any], "int | None"]  # an output label -> the weight version it stands for
@@ -27,6 +27,11 @@ def sampling_params(s: dict[str, Any]):
     from vllm import SamplingParams
 
     top_k = s.get("top_k")
+    structured = None
+    if s.get("structured_outputs"):  # a grammar to decode under (the server's forced tool calls)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(**s["structured_outputs"])
     return SamplingParams(
         max_tokens=s["max_new_tokens"],
         n=s.get("n") or 1,
@@ -39,7 +44,9 @@ def sampling_params(s: dict[str, Any]):
         seed=s.get("seed"),
         ignore_eos=bool(s.get("ignore_eos") or False),
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
-        logprobs=0,
+        logprobs=s.get("logprobs") or 0,
+        prompt_logprobs=s.get("prompt_logprobs"),
+        structured_outputs=structured,
         extra_args={EXTRA_KEY: s[EXTRA_KEY]} if s.get(EXTRA_KEY) else None,  # the request's LoRA adapter
     )
 
@@ -167,13 +174,16 @@ def state_spans(state: Any, version_of: VersionOf) -> list[tuple[int | None, int
     return [(version_of(label), end - start) for (label, start), end in zip(starts, ends)]
 
 
-def sample_dict(comp: Any, spans: list[tuple[int | None, int]]) -> dict[str, Any]:
+def sample_dict(comp: Any, spans: list[tuple[int | None, int]], top: bool = False) -> dict[str, Any]:
     """One finished (cumulative) completion output as a sample of a result; ``spans``: its
-    tokens by the version that sampled them."""
+    tokens by the version that sampled them; ``top``: with each token's alternatives."""
     token_ids = list(comp.token_ids)
     logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)] if comp.logprobs else []
-    return {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
-            "finish_reason": comp.finish_reason, "weight_versions": spans}
+    out = {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
+           "finish_reason": comp.finish_reason, "weight_versions": spans}
+    if top:
+        out["top_logprobs"] = top_entries(comp.logprobs)
+    return out
 
 
 # -- the output processor's request state ---------------------------------------------------------

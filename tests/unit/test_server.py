@@ -89,8 +89,11 @@ def test_logprobs_are_the_sampled_tokens_and_offsets_index_the_text(served, clie
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert all(list(top) == [tok] for top, tok in zip(lp.top_logprobs, lp.tokens))
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_of(served), prompt="hello", logprobs=2)
+    with pytest.raises(openai.BadRequestError) as info:  # OpenAI's bound on alternatives per token
+        client.completions.create(model=model_of(served), prompt="hello", logprobs=21)
+    assert info.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as info:  # the stream's deltas carry no alternatives
+        client.completions.create(model=model_of(served), prompt="hello", logprobs=2, stream=True)
     assert info.value.body["param"] == "logprobs"
 
 
@@ -174,9 +177,15 @@ def test_bad_input_is_a_400_naming_the_field(served, client, kwargs, param):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
-    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": -2, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true (vLLM's rule)
+    ({"top_logprobs": 3, "logprobs": True, "stream": True}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tools ask for tool_choice auto, which needs server.tool_call_parser (unset here)
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
 ])
 def test_bad_chat_input_is_a_400_naming_the_field(served, client, kwargs, param):
     kwargs = {"messages": [{"role": "user", "content": "fine"}], **kwargs}
@@ -345,7 +354,7 @@ def test_a_shard_lost_mid_stream_ends_the_stream_with_an_error_event_naming_it(m
 
 
 def test_text_pieces_join_to_the_engines_text(served):
-    from nemo_gen.server.protocol import Detokenizer
+    from nemo_gen.server.responses import Detokenizer
 
     tok = served[0].router.tokenizer
     detok = Detokenizer(tok)

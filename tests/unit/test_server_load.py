@@ -170,12 +170,12 @@ def test_malformed_and_oversized_requests_are_400s_naming_the_field(served, flee
 def test_tokenizing_and_building_responses_happen_off_the_servers_event_loop(served, fleet, monkeypatch):
     """The loop that answers /health must never tokenize a prompt, render a chat template or
     build a response body: each of those ran there, so one 4 MB prompt held /health for 7-16 s."""
-    from nemo_gen.server import protocol
+    from nemo_gen.server import responses
 
     seen: dict[str, set[int]] = {}
     router = fleet.router
     real_requests = type(router).requests
-    real_response = protocol.completion_response
+    real_response = responses.completion_response
 
     def spy(name, fn):
         def wrapped(*a, **kw):
@@ -184,7 +184,7 @@ def test_tokenizing_and_building_responses_happen_off_the_servers_event_loop(ser
         return wrapped
 
     monkeypatch.setattr(type(router), "requests", spy("requests", real_requests))
-    monkeypatch.setattr(protocol, "completion_response", spy("response", real_response))
+    monkeypatch.setattr(responses, "completion_response", spy("response", real_response))
     server_thread = next(t for t in threading.enumerate() if t.name == "nemo-gen-http")
     answer = httpx.post(url(served, "/v1/completions"), json={"prompt": "hello there", "max_tokens": 2})
     assert answer.status_code == 200

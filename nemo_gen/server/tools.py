@@ -1,0 +1,193 @@
+"""Tool calls and reasoning on chat completions, on vLLM's own pieces.
+
+What vLLM's chat server does, done the same way over the fleet:
+
+- the parsers are vLLM's: ``ParserManager.get_parser`` composes ``server.tool_call_parser`` (a
+  ``ToolParserManager`` name) and ``server.reasoning_parser`` (a ``ReasoningParserManager`` name),
+  and checks them against the tokenizer when the server starts;
+- a request is refused as vLLM's renderer refuses it: ``tool_choice`` ``auto`` / ``required`` /
+  a named function without a tool-call parser is a 400 naming ``tool_choice``; vLLM's request
+  model checks the rest (an unknown function name in ``tool_choice``, malformed ``tools``);
+- ``required`` and a named function are constrained by the parser's ``adjust_request``: the
+  parser's structural tag (Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, the
+  arguments pinned to the tool's schema when the tool is ``strict`` or ``server.tool_strict_level``
+  says so), or for parsers without one a JSON schema from the tools
+  (``get_json_schema_from_tools``), becomes the request's structured outputs, which the engines
+  decode under (the fleet's ``structured_outputs`` sampling key). The one change to vLLM's
+  grammar: runs of whitespace in it are bounded (``server.tool_call_whitespace``), so even a
+  random model closes its call;
+- the prompt is rendered with the tools by vLLM's ``safe_apply_chat_template`` over the
+  tokenizer's own chat template, the messages' tool-call arguments made objects first
+  (``_postprocess_messages``), then tokenized as the fleet tokenizes a chat (the template wrote
+  the special tokens);
+- answers are split by ``Parser.parse`` (whole) or ``Parser.parse_delta`` (streamed, one parser
+  per choice) into ``content``, ``reasoning`` (vLLM 0.32's field) and ``tool_calls``;
+  ``finish_reason`` is ``tool_calls`` when vLLM's would be, and ``parallel_tool_calls: false``
+  keeps the first call only (``maybe_filter_parallel_tool_calls``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Sequence
+
+from vllm.entrypoints.generate.base.protocol import DeltaMessage, ToolCall
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionRequest,
+    ChatMessage,
+)
+from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
+from vllm.exceptions import VLLMValidationError
+from vllm.parser import ParserManager
+from vllm.renderers.chat_utils import _postprocess_messages, make_tool_call_id
+from vllm.renderers.hf import safe_apply_chat_template
+
+from nemo_gen.server.protocol import bad, structured_of
+
+
+
+class ChatTools:
+    """The server's parsers (from its settings) and the tokenizer they and the template run on."""
+
+    def __init__(self, server_settings: Any, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.tool_parser = server_settings.tool_call_parser
+        self.reasoning_parser = server_settings.reasoning_parser
+        self.auto = self.tool_parser is not None
+        self.whitespace = server_settings.tool_call_whitespace
+        self.parser_cls = None
+        if self.tool_parser or self.reasoning_parser:
+            self.parser_cls = ParserManager.get_parser(
+                tool_parser_name=self.tool_parser, reasoning_parser_name=self.reasoning_parser,
+                enable_auto_tools=self.auto, tool_strict_level=server_settings.tool_strict_level, tokenizer=tokenizer)
+
+    def turn(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> "ChatTurn":
+        """The request checked and adjusted as vLLM's renderer does it (400 naming the field)."""
+        choice = req.tool_choice
+        if choice not in (None, "none") and not self.auto:
+            what = f'function "{choice.function.name}"' if isinstance(choice, ChatCompletionNamedToolChoiceParam) \
+                else f'"{choice}"'
+            raise bad(f"tool_choice: tool_choice={what} needs a tool-call parser; set server.tool_call_parser "
+                      "(a vLLM ToolParserManager name, e.g. hermes)", "tool_choice")
+        asked = req.structured_outputs
+        if self.parser_cls is not None and (self.reasoning_parser or choice not in (None, "none")):
+            try:
+                req = self.parser_cls(self.tokenizer, req.tools).adjust_request(req)
+            except (VLLMValidationError, ValueError) as exc:
+                param = getattr(exc, "parameter", None) or "tools"
+                raise bad(f"{param}: {exc}", param) from None
+        return ChatTurn(self, req, messages, constrained=req.structured_outputs is not asked)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> list[int]:
+    """A chat's token ids as the chat route makes them: vLLM's template application over the
+    tokenizer's chat template (tool-call arguments made objects first), then tokenized as the
+    fleet tokenizes a chat (the template wrote the special tokens)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad("messages: this prompt is a chat, but the tokenizer (model.tokenizer, or the model's own) "
+                  "has no chat template", "messages")
+    conversation = copy.deepcopy(messages)
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    try:
+        _postprocess_messages(conversation)
+        text = safe_apply_chat_template(None, tokenizer, conversation, tools=tool_dicts,
+                                        chat_template=tokenizer.chat_template, tokenize=False,
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message)
+    except VLLMValidationError as exc:
+        param = getattr(exc, "parameter", None) or "messages"
+        raise bad(f"{param}: {exc}", param) from None
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+class ChatTurn:
+    """One chat request with tools or a reasoning parser: its prompt, its sampling constraint,
+    and its answers parsed."""
+
+    def __init__(self, tools: ChatTools, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                 constrained: bool = False):
+        self.tools, self.req, self.messages = tools, req, messages
+        self.constrained = constrained  # the parser set the request's grammar (a forced or strict call)
+        self.named = isinstance(req.tool_choice, ChatCompletionNamedToolChoiceParam)
+
+    @property
+    def parses(self) -> bool:
+        return self.tools.parser_cls is not None
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """The fleet's ``structured_outputs`` keyword: the request's own, or the forced call's schema."""
+        out = structured_of(self.req)
+        if out and self.constrained and self.tools.whitespace is not None and "structural_tag" in out:
+            tag = json.loads(out["structural_tag"])
+            _bound_whitespace(tag, self.tools.whitespace)
+            out["structural_tag"] = json.dumps(tag)
+        return out
+
+    def render(self) -> list[int]:
+        """The prompt's token ids: the messages and tools through the tokenizer's chat template."""
+        return render_chat(self.tools.tokenizer, self.messages, self.req.tools)
+
+    def message(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+        """An answer as the assistant's message and its finish reason, as vLLM's full generator makes them."""
+        if not self.parses:
+            return ChatMessage(role="assistant", content=text), finish_reason
+        parser = self.tools.parser_cls(self.tools.tokenizer, self.req.tools)
+        reasoning, content, calls = parser.parse(text, self.req, enable_auto_tools=self.tools.auto,
+                                                 model_output_token_ids=list(token_ids))
+        if not self.req.include_reasoning:
+            reasoning = None
+        forced = self.named or self.req.tool_choice == "required"
+        calls = maybe_filter_parallel_tool_calls(list(calls or []), self.req)
+        tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls]
+        message = ChatMessage(role="assistant", reasoning=reasoning,
+                              content=(content or "") if forced else content, tool_calls=tool_calls)
+        auto_called = bool(tool_calls) and not forced and self.req.tool_choice in ("auto", None)
+        if auto_called or (self.req.tool_choice == "required" and finish_reason == "stop"):
+            finish_reason = "tool_calls"
+        return message, finish_reason
+
+    def stream(self, prompt_token_ids: list[int] | None) -> "StreamedTurn":
+        return StreamedTurn(self, prompt_token_ids)
+
+
+def _bound_whitespace(node: Any, most: int) -> None:
+    """Every JSON content of a structural tag with unbounded whitespace bounded to ``most``
+    consecutive characters (server.tool_call_whitespace)."""
+    if isinstance(node, dict):
+        if "max_whitespace_cnt" in node and node["max_whitespace_cnt"] is None:
+            node["max_whitespace_cnt"] = most
+        for value in node.values():
+            _bound_whitespace(value, most)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_whitespace(value, most)
+
+
+class StreamedTurn:
+    """One streamed choice's parser state (vLLM's parsers are stateful: one per choice)."""
+
+    def __init__(self, turn: ChatTurn, prompt_token_ids: list[int] | None):
+        self.turn = turn
+        self.prompt_token_ids = prompt_token_ids
+        self.parser = turn.tools.parser_cls(turn.tools.tokenizer, turn.req.tools) if turn.parses else None
+        self.called = False
+
+    def delta(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:
+        """A delta's message (None: nothing to say yet) and the choice's finish reason."""
+        if self.parser is None:
+            return DeltaMessage(content=text), finish_reason
+        message = self.parser.parse_delta(delta_text=text, delta_token_ids=list(token_ids), request=self.turn.req,
+                                          prompt_token_ids=self.prompt_token_ids, finished=finish_reason is not None)
+        if message is not None and message.tool_calls:
+            self.called = True
+            message = maybe_filter_parallel_tool_calls(message, self.turn.req)
+        if message is not None and not self.turn.req.include_reasoning:
+            message.reasoning = None
+        if self.called and not self.turn.named and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return message, finish_reason
+
