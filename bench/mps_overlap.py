@@ -20,6 +20,8 @@ import os
 import time
 from typing import Sequence
 
+from bench.lib.result import write_result
+
 HIDDEN, FFN, LAYERS = 2048, 5632, 8
 
 
@@ -83,10 +85,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
               "slowdown": {r: alone[r] / both[r] for r in alone},
               "combined_throughput": sum(both[r] / alone[r] for r in alone)}
     print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return write_result(args.json, "mps_overlap", args, result)
 
 
 if __name__ == "__main__":
