@@ -9,7 +9,7 @@ the times are recovery's own, not a generate call's.
 
 Phase A, no spare (``fleet.spares`` 0), ``--rounds`` rounds, each (in alternating order):
 
-- cold start: ``nemo_gen.fleet.driver.launch_shard`` of one extra engine with the fleet's own
+- cold start: ``nemo_gen.fleet.launch.launch_shard`` of one extra engine with the fleet's own
   shard spec (placement group + actor + engine load, exactly what a restart calls), timed by
   the wall clock, then stopped and reaped; the engine's own ``load_s`` is printed beside it;
 - SIGKILL a shard actor: time until its slot is HEALTHY again at the fleet's version
@@ -353,7 +353,7 @@ def print_kill(label: str, k: dict[str, Any], extra: str = "") -> None:
 def cold_start(fleet, r: int) -> dict[str, Any]:
     """One engine started the way a restart starts it (``launch_shard`` of the fleet's shard
     spec under another name), then stopped and reaped."""
-    from nemo_gen.fleet.driver import launch_shard
+    from nemo_gen.fleet.launch import launch_shard
 
     spec = dataclasses.replace(fleet.resolved.shards[0], name=f"{FLEET}-coldstart-{r}", spare=True)
     t0 = time.perf_counter()

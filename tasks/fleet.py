@@ -9,15 +9,15 @@ from prefect.cache_policies import NO_CACHE
 
 from nemo_gen import pipeline
 from nemo_gen.core.results import GenerationResult
-from nemo_gen.fleet import driver
-from nemo_gen.shard.actor import ShardHandle, ShardSpec
+from nemo_gen.fleet import launch
+from nemo_gen.fleet.handles import ShardHandle, ShardSpec
 from nemo_gen.jsonl import PromptLine
 
 
 @task(name="launch-shard", cache_policy=NO_CACHE, task_run_name="launch-shard-{spec.index}")
 def launch_shard(spec: ShardSpec) -> ShardHandle:
     """A controller that places and starts one actor (in the flow's process: flows/pipeline.py)."""
-    return driver.launch_shard(spec)
+    return launch.launch_shard(spec)
 
 
 @task(name="generate", cache_policy=NO_CACHE)

@@ -36,8 +36,9 @@ from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.wire import CheckRefit, LoadRefit, ShardInfo, StreamDeltas, StreamEnd, SyncRequest
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
-from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver, classify, failure_of, unanswered
-from nemo_gen.shard.actor import ShardHandle, ShardSpec
+from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver
+from nemo_gen.fleet.faults import classify, failure_of, unanswered
+from nemo_gen.fleet.handles import ShardHandle, ShardSpec
 from nemo_gen.shard.rules import Host, Shard
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary

@@ -36,6 +36,16 @@ class FailureKind(str, enum.Enum):
     DATA = "data"  # the shard said no (a bad manifest, a bad request): the same on any shard
 
 
+def exception_line(exc: BaseException) -> str:
+    """``Type: last line`` of an exception the actor raised: how a shard's direct line answers a
+    failed call, and how the Ray path reports one (``nemo_gen.fleet.faults.root_cause`` describes
+    the task error's cause). Pydantic's closing pointer to its docs is no line worth keeping: the
+    one before it says why."""
+    text = [line for line in str(exc).strip().splitlines()
+            if line.strip() and not line.strip().startswith("For further information visit")]
+    return f"{type(exc).__name__}: {text[-1].strip() if text else ''}"
+
+
 @dataclass(frozen=True)
 class Failure:
     """Why one shard's call failed: its kind, the type of the exception the shard raised (or the

@@ -1,8 +1,9 @@
-"""The one seam between the fleet and Ray: every call to a shard actor goes through here.
+"""The one seam between the fleet and Ray: every call to a shard actor goes through here (and
+through ``nemo_gen.fleet.launch``, which places and starts one).
 
 ``ShardDriver`` places, starts, calls, watches and stops shard actors. Each method has a
 typed result, every deadline comes from the settings (``DriverTimeouts``), and one function,
-``classify``, maps what Ray and vLLM raise into ``nemo_gen.errors`` by the fault model
+``classify`` (``nemo_gen.fleet.faults``), maps what Ray and vLLM raise into ``nemo_gen.errors`` by the fault model
 (``nemo_gen.core.retry``): *dead* (the actor, its engine or its node is gone, a control call
 went unanswered) becomes ``ShardDiedError``; *busy* (the shard refused admission for now)
 ``ShardBusy``; *slow* and *data* (the actor said no: a bad manifest, a bad request) are raised
@@ -10,13 +11,13 @@ as they are. A call waiting on several shards waits once, for all of them, never
 
 A refit's ``weight_sync`` calls to a shard on this node go over the shard's direct line
 (``nemo_gen.shard.control_channel``, ``refit.control_channel``), which costs a socket round trip
-instead of a Ray call's ~1.2-1.5 ms each way; the driver opens one per shard on first use, drops it
+instead of a Ray call each way (bench/results/2026-12-03/cpu-refit_call.md); the driver opens one per shard on first use, drops it
 when it breaks or a call outlives its deadline, and Ray carries every call it cannot.
 
 Non-blocking calls (generate, watch, probe) return a ``Call`` that the fleet's loops wait on
 together; ``result`` classifies its outcome. A streamed generate (``generate_stream``) returns a
-``Stream``: its items as the shard's Ray streaming generator yields them. The fleet logic above this module never sees a
-Ray object, so ``tests/fakes.py`` can stand in for Ray with a ``FakeDriver`` of the same
+``Stream``: its items as the shard's Ray streaming generator yields them. The fleet logic
+above this module never sees a Ray object, so ``tests/fakes.py`` can stand in for Ray with a ``FakeDriver`` of the same
 shape (shards that die, hang or slow down on command).
 """
 
@@ -32,17 +33,16 @@ from typing import Any, Callable, Iterable, Mapping
 
 import ray
 from ray.util import get_node_ip_address
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nemo_gen.core.retry import kind_of
 from nemo_gen.core.wire import (
     AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo,
     StreamDeltas, StreamEnd, SyncRequest,
 )
-from nemo_gen.errors import EngineStartError, NemoGenError, PlacementError, ShardBusy, ShardDiedError
-from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread, describe
-from nemo_gen.shard.actor import ShardActor, ShardHandle, ShardSpec, slot_from_name
+from nemo_gen.errors import ShardDiedError
+from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread
+from nemo_gen.fleet.faults import classify, failure_of, root_cause, unanswered
+from nemo_gen.fleet.handles import ShardHandle, ShardSpec, slot_from_name
+from nemo_gen.fleet.launch import launch_shard, teardown
 
 log = logging.getLogger(__name__)
 
@@ -137,42 +137,6 @@ class Pending:
             pass
 
 
-def root_cause(exc: BaseException) -> str:
-    """``Type: last line`` of what a Ray error wraps (the actor-side exception, not Ray's frame):
-    the same form a shard's direct line answers in (``control_channel.describe``)."""
-    return describe(getattr(exc, "cause", None) or exc)
-
-
-def failure_of(exc: BaseException) -> Failure:
-    """A Ray error (or the actor's exception it wraps) as a wire ``Failure``: its fault-model kind,
-    and the actor-side exception's type and last line (``root_cause``)."""
-    type_name, _, detail = root_cause(exc).partition(": ")
-    return Failure(FailureKind(kind_of(exc)), type_name, detail)
-
-
-def unanswered(method: str, wait: float) -> Failure:
-    """A call that outlived its deadline: the shard is frozen or gone (dead, not slow: the workers
-    enforce the refit deadline, so a live shard answers within it)."""
-    return Failure(FailureKind.DEAD, "GetTimeoutError", f"{method} did not answer within {wait:g}s")
-
-
-def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:
-    """The one mapping from Ray's and vLLM's exceptions to nemo_gen's: dead -> ShardDiedError
-    (naming the call), busy -> ShardBusy, anything else unchanged (a slow or data failure is the
-    caller's to see)."""
-    if isinstance(exc, NemoGenError):
-        return exc
-    index = handle.index if handle is not None and handle.index is not None else -1
-    if isinstance(exc, ray.exceptions.GetTimeoutError):
-        return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")
-    kind = kind_of(exc)
-    if kind == "busy":
-        return ShardBusy(index, root_cause(exc))
-    if kind == "dead":
-        return ShardDiedError(index, root_cause(exc))
-    return exc
-
-
 class ShardDriver:
     """Every Ray call the fleet makes on a shard actor; see the module doc."""
 
@@ -231,14 +195,14 @@ class ShardDriver:
             pids.update(ray.get(handle.actor.shutdown.remote(self.timeouts.engine_grace_s), timeout=self.timeouts.stop_s))
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # already dead or wedged: killing the actor below is what remains
-        _teardown(handle.actor, handle.placement_group)
+        teardown(handle.actor, handle.placement_group)
         return sorted(pids)
 
     def kill(self, handle: ShardHandle) -> None:
         """Kill the shard's actor without asking it first (it may be dead, hung or stopped) and
         free its placement group. The raylet tears the actor's process group down with it."""
         self._drop_channel(handle)
-        _teardown(handle.actor, handle.placement_group)
+        teardown(handle.actor, handle.placement_group)
 
     def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
         """Every live actor of fleet ``fleet`` (shards, replacements, spares), found by name
@@ -465,77 +429,3 @@ class ShardDriver:
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)
-
-
-def launch_shard(spec: ShardSpec) -> ShardHandle:
-    """Place, create and start one shard: the unit both the library and the Prefect task call.
-    Blocking; raises PlacementError / EngineStartError.
-    Anything it created is torn down again when a step fails."""
-    pg = reserve_placement(spec)
-    first = spec.bundles[0]
-    world = len(spec.bundles)
-    options = dict(
-        name=spec.actor_name,
-        namespace=spec.namespace,
-        lifetime="detached",
-        max_restarts=0,  # recovery is ours (refit before serving), not Ray's silent restart
-        num_cpus=first.get("CPU", 0),
-        # On GPU with several ranks vLLM's Ray executor schedules one worker per bundle GPU.
-        num_gpus=first.get("GPU", 0) if world == 1 else 0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
-        ),
-        runtime_env={"env_vars": spec.engine_env},
-    )
-    actor = None
-    try:
-        actor = ShardActor.options(**options).remote(
-            spec.index, spec.engine_kwargs, spec.async_engine, spec.weight_version,
-            None if spec.spare else spec.index, spec.fleet, spec.engine_core_start,
-        )
-        info = ray.get(actor.start.remote(), timeout=spec.engine_start_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        _teardown(actor, pg)
-        raise EngineStartError(
-            spec.index, f"not ready within fleet.engine_start_timeout_s={spec.engine_start_timeout_s:g}s"
-        ) from None
-    except ValueError as exc:  # a duplicate actor name: a fleet of that name is already up
-        _teardown(None, pg)
-        raise EngineStartError(spec.index, f"{exc} (another fleet named {spec.fleet!r} is running?)") from None
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-        _teardown(actor, pg)
-        raise EngineStartError(spec.index, root_cause(exc)) from None
-    return ShardHandle(index=spec.index, name=spec.actor_name, actor=actor, placement_group=pg, info=info)
-
-
-def reserve_placement(spec: ShardSpec):
-    """Reserve the shard's placement group, or raise PlacementError at the deadline (Ray
-    itself would wait forever for resources that never come)."""
-    pg = placement_group(
-        spec.bundles, strategy=spec.strategy, name=f"{spec.actor_name}-pg", lifetime="detached",
-        _soft_target_node_id=spec.node_hint,
-    )
-    try:
-        ray.get(pg.ready(), timeout=spec.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
-        raise PlacementError(
-            f"shard {spec.index}: the Ray cluster could not place bundles {spec.bundles} "
-            f"({spec.strategy}) within fleet.placement_timeout_s={spec.placement_timeout_s:g}s; "
-            f"available now: {available}"
-        ) from None
-    return pg
-
-
-def _teardown(actor: Any, pg: Any) -> None:
-    if actor is not None:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass  # already gone
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception:
-            pass

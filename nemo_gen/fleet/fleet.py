@@ -35,7 +35,7 @@ from nemo_gen.fleet.recovery import Recovery
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.router import Prompt, Router
-from nemo_gen.shard.actor import ShardHandle
+from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
 from nemo_gen.fleet.weight_sync import FleetWeightSyncClient

@@ -16,7 +16,7 @@ from typing import Iterable
 from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.members import Member
 from nemo_gen.core.slots import SlotTable
-from nemo_gen.shard.actor import ShardHandle
+from nemo_gen.fleet.handles import ShardHandle
 
 log = logging.getLogger(__name__)
 

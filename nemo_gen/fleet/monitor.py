@@ -33,7 +33,7 @@ from nemo_gen.core.wire import ProbeReply, ProbeStatus
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.shard.actor import ShardHandle
+from nemo_gen.fleet.handles import ShardHandle
 
 log = logging.getLogger(__name__)
 

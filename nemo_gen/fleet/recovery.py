@@ -42,7 +42,7 @@ from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
 from nemo_gen.host.processes import processes, wait_exit, wait_or_kill
 from nemo_gen.fleet.refit import Refitter
-from nemo_gen.shard.actor import ShardHandle, ShardSpec
+from nemo_gen.fleet.handles import ShardHandle, ShardSpec
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.weights import FleetWeights
 

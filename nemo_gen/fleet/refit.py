@@ -40,7 +40,7 @@ from nemo_gen.core.wire import CheckRefit, LoadRefit
 from nemo_gen.errors import NemoGenError, ShardDiedError, StaleShard
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.shard.actor import ShardHandle
+from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.weights import FleetWeights, StagedRefit
 from nemo_gen.fleet.weight_sources import as_source
 

@@ -24,7 +24,7 @@ from nemo_gen.core.placement import (
     spread_shards,
 )
 from nemo_gen.errors import ConfigError
-from nemo_gen.shard.actor import ShardSpec
+from nemo_gen.fleet.handles import ShardSpec
 from nemo_gen.core.generation_config import check_backend, configure_generation_config
 from nemo_gen.settings import NemoGenSettings
 

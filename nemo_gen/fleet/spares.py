@@ -19,7 +19,7 @@ from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
 from nemo_gen.fleet.refit import Refitter
-from nemo_gen.shard.actor import ShardHandle, ShardSpec
+from nemo_gen.fleet.handles import ShardHandle, ShardSpec
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from nemo_gen.core.wire import (
     SyncUpdate,
 )
 from nemo_gen.fleet.refit import Refitter, metas_of
-from nemo_gen.shard.actor import ShardHandle
+from nemo_gen.fleet.handles import ShardHandle
 
 log = logging.getLogger(__name__)
 

@@ -40,17 +40,10 @@ from multiprocessing.connection import (AuthenticationError, Connection, Listene
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Awaitable, Callable
 
+from nemo_gen.core.wire import exception_line
+
 # The status of an answer to a call the server could not read (it never ran).
 UNREAD = "unread"
-
-
-def describe(exc: BaseException) -> str:
-    """``Type: last line`` of an exception the actor raised: how the line answers a failed call,
-    and how the Ray path reports one (``driver.root_cause`` describes the task error's cause).
-    Pydantic's closing pointer to its docs is no line worth keeping: the one before it says why."""
-    text = [line for line in str(exc).strip().splitlines()
-            if line.strip() and not line.strip().startswith("For further information visit")]
-    return f"{type(exc).__name__}: {text[-1].strip() if text else ''}"
 
 
 class ChannelServer:
@@ -121,7 +114,7 @@ class ChannelServer:
         try:
             args = ForkingPickler.loads(frame)
         except Exception as exc:  # noqa: BLE001 — e.g. a class this process cannot import
-            self._answer(conn, (UNREAD, describe(exc)))
+            self._answer(conn, (UNREAD, exception_line(exc)))
             return
         self.calls += 1
         self._busy[conn] = self._loop.create_task(self._serve(conn, args))
@@ -131,9 +124,9 @@ class ChannelServer:
         try:
             answer = (True, await self._handler(*args))
         except asyncio.CancelledError as exc:  # the loop is going down: the caller still hears of it
-            answer, cancelled = (False, describe(exc)), exc
+            answer, cancelled = (False, exception_line(exc)), exc
         except Exception as exc:  # noqa: BLE001 — every failure is the caller's to see
-            answer = (False, describe(exc))
+            answer = (False, exception_line(exc))
         self._busy.pop(conn, None)
         self._answer(conn, answer)
         if cancelled is not None:

@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 from nemo_gen.errors import ConfigError, PlacementError
 from nemo_gen.fleet.cluster import cluster_resources
 from nemo_gen.fleet.resolve import resolve_generation
-from nemo_gen.fleet.driver import launch_shard, reserve_placement
+from nemo_gen.fleet.launch import launch_shard, reserve_placement
 
 pytestmark = pytest.mark.ray
 

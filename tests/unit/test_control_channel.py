@@ -212,7 +212,7 @@ class _LocalDriver:
 
 
 def _handle():
-    from nemo_gen.shard.actor import ShardHandle
+    from nemo_gen.fleet.handles import ShardHandle
 
     return ShardHandle(index=0, name="fleet-shard-0", actor=None, placement_group=None)
 
@@ -332,7 +332,7 @@ def test_a_call_the_line_cannot_read_goes_over_ray(server):
     """fan_out sends a call the actor answered "unread" over Ray at once (Ray's pickling carries
     a trainer's own classes by value): the shard is not lost, and the line is dropped."""
     from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
-    from nemo_gen.shard.actor import ShardHandle
+    from nemo_gen.fleet.handles import ShardHandle
 
     sent_over_ray = []
 
@@ -374,7 +374,7 @@ def test_fan_out_over_frozen_shards_waits_its_deadline_once():
     import ray as ray_module
 
     from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
-    from nemo_gen.shard.actor import ShardHandle
+    from nemo_gen.fleet.handles import ShardHandle
 
     class Actor:
         def __getattr__(self, name):

@@ -12,7 +12,7 @@ import pytest
 from nemo_gen.cli_view import status_table
 from nemo_gen.fleet import recovery, status
 from nemo_gen.host import gpu_memory
-from nemo_gen.shard.actor import ShardHandle
+from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.core.wire import ShardInfo
 from nemo_gen.shard.rules import Host
 from tests.fakes import FakeDriver, FakeEngine, fake_fleet

@@ -129,7 +129,7 @@ def test_the_vllm_stats_snapshot_is_the_serving_actors_own():
     """A slot's stats are kept with the actor that sent them: a replacement does not inherit its
     predecessor's counters; a fetch that fails leaves the last snapshot to age."""
     from nemo_gen.fleet.monitor import VllmStats
-    from nemo_gen.shard.actor import ShardHandle
+    from nemo_gen.fleet.handles import ShardHandle
 
     class Driver:
         fail = False
