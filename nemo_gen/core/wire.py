@@ -12,6 +12,7 @@ and every tier see. No dict of the fleet's crosses the boundary; what vLLM defin
 - ``SyncRequest``: one step of vLLM's weight-sync protocol, ``SyncStep`` naming it and one frozen
   payload type per step; ``SyncReply`` its answer (``ApplyTimings`` for a one-call apply).
 - ``ChannelAddress``: where a shard's direct line for weight-sync steps listens.
+- ``EngineManifest``: the tensors a refit of the policy or the drafter must provide.
 - ``AdapterModules`` / ``AdapterLoad`` / ``AdapterRemove``: a LoRA adapter call on one shard.
 - ``Failure``: how a call failed, by the fault model (``nemo_gen.core.retry``): dead, busy, slow
   or data — never a bare string.
@@ -300,6 +301,29 @@ class SyncReply:
 
     layout_unknown: bool = False
     timings: ApplyTimings | None = None
+
+
+# -- the engine's manifest ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    """What a refit of one target ("policy" or "draft") must provide, as the engine itself says
+    (``expected_manifest``): each tensor's shape and dtype, the names that may be left out (tied
+    output embeddings, and the drafter's tensors that are the policy's own), those shared ones
+    alone, and whether the target exists at all (no drafter: ``available`` False)."""
+
+    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+    optional: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    available: bool = True
+
+    @classmethod
+    def of(cls, answer: Mapping[str, Any]) -> "EngineManifest":
+        """A worker's answer (``nemo_gen_expected_manifest``) as the wire's message."""
+        return cls({n: (tuple(shape), str(dtype)) for n, (shape, dtype) in answer["tensors"].items()},
+                   tuple(answer.get("optional", ())), tuple(answer.get("shared", ())),
+                   bool(answer.get("available", True)))
 
 
 # -- LoRA adapters (``nemo_gen.fleet.adapters`` -> ``nemo_gen.shard.adapters``) -------------------------

@@ -140,7 +140,7 @@ class FleetAdapters:
         if self._base is None:
             expected = self.refitter.expected("policy")
             engine = self._modules()
-            self._base = base_lora_manifest(expected["tensors"], engine["supported"],
+            self._base = base_lora_manifest(expected.tensors, engine["supported"],
                                             min(self.max_rank, engine["max_rank"]), self._model_names)
         return self._base
 

@@ -35,7 +35,7 @@ import ray
 from ray.util import get_node_ip_address
 
 from nemo_gen.core.wire import (
-    AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo,
+    AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo,
     StreamDeltas, StreamEnd, SyncRequest,
 )
 from nemo_gen.errors import ShardDiedError
@@ -286,7 +286,7 @@ class ShardDriver:
         """vLLM's own stats of the shard's engine (``ShardActor.vllm_metrics``)."""
         return self._get(handle, "vllm_metrics", handle.actor.vllm_metrics.remote(), self.timeouts.control_s)
 
-    def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
+    def expected_manifest(self, handle: ShardHandle, target: str) -> EngineManifest:
         return self._get(handle, "expected_manifest", handle.actor.expected_manifest.remote(target),
                          self.timeouts.refit_s)
 

@@ -36,7 +36,7 @@ from nemo_gen.core.manifest import (
     next_version,
     split_draft,
 )
-from nemo_gen.core.wire import CheckRefit, LoadRefit
+from nemo_gen.core.wire import CheckRefit, EngineManifest, LoadRefit
 from nemo_gen.errors import NemoGenError, ShardDiedError, StaleShard
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -53,9 +53,9 @@ _CHECK_MARGIN_S = 0.0
 _LOAD_MARGIN_S = 60.0
 
 
-def metas_of(expected: dict[str, Any]) -> dict[str, TensorMeta]:
+def metas_of(expected: EngineManifest) -> dict[str, TensorMeta]:
     """An engine manifest (name -> (shape, dtype)) as TensorMetas."""
-    return {name: TensorMeta.of(name, shape, dtype) for name, (shape, dtype) in expected["tensors"].items()}
+    return {name: TensorMeta.of(name, shape, dtype) for name, (shape, dtype) in expected.tensors.items()}
 
 
 class Refitter:
@@ -92,10 +92,10 @@ class Refitter:
         """Every refittable slot and every warm spare (so one can serve the moment it is promoted)."""
         return self.members.members(self.targets())
 
-    def expected(self, target: str) -> dict[str, Any]:
+    def expected(self, target: str) -> EngineManifest:
         """The engine's own manifest for ``target``, asked of each refittable shard in turn (so
         a shard lost right now does not fail the refit), then cached."""
-        def ask() -> dict[str, Any]:
+        def ask() -> EngineManifest:
             errors = []
             for slot in self.targets():
                 handle = self.members.handle(slot)
@@ -143,16 +143,16 @@ class Refitter:
         groups: list[tuple[str, list[TensorMeta]]] = []
         if policy:
             exp = self.expected("policy")
-            check_manifest(metas_of(exp), policy, optional=exp["optional"], what="model")
+            check_manifest(metas_of(exp), policy, optional=exp.optional, what="model")
             groups.append(("policy", policy))
         if draft:
             exp = self.expected("draft")
-            if not exp["available"]:
+            if not exp.available:
                 raise RefitError(
                     f"the refit carries {len(draft)} '{DRAFT_PREFIX}' tensors but the engines run no "
                     "draft model (generation.vllm_kwargs.speculative_config)"
                 )
-            check_manifest(metas_of(exp), draft, optional=exp["optional"], partial=not self.draft_full,
+            check_manifest(metas_of(exp), draft, optional=exp.optional, partial=not self.draft_full,
                            what="draft model")
             groups.append(("draft", draft))
         elif self.draft_full:

@@ -187,7 +187,7 @@ class FleetWeightSyncClient:
         if self._session is not None:
             raise RefitError("a weight update is already in progress on this client: finish it first")
         self._check_open()
-        if target == "draft" and not self.refitter.expected("draft")["available"]:
+        if target == "draft" and not self.refitter.expected("draft").available:
             raise RefitError("a draft weight update, but the engines run no draft model "
                              "(generation.vllm_kwargs.speculative_config)")
         with contextlib.ExitStack() as lock:
@@ -336,8 +336,8 @@ class FleetWeightSyncClient:
             raise RefitError(f"refit refused: tensors sent twice in one update: {', '.join(again[:8])}")
         if self._expected_metas is None or self._expected_metas[0] is not exp:
             self._expected_metas = (exp, metas_of(exp))
-        check_manifest(self._expected_metas[1], metas, optional=exp["optional"], partial=True, what=what)
-        shared = sorted(set(exp.get("shared", ())) & {m.name for m in metas})
+        check_manifest(self._expected_metas[1], metas, optional=exp.optional, partial=True, what=what)
+        shared = sorted(set(exp.shared) & {m.name for m in metas})
         if shared and self._backend not in OWN_BACKENDS:
             # our backends skip these on the workers; vLLM's would write through them.
             raise RefitError(f"refit refused: the drafter shares {', '.join(shared)} with the policy; "
@@ -363,7 +363,7 @@ class FleetWeightSyncClient:
         if not full or not session.seen:
             return None
         exp = self.refitter.expected(session.target)
-        missing = sorted(set(exp["tensors"]) - set(session.seen) - set(exp["optional"]))
+        missing = sorted(set(exp.tensors) - set(session.seen) - set(exp.optional))
         if not missing:
             return None
         return f"{len(missing)} tensor(s) the model needs: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")

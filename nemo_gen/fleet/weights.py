@@ -80,7 +80,7 @@ class FleetWeights:
         with self._lock:
             yield self
 
-    def manifest(self, target: str, ask: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def manifest(self, target: str, ask: Callable[[], Any]) -> Any:
         """The engines' manifest for ``target`` ("policy" or "draft"); every shard runs the same
         model, so ``ask`` is called once per target."""
         if target not in self._manifests:

@@ -17,7 +17,7 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    AdapterCall, ChannelAddress, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
+    AdapterCall, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
 )
 from nemo_gen.shard.rules import Host, Shard
 
@@ -132,7 +132,7 @@ class ShardActor:
     def step_gaps(self, reset: bool = False) -> dict[str, Any]:
         return self.shard.step_gaps(reset)
 
-    async def expected_manifest(self, target: str = "policy") -> dict[str, Any]:
+    async def expected_manifest(self, target: str = "policy") -> EngineManifest:
         return await self.shard.expected_manifest(target)
 
     async def digest(self, target: str = "policy") -> float:

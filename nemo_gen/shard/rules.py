@@ -21,7 +21,7 @@ from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.wire import (
-    AdapterCall, ApplyTimings, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo, StreamDeltas,
+    AdapterCall, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo, StreamDeltas,
     StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncReply, SyncRequest, SyncShutdown, SyncStart,
     SyncStartDraft, SyncUpdate,
 )
@@ -321,9 +321,9 @@ class Shard:
 
     # -- the rest --------------------------------------------------------------------------------
 
-    async def expected_manifest(self, target: str = "policy") -> dict[str, Any]:
+    async def expected_manifest(self, target: str = "policy") -> EngineManifest:
         (manifest, *_) = await self._engine().rpc("nemo_gen_expected_manifest", target)
-        return manifest
+        return EngineManifest.of(manifest)
 
     async def digest(self, target: str = "policy") -> float:
         (value, *_) = await self._engine().rpc("nemo_gen_digest", target)
