@@ -23,6 +23,7 @@ from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
+from nemo_gen.fleet import services
 from nemo_gen.fleet.adapters import AdapterVerbs
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
@@ -40,7 +41,6 @@ from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
 from nemo_gen.fleet.weight_sync import FleetWeightSyncClient
 from nemo_gen.fleet.weights import FleetWeights
-from nemo_gen.server import expose_http
 from nemo_gen.settings import NemoGenSettings
 
 __all__ = ["GenerationFleet", "ShardStatus"]
@@ -93,7 +93,7 @@ class GenerationFleet(AdapterVerbs):
                              tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)
         if watch and s.health.enabled:
             self._start_monitor()
-        self.http = expose_http(self, self._tokenizer, on_failure=self.detach if attached else self.shutdown)
+        self.http = services.start_http(self, self._tokenizer, on_failure=self.detach if attached else self.shutdown)
 
     # -- construction ------------------------------------------------------------------------
 
