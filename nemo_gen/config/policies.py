@@ -1,5 +1,5 @@
 """Settings -> the objects that act on them: every builder from ``NemoGenSettings`` to a core
-policy or an adapter's deadlines lives here, so each default is read from ``settings.py``
+policy or an adapter's deadlines lives here, so each default is read from ``nemo_gen.settings``
 and from nowhere else (no parameter defaults or literal timeouts further down).
 """
 
