@@ -1,7 +1,10 @@
 """The package's shape, checked from its source: no import cycle inside ``nemo_gen`` (imports
 at module level, inside functions and under TYPE_CHECKING all count), no module reaching
-into another's private names, the fleet facade small and imported by no fleet module, and the
-NeMo-RL compatibility layer at the edge (nothing below it imports it)."""
+into another's private names, the fleet facade small and imported by no fleet module, the
+NeMo-RL compatibility layer at the edge (nothing below it imports it), no module over 450
+lines, and folders by process: the actor side (``nemo_gen.shard``) never imports the driver
+side (``nemo_gen.fleet``), the driver side never imports the server, and only the driver's
+seam to Ray imports the actor side."""
 
 from __future__ import annotations
 
@@ -145,3 +148,34 @@ def test_the_nemo_rl_compatibility_layer_sits_at_the_edge():
         for d in deps if d.startswith("nemo_gen.generation")
     )
     assert offenders == []
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_in_nemo_gen_is_over_450_lines():
+    long = sorted(f"{p.relative_to(ROOT)}: {n}" for p in PACKAGE.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES)
+    assert long == []
+
+
+def importers(of: str, among: str) -> list[str]:
+    """Modules under ``among`` that import anything under ``of``."""
+    return sorted(f"{m} imports {d}" for m, deps in graph().items() if m == among or m.startswith(among + ".")
+                  for d in deps if d == of or d.startswith(of + "."))
+
+
+def test_the_driver_side_never_imports_the_server():
+    assert importers("nemo_gen.server", "nemo_gen.fleet") == []
+
+
+def test_the_actor_side_never_imports_the_driver_side():
+    # the folder tells the process: nemo_gen.shard runs in the actor, nemo_gen.fleet in the driver
+    assert importers("nemo_gen.fleet", "nemo_gen.shard") == []
+
+
+def test_only_the_ray_seam_imports_the_actor_side():
+    # the driver reaches the actor through its seam to Ray (driver.py, launch.py) and the typed
+    # wire in core; every other driver module knows a shard by its handle (fleet/handles.py)
+    reached = {line.split(" imports ")[0] for line in importers("nemo_gen.shard", "nemo_gen.fleet")}
+    assert reached <= {"nemo_gen.fleet.driver", "nemo_gen.fleet.launch"}
