@@ -1,9 +1,10 @@
-"""Requests in, results out: prompts tokenized on the driver, least-loaded routing over the
-serving shards, and the fault model (``nemo_gen.core.retry``) applied to every request.
+"""Routing: least-loaded picks over the serving shards, session affinity, and the fault model
+(``nemo_gen.core.retry``) applied to every request of the batch, per-request and stream paths.
 
-Prompts are tokenized once, on the driver (the async paths off the event loop), so a too-long
-prompt is answered with an error before it costs a round trip. What happens to a request
-whose try fails is ``nemo_gen.core.attempts``'s decision, by the failure's kind:
+Building requests from prompts is ``requests.py``'s; turning shard replies into results and
+stream deltas is ``decode.py``'s; ``Router`` keeps the public methods that front both. What
+happens to a request whose try fails is ``nemo_gen.core.attempts``'s decision, by the failure's
+kind:
 
 - *dead* (the shard's actor or engine is gone, or it was condemned meanwhile by its watch or
   its probes): the shard is condemned and the request sent to another, at most
@@ -20,8 +21,9 @@ Cancelling a call (``generate_async``'s task, closing a stream) aborts its reque
 engines. ``fleet.max_pending_requests`` bounds what the fleet holds at once (``FleetBusy`` at
 once past it). The batch path (``generate``), the per-request awaitable (``generate_async``)
 and the stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one
-way to condemn (``_condemn``). A stream is re-routed until its first token has been handed to
-the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
+way to condemn (``_condemn``); the last two also share how a failed try is read (``_failed``)
+and what comes next (``_next_try``). A stream is re-routed until its first token has been
+handed to the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
 """
 
 from __future__ import annotations
@@ -34,30 +36,26 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
-from nemo_gen.core.detokenize import IncrementalText
 from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, HealthyShardSelector
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe, kind_of
-from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample, too_long_error
+from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.wire import GenerateReply, StreamDeltas
-from nemo_gen.errors import RequestError, RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.errors import RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.requests import Prompt, build_requests, sessions_of
+
+__all__ = ["Prompt", "Router"]
 
 log = logging.getLogger(__name__)
 
-# A string, token ids, or chat messages ({"role": ..., "content": ...}, rendered here).
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 # How often a waiting generate call looks at the ledger (a shard condemned meanwhile).
 _POLL_S = 0.1
 # Sessions remembered (least recently used forgotten first): enough for every live agent.
 _SESSIONS = 100_000
 _LOST = object()  # a stream's shard was condemned or replaced while it streamed
-
-
-def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt) and all(
-        isinstance(m, Mapping) for m in prompt)
 
 
 class Router:
@@ -90,33 +88,11 @@ class Router:
         """A request's deadline: the call's own ``timeout_s``, else ``fleet.request_timeout_s``."""
         return Deadline(self.request_timeout_s if timeout_s is None else timeout_s, self.clock)
 
-    # -- requests and results -------------------------------------------------------------------
+    # -- requests and results (built in requests.py, decoded in decode.py) ----------------------
 
     def requests(self, prompts: Sequence[Prompt]) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
         """Tokenize on the driver; too-long prompts become error results right away."""
-        if isinstance(prompts, (str, bytes)):
-            raise RequestError("prompts must be a list of strings or token-id lists, not one string")
-        requests, rejected = [], {}
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-                req = GenerationRequest(index=i, prompt_token_ids=list(ids), prompt=prompt)
-            elif _is_chat(prompt):
-                req = self._chat(i, prompt)
-                if isinstance(req, GenerationResult):
-                    rejected[i] = req
-                    continue
-            elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-                req = GenerationRequest(index=i, prompt_token_ids=list(prompt), prompt=None)
-            else:
-                raise RequestError(
-                    f"prompt {i} must be a string, a list of token ids or a list of chat messages", index=i)
-            error = too_long_error(len(req.prompt_token_ids), self.max_model_len) if self.max_model_len else None
-            if error:
-                rejected[i] = GenerationResult.failed(req, error)
-            else:
-                requests.append(req)
-        return requests, rejected
+        return build_requests(prompts, self.tokenizer, self.max_model_len)
 
     async def requests_async(self, prompts: Sequence[Prompt]
                              ) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
@@ -124,43 +100,12 @@ class Router:
         must not hold up the loop's other requests (an HTTP server's /health among them)."""
         return await asyncio.to_thread(self.requests, prompts)
 
-    def _chat(self, i: int, messages: Sequence[Mapping[str, Any]]) -> GenerationRequest | GenerationResult:
-        """Chat messages rendered with the tokenizer's chat template (a generation prompt added)."""
-        for m in messages:
-            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise RequestError(f"prompt {i}: a chat message needs a string 'role' and 'content', got {dict(m)!r}",
-                                   index=i)
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if not getattr(self.tokenizer, "chat_template", None):
-            return GenerationResult.failed(
-                GenerationRequest(index=i, prompt_token_ids=[]),
-                "RequestError: this prompt is a chat, but the tokenizer (model.tokenizer, or the model's own) "
-                "has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template writes the special tokens itself: the text is not tokenized with them again.
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return GenerationRequest(index=i, prompt_token_ids=list(ids), prompt=text)
-
     def result(self, req: GenerationRequest, raw: dict[str, Any], shard: int, version: int | None) -> GenerationResult:
-        if raw.get("error"):
-            return GenerationResult.failed(req, raw["error"], shard=shard)
-        samples = [self._sample(s, version) for s in raw.get("samples") or [raw]]
-        first = samples[0]
-        return GenerationResult(
-            index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids), text=first.text,
-            token_ids=first.token_ids, logprobs=first.logprobs, finish_reason=first.finish_reason, shard=shard,
-            weight_version=first.weight_versions[-1][0] if first.weight_versions else version,
-            weight_versions=first.weight_versions, samples=samples, top_logprobs=first.top_logprobs,
-            prompt_logprobs=raw.get("prompt_logprobs"),
-        )
+        return decode_result(req, raw, shard, version, self._text_tokenizer())
 
-    def _sample(self, raw: dict[str, Any], version: int | None) -> Sample:
-        text = raw.get("text")
-        if not text and raw["token_ids"] and self._decode_text:
-            text = self.tokenizer.decode(raw["token_ids"], skip_special_tokens=True)
-        spans = [(v, n) for v, n in raw.get("weight_versions") or [(version, len(raw["token_ids"]))]]
-        return Sample(text=text or "", token_ids=raw["token_ids"], logprobs=raw["logprobs"],
-                      finish_reason=raw["finish_reason"], weight_versions=spans, top_logprobs=raw.get("top_logprobs"))
+    def _text_tokenizer(self) -> Any | None:
+        """The tokenizer to decode text with here: engines without one send none."""
+        return self.tokenizer if self._decode_text else None
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -274,7 +219,7 @@ class Router:
         ``fleet.max_reroutes``, busy ones past ``fleet.busy_retries``) gets that error as its
         result; the others are answered."""
         requests, results = self.requests(prompts)
-        sessions = _sessions_of(session_id, len(prompts))
+        sessions = sessions_of(session_id, len(prompts))
         deadline = self.deadline(timeout_s)
         attempts = {req.index: Attempts(self.tries) for req in requests}
         avoid: dict[int, int] = {}
@@ -373,10 +318,7 @@ class Router:
                 except (RequestTimeout, asyncio.CancelledError):
                     raise
                 except Exception as exc:
-                    error = self.driver.classify(handle, exc, "generate")
-                    kind = kind_of(error)
-                    if kind == "dead":
-                        self._condemn(member, error)
+                    error, kind = self._failed(handle, member, exc, "generate")
                 else:
                     if out is not None:
                         self.health.report_success(shard)
@@ -385,6 +327,15 @@ class Router:
                 finally:
                     self.selector.release(shard)
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
+
+    def _failed(self, handle: Any, member: Member, exc: BaseException, what: str) -> tuple[BaseException, str]:
+        """A try of one request raised ``exc``: (the error it means, its kind); a dead shard is
+        condemned here, so the per-request path and the stream condemn alike."""
+        error = self.driver.classify(handle, exc, what)
+        kind = kind_of(error)
+        if kind == "dead":
+            self._condemn(member, error)
+        return error, kind
 
     async def _next_try(self, attempts: Attempts, error: BaseException, kind: str, shard: int,
                         deadline: Deadline) -> int | None:
@@ -420,7 +371,7 @@ class Router:
                 shard = await self._pick_async(deadline, session_id, avoid)
                 handle = self.members.handle(shard)
                 member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
-                texts: dict[int, _Decoded] = {}
+                decoder = StreamDecoder(self._text_tokenizer())
                 try:
                     stream = self.driver.generate_stream(handle, req, params)
                     deadline.restart()
@@ -434,7 +385,7 @@ class Router:
                             yield self.result(req, item.result, item.shard, item.weight_version)
                             return
                         for raw in item.deltas:
-                            delta = self._delta(raw, shard, texts)
+                            delta = decoder.delta(raw, shard)
                             sent += len(delta.token_ids)
                             started = True
                             yield delta
@@ -442,10 +393,7 @@ class Router:
                 except RequestTimeout:
                     raise
                 except Exception as exc:
-                    error = self.driver.classify(handle, exc, "generate_stream")
-                    kind = kind_of(error)
-                    if kind == "dead":
-                        self._condemn(member, error)
+                    error, kind = self._failed(handle, member, exc, "generate_stream")
                 finally:
                     self.selector.release(shard)
                     if stream is not None and not finished:
@@ -453,12 +401,6 @@ class Router:
                 if started and kind == "dead":  # the caller has part of the answer: it cannot be taken back
                     raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {getattr(error, 'detail', error)}")
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
-
-    def _delta(self, raw: dict[str, Any], shard: int, texts: dict[int, "_Decoded"]) -> Delta:
-        text = texts.setdefault(raw["sample"], _Decoded(self.tokenizer if self._decode_text else None))
-        return Delta(sample=raw["sample"], token_ids=list(raw["token_ids"]), text=text.add(raw),
-                     logprobs=list(raw["logprobs"]), weight_versions=[(v, n) for v, n in raw["weight_versions"]],
-                     finish_reason=raw["finish_reason"], shard=shard)
 
     async def _next_item(self, stream: Stream, member: Member, deadline: Deadline) -> Any:
         """The stream's next item (None after its last); ``_LOST`` when its shard was lost
@@ -496,32 +438,3 @@ class Router:
             pending.cancel()
             raise
 
-
-class _Decoded:
-    """A streamed sample's text piece by piece: the engine's own, or — engines without a
-    tokenizer — decoded here as its tokens come (``IncrementalText``: linear, not a decode of all
-    tokens so far per delta); the last delta gets whatever the whole decode adds at the end."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.text = IncrementalText(tokenizer) if tokenizer is not None else None
-        self.sent = ""
-
-    def add(self, raw: dict[str, Any]) -> str:
-        if self.text is None:
-            self.sent += raw["text"]
-            return raw["text"]
-        piece = self.text.add(raw["token_ids"])
-        if raw["finish_reason"] is not None:  # the whole text, as the result will carry it
-            whole = self.tokenizer.decode(self.text.ids, skip_special_tokens=True)
-            piece = whole[len(self.sent):] if whole.startswith(self.sent) else piece
-        self.sent += piece
-        return piece
-
-
-def _sessions_of(session_id: str | Sequence[str | None] | None, n: int) -> dict[int, str | None]:
-    if session_id is None or isinstance(session_id, str):
-        return {i: session_id for i in range(n)}
-    if len(session_id) != n:
-        raise RequestError(f"session_id has {len(session_id)} entries for {n} prompts (give one, or one per prompt)")
-    return dict(enumerate(session_id))

@@ -1,0 +1,77 @@
+"""Shard replies out as the caller's objects: a ``GenerationResult`` from a shard's answer, and a
+stream's ``Delta``s from its ``StreamDeltas`` items.
+
+Owns the output side of the router: each sample's text (the engine's own, or — engines without
+a tokenizer — decoded here), its weight-version spans (a reply without them was sampled wholly
+under the version the shard reported), and a stream's text piece by piece so the pieces add up
+to the text its final result carries. Which shard answers is ``router.py``'s business.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_gen.core.detokenize import IncrementalText
+from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample
+
+
+def decode_result(req: GenerationRequest, raw: dict[str, Any], shard: int, version: int | None,
+                  tokenizer: Any | None) -> GenerationResult:
+    """The result of ``req`` from its shard's answer ``raw``; ``tokenizer``: decode text here
+    (engines without a tokenizer), else None."""
+    if raw.get("error"):
+        return GenerationResult.failed(req, raw["error"], shard=shard)
+    samples = [decode_sample(s, version, tokenizer) for s in raw.get("samples") or [raw]]
+    first = samples[0]
+    return GenerationResult(
+        index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids), text=first.text,
+        token_ids=first.token_ids, logprobs=first.logprobs, finish_reason=first.finish_reason, shard=shard,
+        weight_version=first.weight_versions[-1][0] if first.weight_versions else version,
+        weight_versions=first.weight_versions, samples=samples, top_logprobs=first.top_logprobs,
+        prompt_logprobs=raw.get("prompt_logprobs"),
+    )
+
+
+def decode_sample(raw: dict[str, Any], version: int | None, tokenizer: Any | None) -> Sample:
+    text = raw.get("text")
+    if not text and raw["token_ids"] and tokenizer is not None:
+        text = tokenizer.decode(raw["token_ids"], skip_special_tokens=True)
+    spans = [(v, n) for v, n in raw.get("weight_versions") or [(version, len(raw["token_ids"]))]]
+    return Sample(text=text or "", token_ids=raw["token_ids"], logprobs=raw["logprobs"],
+                  finish_reason=raw["finish_reason"], weight_versions=spans, top_logprobs=raw.get("top_logprobs"))
+
+
+class StreamDecoder:
+    """One stream try's deltas: each sample's text decoded as its tokens come (``SampleText``)."""
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+        self.texts: dict[int, SampleText] = {}
+
+    def delta(self, raw: dict[str, Any], shard: int) -> Delta:
+        text = self.texts.setdefault(raw["sample"], SampleText(self.tokenizer))
+        return Delta(sample=raw["sample"], token_ids=list(raw["token_ids"]), text=text.add(raw),
+                     logprobs=list(raw["logprobs"]), weight_versions=[(v, n) for v, n in raw["weight_versions"]],
+                     finish_reason=raw["finish_reason"], shard=shard)
+
+
+class SampleText:
+    """A streamed sample's text piece by piece: the engine's own, or — engines without a
+    tokenizer — decoded here as its tokens come (``IncrementalText``: linear, not a decode of all
+    tokens so far per delta); the last delta gets whatever the whole decode adds at the end."""
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+        self.text = IncrementalText(tokenizer) if tokenizer is not None else None
+        self.sent = ""
+
+    def add(self, raw: dict[str, Any]) -> str:
+        if self.text is None:
+            self.sent += raw["text"]
+            return raw["text"]
+        piece = self.text.add(raw["token_ids"])
+        if raw["finish_reason"] is not None:  # the whole text, as the result will carry it
+            whole = self.tokenizer.decode(self.text.ids, skip_special_tokens=True)
+            piece = whole[len(self.sent):] if whole.startswith(self.sent) else piece
+        self.sent += piece
+        return piece
