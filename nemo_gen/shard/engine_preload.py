@@ -1,12 +1,11 @@
 """What a shard's forkserver imports before it forks the EngineCore (``nemo_gen.shard.engine_start``).
 
-These are the modules a spawned EngineCore would import after its start (~11 s on a 2-core
-CPU machine, ~21 s with CUDA's libraries on the H200). On a GPU this is no more than a bare
+These are the modules a spawned EngineCore would import after its start (seconds of every
+launch and restart: bench/results/2026-12-03/h200.md). On a GPU this is no more than a bare
 ``vllm.LLM`` has imported when it forks its EngineCore, and nothing here initialises CUDA (a
 forked child could not use it: should a later vLLM do so, the server exits and the
-EngineCore is spawned). On the H200 with vLLM 0.32 every test of tests/gpu passed with
-EngineCores forked after this preload (2026-12-03). The CPU worker's module is imported too:
-that is safe there and saves its ~0.6 s.
+EngineCore is spawned); tests/gpu runs with EngineCores forked after this preload
+(docs/gpu.md). The CPU worker's module is imported too: that is safe there and saves its import.
 
 It never fails. A module that cannot be imported here is imported by the EngineCore itself,
 which is what happens under spawn, and the reason is logged.

@@ -2,8 +2,8 @@
 
 vLLM starts the EngineCore with ``spawn`` whenever it runs inside a Ray actor, because forking a
 process with Ray's threads is unsafe (``vllm.utils.system_utils._maybe_force_spawn``). A spawned
-child is a fresh interpreter, so it imports vLLM and torch a second time. That is 21 s of a 134 s
-launch on the H200 (2026-12-03) and ~11 s on a 2-core CPU machine, paid again by every restart.
+child is a fresh interpreter, so it imports vLLM and torch a second time, a large share of every
+launch, paid again by every restart (bench/results/2026-12-03/h200.md, ``python -m bench engine_start``).
 A bare ``vllm.LLM`` forks instead, and its child starts with everything imported.
 
 ``forkserver`` (the default) gets the shard the same start. The actor starts a multiprocessing
