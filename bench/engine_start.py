@@ -48,9 +48,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 parents = {pid: psutil.Process(pid).ppid() for pid in status.engine_pids}
                 (result,) = fleet.generate(["Hello there"], temperature=0)
                 info = fleet.shards[0].info
-                out.append({"method": method, "launch_s": round(launch_s, 1), "used": info.get("engine_core_start"),
+                out.append({"method": method, "launch_s": round(launch_s, 1), "used": info.engine_core_start,
                             "actor": status.actor_pid, "parents": parents, "tokens": result.token_ids,
-                            "load_s": info.get("load_s")})
+                            "load_s": info.load_s})
                 print(out[-1], flush=True)
             finally:
                 fleet.shutdown()

@@ -103,8 +103,8 @@ def direct_arm(fleet, batches, sampling: dict[str, Any]) -> Callable[[], tuple[i
 
     def run() -> tuple[int, dict[str, float]]:
         outs = ray.get([actor.generate.remote(batch, sampling) for actor, batch in zip(actors, batches)])
-        tokens = sum(len(r["token_ids"]) for out in outs for r in out["results"] if not r.get("error"))
-        return tokens, {"engine_s": max(out["seconds"] for out in outs)}
+        tokens = sum(len(r["token_ids"]) for out in outs for r in out.results if not r.get("error"))
+        return tokens, {"engine_s": max(out.seconds for out in outs)}
 
     return run
 

@@ -147,7 +147,7 @@ def actor_clock(handle, reset: bool) -> dict | None:
     _by_value()
 
     def fn(actor, reset):
-        clock = clock_of(actor.engine._llm)
+        clock = clock_of(actor.shard.engine._llm)
         if reset:
             clock.reset()
             return None
@@ -167,7 +167,7 @@ def in_actor_batch(handle, prompts: list[list[int]], tokens: int) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        engine = actor.engine
+        engine = actor.shard.engine
         clock = clock_of(engine._llm)
         sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
         engine._rpc_active += 1  # the fleet's probes answer "skipped" instead of starting a batch

@@ -242,7 +242,7 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
 
         from nemo_gen.shard.engine import sampling_params
 
-        engine = actor.engine
+        engine = actor.shard.engine
         vllm_params = SamplingParams(temperature=0.0, max_tokens=resolved["max_new_tokens"], ignore_eos=True, logprobs=0)
 
         def step_loop(per_step=None):
@@ -281,7 +281,7 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
     for _ in range(runs):
         t = time.perf_counter()
         answer = ray.get(handle.actor.generate.remote(requests, resolved), timeout=600)
-        calls.append({"driver_wall_s": time.perf_counter() - t, "actor_s": answer["seconds"]})
+        calls.append({"driver_wall_s": time.perf_counter() - t, "actor_s": answer.seconds})
     res["actor_call"] = min(calls, key=lambda c: c["driver_wall_s"])
     return res
 
@@ -329,7 +329,7 @@ def call_worker(handle, method: str, *args):
     import ray
 
     def fn(actor, method, args):
-        return actor.engine._llm.collective_rpc(method, args=args)
+        return actor.shard.engine._llm.collective_rpc(method, args=args)
 
     return ray.get(handle.actor.__ray_call__.remote(fn, method, args), timeout=120)
 
