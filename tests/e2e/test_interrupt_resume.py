@@ -27,7 +27,7 @@ from tests.helpers import marked as _marked  # every process the command started
 
 pytestmark = pytest.mark.e2e
 
-N = 400
+N = 800  # lines: enough that a signal sent after a few lines still lands mid-run on a loaded machine
 EVAL = Path(__file__).resolve().parents[2] / "examples" / "eval.yaml"
 
 
