@@ -28,7 +28,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 end_left_gpu_processes() {
     python3 -c "
 import os, signal
-from nemo_gen.fleet import gpu_memory
+from nemo_gen.host import gpu_memory
 for p in gpu_memory.gpu_processes():
     print('left by an earlier run, killed:', p.pid, p.used_bytes); os.kill(p.pid, signal.SIGKILL)
 "
