@@ -153,7 +153,7 @@ class FleetApi:
         self.check_call(call, "prompt")
         response_id = call.request_id or f"cmpl-{random_uuid()}"
         if call.stream:
-            return await self._stream(call, "prompt", responses.StreamFormat(call, self.model, self.detok, response_id,
+            return await self.stream_response(call, "prompt", responses.StreamFormat(call, self.model, self.detok, response_id,
                                                                              chat=False))
         results = await self.generate(call, "prompt")
         body = await asyncio.to_thread(responses.completion_response, call, self.model, results, self.detok,
@@ -169,7 +169,7 @@ class FleetApi:
             await asyncio.to_thread(self.with_tools, call)
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
         if call.stream:
-            return await self._stream(call, "messages", responses.StreamFormat(call, self.model, self.detok, response_id,
+            return await self.stream_response(call, "messages", responses.StreamFormat(call, self.model, self.detok, response_id,
                                                                                chat=True))
         results = await self.generate(call, "messages")
         body = await asyncio.to_thread(responses.chat_response, call, self.model, results, self.detok, response_id)
@@ -187,13 +187,21 @@ class FleetApi:
         if render and (call.tooled or call.turn.parses):  # a parser reads the prompt's ids too (reasoning open at its end?)
             call.prompts = [call.turn.render()]
 
-    async def _stream(self, call: Call, prompt_field: str, fmt: responses.StreamFormat) -> Response:
+    async def stream_response(self, call: Call, prompt_field: str, fmt: responses.StreamFormat,
+                              on_results: Callable[[list[Any]], None] | None = None,
+                              on_close: Callable[[], None] | None = None) -> Response:
         """Every prompt's ``fleet.generate_stream`` at once; the response starts when each has its
         first token (until then a failure is an error response), then relays what comes. The
-        request holds its place in ``server.max_in_flight`` until the stream ends."""
+        request holds its place in ``server.max_in_flight`` until the stream ends. ``on_results``:
+        called with the finished results before the final chunk; ``on_close``: when the stream ends."""
         self.inflight.admit(call.samples)
-        relay = Relay(self.fleet, call, self._kwargs(call), prompt_field,
-                       on_close=lambda: self.inflight.release(call.samples))
+
+        def closed() -> None:
+            self.inflight.release(call.samples)
+            if on_close is not None:
+                on_close()
+
+        relay = Relay(self.fleet, call, self._kwargs(call), prompt_field, on_close=closed, on_results=on_results)
         try:
             firsts = await relay.first_events()
         except BaseException:

@@ -22,8 +22,12 @@ finish reason, shard, the answer's message. A failed turn is not recorded.
 
 Limits (``server.*``): ``session_ttl_s`` after its last turn a session expires (404 after), at most
 ``max_sessions`` open (429), at most ``max_session_bytes`` recorded per session (413, the turn not
-recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``, ``stream: true``
-a 400 naming ``stream`` (a session's turn is answered whole).
+recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``.
+
+``stream: true`` streams as the chat route does; the turn is recorded from the stream's final
+results (its message parsed whole, as the unstreamed answer's) before the final chunk, and a
+turn that cannot be recorded (the byte bound) ends the stream with an error event naming it. The
+session's turn lasts until the stream ends.
 """
 
 from __future__ import annotations
@@ -109,12 +113,10 @@ class Gateway:
         api.inflight.check_room()
         api.check_model(body)
         call = protocol.parse_chat(body, None, timeout)
-        if call.stream:
-            raise bad("stream: a session's turn is answered whole (the trajectory is recorded from it); "
-                      "send it with stream: false", "stream")
         if call.n != 1:
             raise bad(f"n: a session's turn has one sample (a trajectory is one conversation), got n={call.n}", "n")
         session = self._session(sid, begin=True)
+        streaming = False
         try:
             api.check_call(call, "messages")
             if call.tooled or api.tools.parser_cls is not None:
@@ -122,23 +124,42 @@ class Gateway:
             tools = [t.model_dump(exclude_none=True) for t in call.request.tools] if call.request.tools else None
             prepared = await asyncio.to_thread(session.prepare, call.prompts[0], tools)
             call.prompts, call.session_id = [prepared.prompt_ids], sid
-            results = await api.generate(call, "messages")
             response_id = call.request_id or f"chatcmpl-{random_uuid()}"
+            if call.stream:
+                def on_results(results: list[Any]) -> None:
+                    result = results[0]
+                    if call.turn is not None:
+                        message = _message(call.turn.message(result.text or "", result.token_ids,
+                                                             result.finish_reason)[0])
+                    else:
+                        message = {"role": "assistant", "content": result.text or ""}
+                    self._record(sid, session, prepared, body, result, message)
+
+                fmt = responses.StreamFormat(call, api.model, api.detok, response_id, chat=True)
+                response = await api.stream_response(call, "messages", fmt, on_results=on_results,
+                                                     on_close=lambda: self.table.end(sid))
+                streaming = True  # the turn ends with the stream
+                return response
+            results = await api.generate(call, "messages")
             out = await asyncio.to_thread(responses.chat_response, call, api.model, results, api.detok, response_id)
-            message = _message(out.choices[0].message)
-            request = {k: v for k, v in body.items() if k != "messages"}
-            request.update(messages=prepared.plan.new, first_message=prepared.plan.at)
-            result = results[0]
-            try:
-                self.table.charge(sid, turn_bytes(request, len(result.prompt_token_ids), len(result.token_ids)))
-            except SessionError as exc:
-                raise _api_error(exc) from None
-            turn = session.record(prepared, result, message, request)
+            turn = self._record(sid, session, prepared, body, results[0], _message(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}
             return self.answer(results, out)
         finally:
-            self.table.end(sid)
+            if not streaming:
+                self.table.end(sid)
+
+    def _record(self, sid: str, session: FleetSession, prepared: Any, body: dict[str, Any], result: Any,
+                message: dict[str, Any]) -> Any:
+        """Record an answered turn within the session's byte bound (413 naming it, nothing recorded)."""
+        request = {k: v for k, v in body.items() if k != "messages"}
+        request.update(messages=prepared.plan.new, first_message=prepared.plan.at)
+        try:
+            self.table.charge(sid, turn_bytes(request, len(result.prompt_token_ids), len(result.token_ids)))
+        except SessionError as exc:
+            raise _api_error(exc) from None
+        return session.record(prepared, result, message, request)
 
     def trajectory(self, sid: str) -> dict[str, Any]:
         return self._session(sid).trajectory().to_json()

@@ -126,15 +126,33 @@ def test_an_edited_history_starts_a_flagged_segment(served):
     assert [_masked(traj, i) for i in range(2)] == [t["token_ids"] for t in traj["turns"]]
 
 
+def test_a_streamed_turn_is_recorded_from_the_stream(served):
+    _, handle, _ = served
+    created = _open(handle.url)
+    client = _client(created)
+    messages = [{"role": "user", "content": "q"}]
+    ids, text = [], ""
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True,
+                                                extra_body={"return_token_ids": True}):
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += choice.delta.content or ""
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "r"}]
+    two = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                         extra_body={"return_token_ids": True})
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert len(ids) == 4 and traj["turns"][0]["token_ids"] == ids and traj["turns"][0]["message"]["content"] == text
+    assert len(traj["segments"]) == 1 and _masked(traj) == ids + two.choices[0].token_ids  # the stream's answer extends
+
+
 def test_refusals_name_the_field_or_the_limit(served):
     _, handle, _ = served
     created = _open(handle.url)
     client = _client(created)
     ask = [{"role": "user", "content": "q"}]
-    for kwargs, param in (({"stream": True}, "stream"), ({"n": 2}, "n")):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny", messages=ask, max_tokens=4, **kwargs)
-        assert err.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ask, max_tokens=4, n=2)
+    assert err.value.body["param"] == "n"
     nowhere = openai.OpenAI(base_url=f"{handle.url}/nemo_gen/sessions/sess-none/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         nowhere.chat.completions.create(model="tiny", messages=ask, max_tokens=4)
