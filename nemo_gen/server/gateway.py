@@ -161,6 +161,10 @@ class Gateway:
             raise _api_error(exc) from None
         return session.record(prepared, result, message, request)
 
+    def check(self, sid: str) -> None:
+        """404 unless ``sid`` is an open session."""
+        self._session(sid)
+
     def trajectory(self, sid: str) -> dict[str, Any]:
         return self._session(sid).trajectory().to_json()
 
@@ -203,7 +207,7 @@ def add_routes(app: Any, api: Any, settings: Any, route: Any, answer: Any) -> Ga
             request, gateway.chat(request.path_params["sid"], body, request.headers.get(TIMEOUT_HEADER)))
 
     async def models(request: Request):
-        gateway.trajectory(request.path_params["sid"])  # 404 for a session that is gone
+        gateway.check(request.path_params["sid"])  # 404 for a session that is gone
         return api.models()
 
     async def trajectory(request: Request):

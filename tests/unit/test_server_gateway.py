@@ -205,3 +205,13 @@ def test_fleet_session_gives_the_same_trajectory_from_python(served):
     assert fleet.router.affinity.placement.slot_of(s.id) is None  # closed: released
     with pytest.raises(Exception, match="closed"):
         s.chat(messages)
+
+
+def test_a_session_lists_its_model_until_it_ends(served):
+    _, handle, _ = served
+    created = _open(handle.url)
+    assert [m.id for m in _client(created).models.list().data] == ["tiny"]
+    httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}")
+    with pytest.raises(openai.NotFoundError):
+        _client(created).models.list()
+    assert httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}").status_code == 404
