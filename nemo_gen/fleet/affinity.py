@@ -5,7 +5,8 @@ Two kinds of session:
 - an **open session** (``fleet.session()``, the HTTP gateway's ``/nemo_gen/sessions``): placed when
   it opens on the serving shard with the fewest open sessions, ties by fewest requests in flight
   (``nemo_gen.core.session_placement``), and pinned there while it lives — its turns go there
-  however busy it is, because its prompt's KV is cached there. When that shard stops serving
+  however many requests it holds, because its prompt's KV is cached there (a turn that shard
+  refuses, busy, goes elsewhere by the fault model, and the pin follows it). When that shard stops serving
   (dead, restarting), the session's next try is placed again the same way and the pin moves;
   ``close`` releases it;
 - a bare ``session_id`` (no lifetime known): its turn goes to the shard that served its last one
