@@ -153,8 +153,8 @@ class FleetApi:
         self.check_call(call, "prompt")
         response_id = call.request_id or f"cmpl-{random_uuid()}"
         if call.stream:
-            return await self.stream_response(call, "prompt", responses.StreamFormat(call, self.model, self.detok, response_id,
-                                                                             chat=False))
+            fmt = responses.StreamFormat(call, self.model, self.detok, response_id, chat=False)
+            return await self.stream_response(call, "prompt", fmt)
         results = await self.generate(call, "prompt")
         body = await asyncio.to_thread(responses.completion_response, call, self.model, results, self.detok,
                                        response_id)
@@ -169,8 +169,8 @@ class FleetApi:
             await asyncio.to_thread(self.with_tools, call)
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
         if call.stream:
-            return await self.stream_response(call, "messages", responses.StreamFormat(call, self.model, self.detok, response_id,
-                                                                               chat=True))
+            fmt = responses.StreamFormat(call, self.model, self.detok, response_id, chat=True)
+            return await self.stream_response(call, "messages", fmt)
         results = await self.generate(call, "messages")
         body = await asyncio.to_thread(responses.chat_response, call, self.model, results, self.detok, response_id)
         return _answer(results, body)
@@ -184,7 +184,8 @@ class FleetApi:
         structured = call.turn.structured_outputs()
         if structured is not None:
             call.sampling["structured_outputs"] = structured
-        if render and (call.tooled or call.turn.parses):  # a parser reads the prompt's ids too (reasoning open at its end?)
+        # a parser reads the prompt's ids too (reasoning open at its end?)
+        if render and (call.tooled or call.turn.parses):
             call.prompts = [call.turn.render()]
 
     async def stream_response(self, call: Call, prompt_field: str, fmt: responses.StreamFormat,
