@@ -129,6 +129,31 @@ def test_a_three_turn_tool_agent_is_recorded_on_the_sampled_ids(served):
     assert fleet.router.affinity.placement.counts() == {}
 
 
+def test_a_streamed_turn_is_recorded_as_sampled(served):
+    fleet, handle, settings = served
+    created = _session(handle.url)
+    client = openai.OpenAI(base_url=created["url"], api_key="unused", max_retries=0, timeout=300)
+    (first,) = _run_agent(client, settings.model_name(), 1)  # one plain answer ("none" at the last turn)
+    messages = [{"role": "user", "content": "Weather in Paris, then Oslo?"},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Thanks."}]
+    ids, text = [], ""
+    for chunk in client.chat.completions.create(model=settings.model_name(), messages=messages, max_tokens=40,
+                                                temperature=0.7, seed=5, stream=True,
+                                                extra_body={"return_token_ids": True}):
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += choice.delta.content or ""
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert len(traj["segments"]) == 1 and traj["turns"][1]["token_ids"] == ids and ids
+    assert traj["turns"][1]["message"]["content"] == text
+    masked = [t for t, m in zip(traj["token_ids"], traj["loss_mask"]) if m]
+    assert masked == first.choices[0].token_ids + ids
+    assert traj["turns"][1]["prompt_token_ids"][:len(first.prompt_token_ids) + len(first.choices[0].token_ids)] == \
+        first.prompt_token_ids + first.choices[0].token_ids
+    httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}")
+
+
 def test_a_session_survives_its_shard_sigkilled_mid_session(served):
     fleet, handle, settings = served
     created = _session(handle.url)
