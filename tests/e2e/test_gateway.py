@@ -139,7 +139,7 @@ def test_a_streamed_turn_is_recorded_as_sampled(served):
                 {"role": "user", "content": "Thanks."}]
     ids, text = [], ""
     for chunk in client.chat.completions.create(model=settings.model_name(), messages=messages, max_tokens=40,
-                                                temperature=0.7, seed=5, stream=True,
+                                                tools=[TOOLS[0]], tool_choice="none", temperature=0.7, seed=5, stream=True,
                                                 extra_body={"return_token_ids": True}):
         for choice in chunk.choices:
             ids += getattr(choice, "token_ids", None) or []
