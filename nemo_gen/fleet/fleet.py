@@ -8,7 +8,8 @@ core ``SlotTable``: each slot's actor, ``health`` state and version, the spares,
 
 The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
 ``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back (what to do is
-``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes. No fleet module imports this one.
+``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes; ``session()`` is ``fleet/session.py``'s.
+No fleet module imports this one.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from nemo_gen.fleet.recovery import Recovery
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.router import Prompt, Router
+from nemo_gen.fleet.session import SessionVerbs
 from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
@@ -46,7 +48,7 @@ from nemo_gen.settings import NemoGenSettings
 __all__ = ["GenerationFleet", "ShardStatus"]
 
 
-class GenerationFleet(AdapterVerbs):
+class GenerationFleet(AdapterVerbs, SessionVerbs):
     """A running fleet. Build it with ``GenerationFleet.launch(settings)``; use as a context
     manager, or call ``shutdown()`` (idempotent)."""
 
@@ -151,7 +153,6 @@ class GenerationFleet(AdapterVerbs):
         self.shutdown()
 
     # -- generation --------------------------------------------------------------------------
-
     def generate(self, prompts: Sequence[Prompt], session_id: str | Sequence[str | None] | None = None,
                  timeout_s: float | None = None, adapter: str | None = None, **sampling: Any) -> list[GenerationResult]:
         """One ``GenerationResult`` per prompt (a string, token ids or chat messages), in order; ``n`` samples
@@ -178,7 +179,6 @@ class GenerationFleet(AdapterVerbs):
                                            timeout_s)
 
     # -- weights -----------------------------------------------------------------------------
-
     @property
     def http_url(self) -> str | None:
         """The fleet's OpenAI-compatible server (``generation.vllm_cfg.expose_http_server``)."""

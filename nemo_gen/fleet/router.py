@@ -1,4 +1,4 @@
-"""Routing: least-loaded picks over the serving shards, session affinity, and the fault model
+"""Routing: least-loaded picks over the serving shards, sessions' shards (``affinity.py``), and the fault model
 (``nemo_gen.core.retry``) applied to every request of the batch, per-request and stream paths.
 
 Building requests from prompts is ``requests.py``'s; turning shard replies into results and
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
@@ -42,6 +40,7 @@ from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.wire import GenerateReply, StreamDeltas
 from nemo_gen.errors import RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
@@ -53,8 +52,6 @@ log = logging.getLogger(__name__)
 
 # How often a waiting generate call looks at the ledger (a shard condemned meanwhile).
 _POLL_S = 0.1
-# Sessions remembered (least recently used forgotten first): enough for every live agent.
-_SESSIONS = 100_000
 _LOST = object()  # a stream's shard was condemned or replaced while it streamed
 
 
@@ -76,10 +73,7 @@ class Router:
         self.clock = clock  # requests' deadlines run on it (a test may turn it fast)
         self._version = serving_version
         self._fleet_name = fleet_name
-        # session id -> the slot that served its last turn (its prompt's KV is cached there).
-        self._sessions: OrderedDict[str, int] = OrderedDict()
-        self._session_lock = threading.Lock()
-        self._session_slack = session_slack
+        self.affinity = SessionAffinity(health, members, self.selector, session_slack)  # sessions' shards
         self.rerouted = 0  # requests sent again after their shard was lost (a metric)
         self.refused = 0  # requests a busy shard refused (a metric)
         self.timed_out = 0  # requests that failed at their deadline (a metric)
@@ -127,55 +121,36 @@ class Router:
         self.selector.acquire(shard)
         return shard
 
-    def _affine(self, session: str | None) -> int | None:
-        """The slot that served ``session``'s last turn, acquired, while it serves and carries at
-        most ``fleet.session_affinity_slack`` more requests than the least-loaded one; else None."""
-        if session is None:
-            return None
-        with self._session_lock:
-            slot = self._sessions.get(session)
-        if slot is None or self.health.state_of(slot) not in SERVING_STATES or not self.members.has_slot(slot):
-            return None
-        try:
-            least = self.selector.next_shard()
-        except ShardUnavailableError:
-            return None
-        if self.selector.inflight(slot) > self.selector.inflight(least) + self._session_slack:
-            return None  # too busy: the session moves
-        self.selector.acquire(slot)
-        return slot
-
-    def _remember(self, session: str | None, slot: int) -> None:
-        if session is not None:
-            with self._session_lock:
-                self._sessions[session] = slot
-                self._sessions.move_to_end(session)
-                while len(self._sessions) > _SESSIONS:
-                    self._sessions.popitem(last=False)
-
     def session_shard(self, session: str) -> int | None:
         """The slot that served ``session``'s last turn (None: new or forgotten)."""
-        with self._session_lock:
-            return self._sessions.get(session)
+        return self.affinity.last_shard(session)
+
+    def open_session(self, session: str) -> int:
+        """Place an open session (``fleet.session()``, the gateway): ``nemo_gen.fleet.affinity``."""
+        return self.affinity.open(session)
+
+    def close_session(self, session: str) -> int | None:
+        """The session ended: its shard is released."""
+        return self.affinity.close(session)
 
     def _pick(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
-        shard = self._affine(session) if avoid is None else None
+        shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             time.sleep(_POLL_S)
-        self._remember(session, shard)
+        self.affinity.remember(session, shard)
         return shard
 
     async def _pick_async(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
-        shard = self._affine(session) if avoid is None else None
+        shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             await asyncio.sleep(_POLL_S)
-        self._remember(session, shard)
+        self.affinity.remember(session, shard)
         return shard
 
     def _assign(self, requests: list[GenerationRequest], sessions: Mapping[int, str | None], deadline: Deadline,
                 avoid: Mapping[int, int]) -> dict[int, list[GenerationRequest]]:
         """Least-loaded routing, one request at a time, so a batch spreads over the shards; a
-        request of a session goes to its shard (``_affine``); one a busy shard just refused goes
+        request of a session goes to its shard (``affinity.pick``); one a busy shard just refused goes
         elsewhere if it can (``avoid``: request index -> that shard)."""
         assignment: dict[int, list[GenerationRequest]] = {}
         try:

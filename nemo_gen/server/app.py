@@ -8,6 +8,7 @@
     GET  /health                  200 while a shard serves, else 503
     GET  /metrics                 Prometheus text: fleet series, per-shard vLLM series, HTTP series (no call to a shard)
     POST /nemo_gen/refit          only with server.allow_refit: a checkpoint directory -> fleet.refit
+    /nemo_gen/sessions...         the trajectory gateway: recorded chat sessions (``nemo_gen.server.gateway``)
 
 Requests are parsed in ``protocol``, answered in ``responses``, streamed by ``relay``; the
 middleware, body reading and error shapes are ``http``'s. Every request goes through
@@ -60,6 +61,7 @@ from nemo_gen.core.fleet_health import SERVING_STATES
 from nemo_gen.core.manifest import RefitError
 from nemo_gen.errors import DataError, NemoGenError, RequestError
 from nemo_gen.server import protocol, responses
+from nemo_gen.server.gateway import add_routes
 from nemo_gen.server.http import (SESSION_HEADER, SHARD_HEADER, TIMEOUT_HEADER, VERSION_HEADER, ClientGone, Gate,
                                   cancelled_on_disconnect, error_for, error_response, read_json, version_text)
 from nemo_gen.server.metrics import ServerMetrics
@@ -108,7 +110,7 @@ class FleetApi:
             kwargs["timeout_s"] = call.timeout_s
         return kwargs
 
-    def _check(self, call: Call, prompt_field: str) -> None:
+    def check_call(self, call: Call, prompt_field: str) -> None:
         """What is refused before any work, as vLLM's server refuses it: a prompt over
         ``server.max_prompt_chars`` (before tokenizing it), ``max_tokens`` past the context, and
         a request asking for more samples than ``server.max_in_flight`` could ever hold."""
@@ -148,11 +150,11 @@ class FleetApi:
         self.inflight.check_room()
         self.check_model(body)
         call = protocol.parse_completion(body, session, timeout)
-        self._check(call, "prompt")
+        self.check_call(call, "prompt")
         response_id = call.request_id or f"cmpl-{random_uuid()}"
         if call.stream:
-            return await self._stream(call, "prompt", responses.StreamFormat(call, self.model, self.detok, response_id,
-                                                                             chat=False))
+            fmt = responses.StreamFormat(call, self.model, self.detok, response_id, chat=False)
+            return await self.stream_response(call, "prompt", fmt)
         results = await self.generate(call, "prompt")
         body = await asyncio.to_thread(responses.completion_response, call, self.model, results, self.detok,
                                        response_id)
@@ -162,35 +164,45 @@ class FleetApi:
         self.inflight.check_room()
         self.check_model(body)
         call = protocol.parse_chat(body, session, timeout)
-        self._check(call, "messages")
+        self.check_call(call, "messages")
         if call.tooled or self.tools.parser_cls is not None:
-            await asyncio.to_thread(self._with_tools, call)
+            await asyncio.to_thread(self.with_tools, call)
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
         if call.stream:
-            return await self._stream(call, "messages", responses.StreamFormat(call, self.model, self.detok, response_id,
-                                                                               chat=True))
+            fmt = responses.StreamFormat(call, self.model, self.detok, response_id, chat=True)
+            return await self.stream_response(call, "messages", fmt)
         results = await self.generate(call, "messages")
         body = await asyncio.to_thread(responses.chat_response, call, self.model, results, self.detok, response_id)
         return _answer(results, body)
 
-    def _with_tools(self, call: Call) -> None:
+    def with_tools(self, call: Call, render: bool = True) -> None:
         """A chat with tools, tool messages or a parser set: checked and constrained as vLLM's
-        server does (``tools.ChatTools``), rendered here and its prompt token ids sent to the
-        fleet (a plain chat with no parser set is rendered by the fleet, alike)."""
+        server does (``tools.ChatTools``), rendered here (``render``; the gateway renders its
+        sessions' prompts itself) and its prompt token ids sent to the fleet (a plain chat with no
+        parser set is rendered by the fleet, alike)."""
         call.turn = self.tools.turn(call.request, call.prompts[0])
         structured = call.turn.structured_outputs()
         if structured is not None:
             call.sampling["structured_outputs"] = structured
-        if call.tooled or call.turn.parses:  # a parser reads the prompt's ids too (reasoning open at its end?)
+        # a parser reads the prompt's ids too (reasoning open at its end?)
+        if render and (call.tooled or call.turn.parses):
             call.prompts = [call.turn.render()]
 
-    async def _stream(self, call: Call, prompt_field: str, fmt: responses.StreamFormat) -> Response:
+    async def stream_response(self, call: Call, prompt_field: str, fmt: responses.StreamFormat,
+                              on_results: Callable[[list[Any]], None] | None = None,
+                              on_close: Callable[[], None] | None = None) -> Response:
         """Every prompt's ``fleet.generate_stream`` at once; the response starts when each has its
         first token (until then a failure is an error response), then relays what comes. The
-        request holds its place in ``server.max_in_flight`` until the stream ends."""
+        request holds its place in ``server.max_in_flight`` until the stream ends. ``on_results``:
+        called with the finished results before the final chunk; ``on_close``: when the stream ends."""
         self.inflight.admit(call.samples)
-        relay = Relay(self.fleet, call, self._kwargs(call), prompt_field,
-                       on_close=lambda: self.inflight.release(call.samples))
+
+        def closed() -> None:
+            self.inflight.release(call.samples)
+            if on_close is not None:
+                on_close()
+
+        relay = Relay(self.fleet, call, self._kwargs(call), prompt_field, on_close=closed, on_results=on_results)
         try:
             firsts = await relay.first_events()
         except BaseException:
@@ -341,6 +353,7 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
         error = ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail)))
         return error_response(error, version())
 
+    add_routes(app, api, settings, route, _answer)
     app.add_exception_handler(StarletteHTTPException, not_found)
     key = settings.server.api_key.get_secret_value() if settings.server.api_key else None
     return Gate(app, key, version, metrics)

@@ -73,7 +73,7 @@ STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties",
 class ApiError(Exception):
     """An OpenAI-shaped error: HTTP ``status``, ``message``, the request field it is about."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError",
              500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 
     def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None):

@@ -40,10 +40,11 @@ class Relay:
     queue as (prompt, event): a ``Delta``, the finished result, or what the stream raised."""
 
     def __init__(self, fleet: Any, call: Call, kwargs: dict[str, Any], prompt_field: str,
-                 on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None, on_results: Callable[[list[Any]], None] | None = None):
         self.call, self.prompt_field = call, prompt_field
         self.queue: asyncio.Queue = asyncio.Queue()
         self._on_close = on_close
+        self._on_results = on_results  # every prompt's result, before the final chunk (what raises: an error event)
         self.tasks = [asyncio.ensure_future(self._pump(i, fleet, p, kwargs)) for i, p in enumerate(call.prompts)]
 
     async def _pump(self, i: int, fleet: Any, prompt: Any, kwargs: dict[str, Any]) -> None:
@@ -88,7 +89,10 @@ class Relay:
                         yield chunk
                 else:
                     results[i] = event
-            for chunk in fmt.end([results[i] for i in range(len(self.tasks))]):
+            final = [results[i] for i in range(len(self.tasks))]
+            if self._on_results is not None:
+                self._on_results(final)
+            for chunk in fmt.end(final):
                 yield chunk
         except Exception as exc:  # the response has started: an event is the only way left to say so
             yield stream_error(exc, shards)

@@ -28,7 +28,6 @@ What vLLM's chat server does, done the same way over the fleet:
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any, Sequence
 
@@ -41,9 +40,10 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
 from vllm.exceptions import VLLMValidationError
 from vllm.parser import ParserManager
-from vllm.renderers.chat_utils import _postprocess_messages, make_tool_call_id
-from vllm.renderers.hf import safe_apply_chat_template
+from vllm.renderers.chat_utils import make_tool_call_id
 
+from nemo_gen.errors import RequestError
+from nemo_gen.fleet.session import render_chat_text
 from nemo_gen.server.protocol import bad, structured_of
 
 
@@ -85,23 +85,23 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any]
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 add_special_tokens: bool = False) -> list[int]:
     """A chat's token ids as the chat route makes them: vLLM's template application over the
-    tokenizer's chat template (tool-call arguments made objects first), then tokenized as the
+    tokenizer's chat template (``nemo_gen.fleet.session.render_chat_text``), then tokenized as the
     fleet tokenizes a chat (the template wrote the special tokens)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad("messages: this prompt is a chat, but the tokenizer (model.tokenizer, or the model's own) "
-                  "has no chat template", "messages")
-    conversation = copy.deepcopy(messages)
-    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    text = render_text(tokenizer, messages, [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                       add_generation_prompt, continue_final_message)
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def render_text(tokenizer: Any, messages: list[dict[str, Any]], tool_dicts: list[dict[str, Any]] | None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """``render_chat_text`` with its refusals as 400s naming the field."""
     try:
-        _postprocess_messages(conversation)
-        text = safe_apply_chat_template(None, tokenizer, conversation, tools=tool_dicts,
-                                        chat_template=tokenizer.chat_template, tokenize=False,
-                                        add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message)
+        return render_chat_text(tokenizer, messages, tool_dicts, add_generation_prompt, continue_final_message)
+    except RequestError as exc:
+        raise bad(str(exc), "messages") from None
     except VLLMValidationError as exc:
         param = getattr(exc, "parameter", None) or "messages"
         raise bad(f"{param}: {exc}", param) from None
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 class ChatTurn:

@@ -48,6 +48,20 @@ class ServerSettings(Section):
         2**20, ge=1, description="Longest prompt, in characters (a chat: all its messages' content), the "
         "server tokenizes; a longer one is answered 400 naming the field, before any tokenizing.",
     )
+    session_ttl_s: float = Field(
+        600.0, gt=0, description="A trajectory-gateway session (POST /nemo_gen/sessions) expires this many "
+        "seconds after its last turn ended (or its opening, before any turn); a turn in flight keeps it alive. "
+        "An expired session is gone (404) and its shard released.",
+    )
+    max_sessions: int = Field(
+        1024, ge=1, description="Trajectory-gateway sessions open at once; one more is answered 429 naming "
+        "this setting (no open session is dropped to make room).",
+    )
+    max_session_bytes: int = Field(
+        64 * 2**20, ge=1024, description="Largest record one gateway session keeps (its turns' requests as "
+        "JSON and their token ids, masks and logprobs); a turn that would pass it is answered 413 naming "
+        "this setting and not recorded, and the session stays readable.",
+    )
 
     tool_call_parser: str | None = Field(
         None, description="vLLM's tool-call parser (its ToolParserManager name: hermes, llama3_json, "

@@ -1,0 +1,224 @@
+"""The trajectory gateway: OpenAI chat completions on a recorded session, for agents the trainer
+cannot modify.
+
+    POST   /nemo_gen/sessions                          {"id", "base_url": "/nemo_gen/sessions/{id}/v1", "url", "shard", ...}
+    POST   /nemo_gen/sessions/{id}/v1/chat/completions  the chat route (tools included), every turn recorded
+    GET    /nemo_gen/sessions/{id}/v1/models           the one model
+    GET    /nemo_gen/sessions/{id}/trajectory          the turns, and the token sequence with its loss mask
+    DELETE /nemo_gen/sessions/{id}                     the session ends (its trajectory is returned one last time)
+
+An unmodified OpenAI client pointed at ``url`` runs its conversation. Each turn goes through the
+chat route's own pieces (``FleetApi``: the request model and its refusals, ``tools.ChatTools`` for
+tool calls and parsers, ``responses.chat_response``), with one difference: the prompt is built by
+the session (``nemo_gen.fleet.session.FleetSession``) on the previous turn's exact token ids —
+the rule, and what happens when the agent edits history, are ``nemo_gen.core.trajectory``'s —
+and sent to the fleet as token ids under the session's id, so the router keeps it on its shard
+(placed at open on the shard with the fewest open sessions; a dead shard's session is placed
+again, its next turn prefilled from the full token prompt there).
+
+Recorded per turn: the request (its body, ``messages`` cut to the new ones, ``first_message`` the
+index of the first of them), the engine's prompt and completion ids, logprobs, ``weight_versions``,
+finish reason, shard, the answer's message. A failed turn is not recorded.
+
+Limits (``server.*``): ``session_ttl_s`` after its last turn a session expires (404 after), at most
+``max_sessions`` open (429), at most ``max_session_bytes`` recorded per session (413, the turn not
+recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``.
+
+``stream: true`` streams as the chat route does; the turn is recorded from the stream's final
+results (its message parsed whole, as the unstreamed answer's) before the final chunk, and a
+turn that cannot be recorded (the byte bound) ends the stream with an error event naming it. The
+session's turn lasts until the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from vllm.utils import random_uuid
+
+from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable
+from nemo_gen.core.trajectory import turn_bytes
+from nemo_gen.errors import ShardUnavailableError
+from nemo_gen.fleet.session import FleetSession
+from nemo_gen.server import protocol, responses
+from nemo_gen.server.http import TIMEOUT_HEADER, cancelled_on_disconnect, read_json
+from nemo_gen.server.protocol import ApiError, bad
+from nemo_gen.server.tools import render_text
+
+PREFIX = "/nemo_gen/sessions"
+
+
+def _api_error(exc: SessionError) -> ApiError:
+    return ApiError(exc.status, exc.message, exc.param)
+
+
+class Gateway:
+    """The sessions of one server over its ``FleetApi`` (``api``)."""
+
+    def __init__(self, api: Any, settings: Any, answer: Any):
+        server = settings.server
+        self.api, self.answer = api, answer
+        self.table: SessionTable[FleetSession] = SessionTable(
+            SessionLimits(server.session_ttl_s, server.max_sessions, server.max_session_bytes))
+        self.router = getattr(api.fleet, "router", None)  # places sessions (a fleet without one: none placed)
+
+    def _release(self, sid: str) -> None:
+        if self.router is not None:
+            self.router.close_session(sid)
+
+    def expire(self) -> None:
+        for _, session in self.table.expire():
+            session.close()
+
+    def _session(self, sid: str, begin: bool = False) -> FleetSession:
+        self.expire()
+        try:
+            return self.table.begin(sid) if begin else self.table.get(sid)
+        except SessionError as exc:
+            raise _api_error(exc) from None
+
+    # -- routes -----------------------------------------------------------------------------------
+
+    def create(self, body: Any, base: str) -> dict[str, Any]:
+        if body not in (None, {}) and not isinstance(body, dict):
+            raise bad("the request body must be a JSON object (or empty)", None)
+        unknown = sorted(set(body or {}))
+        if unknown:
+            raise bad(f"{unknown[0]}: unknown field (a session takes none)", unknown[0])
+        self.expire()
+        sid = f"sess-{random_uuid()}"
+        tokenizer = self.api.tools.tokenizer
+        session = FleetSession(sid, tokenizer, render=lambda m, t, g: render_text(tokenizer, m, t, g),
+                               on_close=self._release)
+        try:
+            self.table.open(session, sid)
+        except SessionError as exc:
+            raise _api_error(exc) from None
+        shard = None
+        if self.router is not None:
+            try:
+                shard = self.router.open_session(sid)
+            except ShardUnavailableError as exc:
+                self.table.close(sid)
+                raise ApiError(503, f"ShardUnavailableError: {exc}") from None
+        path = f"{PREFIX}/{sid}/v1"
+        return {"id": sid, "object": "nemo_gen.session", "base_url": path, "url": base.rstrip("/") + path,
+                "shard": shard, "ttl_s": self.table.limits.ttl_s}
+
+    async def chat(self, sid: str, body: Any, timeout: str | None) -> Response:
+        api = self.api
+        api.inflight.check_room()
+        api.check_model(body)
+        call = protocol.parse_chat(body, None, timeout)
+        if call.n != 1:
+            raise bad(f"n: a session's turn has one sample (a trajectory is one conversation), got n={call.n}", "n")
+        session = self._session(sid, begin=True)
+        streaming = False
+        try:
+            api.check_call(call, "messages")
+            if call.tooled or api.tools.parser_cls is not None:
+                await asyncio.to_thread(api.with_tools, call, False)
+            tools = [t.model_dump(exclude_none=True) for t in call.request.tools] if call.request.tools else None
+            prepared = await asyncio.to_thread(session.prepare, call.prompts[0], tools)
+            call.prompts, call.session_id = [prepared.prompt_ids], sid
+            response_id = call.request_id or f"chatcmpl-{random_uuid()}"
+            if call.stream:
+                def on_results(results: list[Any]) -> None:
+                    result = results[0]
+                    if call.turn is not None:
+                        message = _message(call.turn.message(result.text or "", result.token_ids,
+                                                             result.finish_reason)[0])
+                    else:
+                        message = {"role": "assistant", "content": result.text or ""}
+                    self._record(sid, session, prepared, body, result, message)
+
+                fmt = responses.StreamFormat(call, api.model, api.detok, response_id, chat=True)
+                response = await api.stream_response(call, "messages", fmt, on_results=on_results,
+                                                     on_close=lambda: self.table.end(sid))
+                streaming = True  # the turn ends with the stream
+                return response
+            results = await api.generate(call, "messages")
+            out = await asyncio.to_thread(responses.chat_response, call, api.model, results, api.detok, response_id)
+            turn = self._record(sid, session, prepared, body, results[0], _message(out.choices[0].message))
+            out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
+                                       "new_segment_reason": turn.reason}
+            return self.answer(results, out)
+        finally:
+            if not streaming:
+                self.table.end(sid)
+
+    def _record(self, sid: str, session: FleetSession, prepared: Any, body: dict[str, Any], result: Any,
+                message: dict[str, Any]) -> Any:
+        """Record an answered turn within the session's byte bound (413 naming it, nothing recorded)."""
+        request = {k: v for k, v in body.items() if k != "messages"}
+        request.update(messages=prepared.plan.new, first_message=prepared.plan.at)
+        try:
+            self.table.charge(sid, turn_bytes(request, len(result.prompt_token_ids), len(result.token_ids)))
+        except SessionError as exc:
+            raise _api_error(exc) from None
+        return session.record(prepared, result, message, request)
+
+    def check(self, sid: str) -> None:
+        """404 unless ``sid`` is an open session."""
+        self._session(sid)
+
+    def trajectory(self, sid: str) -> dict[str, Any]:
+        return self._session(sid).trajectory().to_json()
+
+    def delete(self, sid: str) -> dict[str, Any]:
+        self.expire()
+        try:
+            session = self.table.close(sid)
+        except SessionError as exc:
+            raise _api_error(exc) from None
+        session.close()
+        return {**session.trajectory().to_json(), "deleted": True}
+
+
+def _message(message: Any) -> dict[str, Any]:
+    """The answer's message as the agent will send it back (what the next turn's check compares)."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump(exclude_none=True) for c in message.tool_calls]
+    if getattr(message, "reasoning", None):
+        out["reasoning"] = message.reasoning
+    return out
+
+
+def add_routes(app: Any, api: Any, settings: Any, route: Any, answer: Any) -> Gateway:
+    """The gateway's routes on ``app``, each wrapped by the server's ``route`` (errors, logging);
+    ``answer(results, body)``: the chat route's response (its provenance headers)."""
+    gateway = Gateway(api, settings, answer)
+    max_bytes = settings.server.max_body_bytes
+
+    async def create(request: Request):
+        empty = request.headers.get("content-length") == "0" or (
+            "content-length" not in request.headers and "transfer-encoding" not in request.headers)
+        body = None if empty else await read_json(request, max_bytes)
+        return gateway.create(body, str(request.base_url))
+
+    async def chat(request: Request):
+        api.inflight.check_room()
+        body = await read_json(request, max_bytes)
+        return await cancelled_on_disconnect(
+            request, gateway.chat(request.path_params["sid"], body, request.headers.get(TIMEOUT_HEADER)))
+
+    async def models(request: Request):
+        gateway.check(request.path_params["sid"])  # 404 for a session that is gone
+        return api.models()
+
+    async def trajectory(request: Request):
+        return await asyncio.to_thread(gateway.trajectory, request.path_params["sid"])
+
+    async def delete(request: Request):
+        return await asyncio.to_thread(gateway.delete, request.path_params["sid"])
+
+    app.add_route(PREFIX, route(create), methods=["POST"])
+    app.add_route(PREFIX + "/{sid}/v1/chat/completions", route(chat), methods=["POST"])
+    app.add_route(PREFIX + "/{sid}/v1/models", route(models), methods=["GET"])
+    app.add_route(PREFIX + "/{sid}/trajectory", route(trajectory), methods=["GET"])
+    app.add_route(PREFIX + "/{sid}", route(delete), methods=["DELETE"])
+    return gateway

@@ -1,0 +1,217 @@
+"""The trajectory gateway (issue 33, items 3-4) over fake shards (tests/fakes.py) behind the real app
+and router, the official openai client in front: sessions, their recorded turns and token
+sequence, placement by open sessions, a shard lost mid-session, an edited history, the limits and
+their refusals, and ``fleet.session()`` from Python. The engines' side: tests/e2e/test_gateway.py."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.fakes import FakeDriver, fake_fleet
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _settings(make_settings, name, **extra):
+    return make_settings(fleet__name=name, fleet__num_shards=2, health__probe_interval_s=60,
+                         health__auto_recover=False, server__port=0, server__tool_call_parser="hermes",
+                         generation__max_new_tokens=5, generation__vllm_cfg__skip_tokenizer_init=True,
+                         generation__vllm_cfg__max_model_len=1024, **extra)
+
+
+@pytest.fixture
+def served(make_settings):
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    fleet = fake_fleet(_settings(make_settings, "fake-gateway"), driver)
+    handle = start_server(fleet)
+    yield fleet, handle, driver
+    handle.stop()
+    fleet.shutdown()
+    driver.close()
+
+
+def _open(url: str) -> dict:
+    r = httpx.post(f"{url}/nemo_gen/sessions")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _client(created: dict) -> openai.OpenAI:
+    return openai.OpenAI(base_url=created["url"], api_key="unused", max_retries=0)
+
+
+def _masked(traj: dict, seg: int = 0) -> list[int]:
+    s = traj["segments"][seg]
+    return [t for t, m in zip(s["token_ids"], s["loss_mask"]) if m]
+
+
+def _agent(client, turns: int, first: str = "Weather in Paris?") -> list:
+    messages, outs = [{"role": "user", "content": first}], []
+    for k in range(turns):
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                             extra_body={"return_token_ids": True})
+        outs.append(out)
+        messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                     {"role": "user", "content": f"and turn {k + 2}?"}]
+    return outs
+
+
+def test_a_session_records_every_turn_on_the_sampled_ids(served):
+    fleet, handle, _ = served
+    created = _open(handle.url)
+    assert created["base_url"] == f"/nemo_gen/sessions/{created['id']}/v1"
+    outs = _agent(_client(created), 3)
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert len(traj["turns"]) == 3 and len(traj["segments"]) == 1
+    for out, turn in zip(outs, traj["turns"]):
+        assert turn["token_ids"] == out.choices[0].token_ids and turn["prompt_token_ids"] == out.prompt_token_ids
+        assert out.nemo_gen["session"]["turn"] == turn["index"] and turn["new_segment_reason"] is None
+        assert turn["shard"] == created["shard"]  # it stays on its shard
+    assert _masked(traj) == [t for turn in traj["turns"] for t in turn["token_ids"]]
+    assert sum(traj["loss_mask"]) == traj["completion_tokens"] == sum(o.usage.completion_tokens for o in outs)
+    for prev, turn in zip(traj["turns"], traj["turns"][1:]):
+        assert turn["prompt_token_ids"][:len(prev["prompt_token_ids"]) + len(prev["token_ids"])] == \
+            prev["prompt_token_ids"] + prev["token_ids"]
+    assert traj["turns"][1]["request"]["first_message"] == 2
+    assert [m["role"] for m in traj["turns"][1]["request"]["messages"]] == ["user"]  # only the new ones kept
+    # DELETE ends it (the trajectory one last time), then it is gone
+    gone = httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}")
+    assert gone.status_code == 200 and gone.json()["deleted"] and len(gone.json()["turns"]) == 3
+    after = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory")
+    assert after.status_code == 404 and after.json()["error"]["param"] == "id"
+    assert fleet.router.affinity.placement.counts() == {}
+
+
+def test_new_sessions_spread_by_open_sessions_and_are_released(served):
+    fleet, handle, _ = served
+    opened = [_open(handle.url) for _ in range(4)]
+    assert sorted(c["shard"] for c in opened) == [0, 0, 1, 1]
+    httpx.delete(f"{handle.url}/nemo_gen/sessions/{opened[0]['id']}")
+    assert _open(handle.url)["shard"] == opened[0]["shard"]  # the freed place is taken next
+
+
+def test_a_dead_shard_s_session_moves_and_stays_recorded(served):
+    fleet, handle, driver = served
+    created = _open(handle.url)
+    client = _client(created)
+    messages = [{"role": "user", "content": "q"}]
+    one = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    driver.set_dead(fleet.handle(created["shard"]).name)
+    messages += [{"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": "r"}]
+    two = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert [t["shard"] for t in traj["turns"]] == [created["shard"], 1 - created["shard"]]
+    assert two.nemo_gen["shard"] == 1 - created["shard"] and len(traj["segments"]) == 1
+    assert _masked(traj) == traj["turns"][0]["token_ids"] + traj["turns"][1]["token_ids"]
+    assert fleet.router.affinity.placement.slot_of(created["id"]) == 1 - created["shard"]
+
+
+def test_an_edited_history_starts_a_flagged_segment(served):
+    _, handle, _ = served
+    created = _open(handle.url)
+    client = _client(created)
+    messages = [{"role": "user", "content": "q"}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    edited = messages + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "r"}]
+    out = client.chat.completions.create(model="tiny", messages=edited, max_tokens=4)
+    assert out.nemo_gen["session"]["segment"] == 1 and "messages[1]" in out.nemo_gen["session"]["new_segment_reason"]
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert traj["token_ids"] is None and len(traj["segments"]) == 2
+    assert [_masked(traj, i) for i in range(2)] == [t["token_ids"] for t in traj["turns"]]
+
+
+def test_a_streamed_turn_is_recorded_from_the_stream(served):
+    _, handle, _ = served
+    created = _open(handle.url)
+    client = _client(created)
+    messages = [{"role": "user", "content": "q"}]
+    ids, text = [], ""
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True,
+                                                extra_body={"return_token_ids": True}):
+        for choice in chunk.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += choice.delta.content or ""
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "r"}]
+    two = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                         extra_body={"return_token_ids": True})
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert len(ids) == 4 and traj["turns"][0]["token_ids"] == ids and traj["turns"][0]["message"]["content"] == text
+    assert len(traj["segments"]) == 1 and _masked(traj) == ids + two.choices[0].token_ids  # the stream's answer extends
+
+
+def test_refusals_name_the_field_or_the_limit(served):
+    _, handle, _ = served
+    created = _open(handle.url)
+    client = _client(created)
+    ask = [{"role": "user", "content": "q"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=ask, max_tokens=4, n=2)
+    assert err.value.body["param"] == "n"
+    nowhere = openai.OpenAI(base_url=f"{handle.url}/nemo_gen/sessions/sess-none/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        nowhere.chat.completions.create(model="tiny", messages=ask, max_tokens=4)
+    bad = httpx.post(f"{handle.url}/nemo_gen/sessions", json={"ttl": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl"
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert traj["turns"] == []  # refused turns are not recorded
+
+
+def test_limits_sessions_bytes_and_ttl(make_settings):
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    fleet = fake_fleet(_settings(make_settings, "fake-gateway-limits", server__max_sessions=1,
+                                 server__session_ttl_s=0.5, server__max_session_bytes=1024), driver)
+    handle = start_server(fleet)
+    try:
+        created = _open(handle.url)
+        full = httpx.post(f"{handle.url}/nemo_gen/sessions")
+        assert full.status_code == 429 and "server.max_sessions=1" in full.json()["error"]["message"]
+        client = _client(created)
+        with pytest.raises(openai.APIStatusError) as err:
+            _agent(client, 10)
+        assert err.value.status_code == 413 and "server.max_session_bytes=1024" in err.value.message
+        turns = len(httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()["turns"])
+        assert turns >= 1
+        time.sleep(0.7)
+        assert httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").status_code == 404
+        assert fleet.router.affinity.placement.counts() == {}  # expired: its shard released
+        assert _open(handle.url)["id"] != created["id"]  # room again
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()
+
+
+def test_fleet_session_gives_the_same_trajectory_from_python(served):
+    fleet, _, driver = served
+    with fleet.session() as s:
+        assert fleet.router.affinity.placement.slot_of(s.id) is not None
+        messages = [{"role": "user", "content": "q"}]
+        r1 = s.chat(messages, max_new_tokens=4)
+        messages += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "r"}]
+        r2 = s.chat(messages, max_new_tokens=4)
+        traj = s.trajectory().to_json()
+        assert traj["turns"][1]["prompt_token_ids"][:len(r1.prompt_token_ids) + 4] == r1.prompt_token_ids + r1.token_ids
+        assert _masked(traj) == r1.token_ids + r2.token_ids and len(traj["segments"]) == 1
+        with pytest.raises(Exception, match="n="):
+            s.chat(messages, n=2)
+    assert fleet.router.affinity.placement.slot_of(s.id) is None  # closed: released
+    with pytest.raises(Exception, match="closed"):
+        s.chat(messages)
+
+
+def test_a_session_lists_its_model_until_it_ends(served):
+    _, handle, _ = served
+    created = _open(handle.url)
+    assert [m.id for m in _client(created).models.list().data] == ["tiny"]
+    httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}")
+    with pytest.raises(openai.NotFoundError):
+        _client(created).models.list()
+    assert httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}").status_code == 404
