@@ -251,8 +251,10 @@ def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | N
         rows = list(zip(update_info["names"], update_info["shapes"], dtypes))
     else:
         return None
+    from nemo_gen.core.fp8 import fold_scales  # fp8 tensors' scales are read with them
+
     metas = []
-    for name, shape, dtype in rows:
+    for name, shape, dtype in fold_scales(rows):
         dtype = canonical_dtype(str(dtype))
         metas.append(TensorMeta.of(name, shape, engine_dtype if is_floating(dtype) else dtype))
     return metas

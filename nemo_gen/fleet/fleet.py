@@ -208,9 +208,11 @@ class GenerationFleet(AdapterVerbs):
         fleet's versions, checks and quarantine; see ``nemo_gen.fleet.weight_sync``. ``draft``:
         the updates go to the speculative drafter (names without the ``draft.`` prefix)."""
         self.background.check_open()
-        return FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
-                                     self.background.check_open, version, draft,
-                                     policies.in_flight(self.settings, in_flight))
+        client = FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
+                                       self.background.check_open, version, draft,
+                                       policies.in_flight(self.settings, in_flight))
+        client.quantize = "fp8" if self.settings.refit.quantize == "trainer" else None
+        return client
 
     # -- membership and recovery -------------------------------------------------------------
 

@@ -92,6 +92,9 @@ class FleetWeightSyncClient:
         self.version = version
         self.draft = draft
         self.report: RefitReport | None = None
+        # "fp8" under refit.quantize: trainer: trainer engines given this client quantize
+        # (nemo_gen.vllm_ext.vllm_backend.trainer_source)
+        self.quantize: str | None = None
         # shard label -> where its last one-call update went (seconds in the shard actor, in the
         # RPC into the engine, in the worker): the round trips' share of a refit, for benchmarks
         self.timings: dict[Any, dict[str, float]] = {}
