@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from nemo_gen.core.manifest import RefitError, TensorMeta, canonical_dtype, is_floating
+from nemo_gen.core.manifest import FP8_DTYPE, SCALE_SUFFIX, TensorMeta, canonical_dtype, fold_scales, is_floating
 
-FP8_DTYPE = "float8_e4m3fn"
+__all__ = ["FP8_DTYPE", "SCALE_SUFFIX", "fold_scales"]  # the wire's fp8 names live in manifest.py (its checks)
+
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-SCALE_SUFFIX = "_scale"
 SCALE_DTYPE = "float32"
 QUANTIZE_MODES = ("engine", "trainer")
 # vLLM's packed_modules_mapping for the decoder families it fuses: the parts of one engine tensor
@@ -58,24 +58,6 @@ def wire_metas(metas: Iterable[TensorMeta]) -> list[TensorMeta]:
         else:
             out.append(m)
     return out
-
-
-def fold_scales(rows: Sequence[tuple[str, Sequence[int], str]]) -> list[tuple[str, Sequence[int], str]]:
-    """The (name, shape, dtype) rows of a chunk as the model's manifest sees them: every fp8
-    tensor's ``_scale`` row dropped (it is read with its tensor). Raises ``RefitError`` for an fp8
-    tensor without its scale or a scale without its fp8 tensor."""
-    fp8 = {name for name, _, dtype in rows if canonical_dtype(str(dtype)) == FP8_DTYPE}
-    names = {name for name, _, _ in rows}
-    scales = {name[: -len(SCALE_SUFFIX)] for name in names if name.endswith(SCALE_SUFFIX)}
-    unscaled = sorted(fp8 - scales)
-    if unscaled:
-        raise RefitError(f"refit refused, no weight was changed: fp8 tensors without their "
-                         f"'{SCALE_SUFFIX}' tensor: {', '.join(unscaled[:8])}")
-    orphan = sorted(n for n in scales if n not in fp8 and n in names)
-    if orphan:
-        raise RefitError(f"refit refused, no weight was changed: scale tensors for tensors that are "
-                         f"not fp8: {', '.join(n + SCALE_SUFFIX for n in orphan[:8])}")
-    return [r for r in rows if not (r[0].endswith(SCALE_SUFFIX) and r[0][: -len(SCALE_SUFFIX)] in fp8)]
 
 
 def quantize_problem(quantize: str, precision: str) -> str | None:

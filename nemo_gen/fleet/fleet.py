@@ -208,11 +208,9 @@ class GenerationFleet(AdapterVerbs):
         fleet's versions, checks and quarantine; see ``nemo_gen.fleet.weight_sync``. ``draft``:
         the updates go to the speculative drafter (names without the ``draft.`` prefix)."""
         self.background.check_open()
-        client = FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
-                                       self.background.check_open, version, draft,
-                                       policies.in_flight(self.settings, in_flight))
-        client.quantize = "fp8" if self.settings.refit.quantize == "trainer" else None
-        return client
+        return FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
+                                     self.background.check_open, version, draft,
+                                     policies.in_flight(self.settings, in_flight), quantize=self.settings.refit.quantize)
 
     # -- membership and recovery -------------------------------------------------------------
 
