@@ -171,11 +171,11 @@ class GenerationFleet(AdapterVerbs):
             return chosen.stamp(await self.router.generate_async(prompt, p, session_id, timeout_s))
 
     def generate_stream(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
-                        **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
+                        adapter: str | None = None, **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
         """``Delta``s as generated, then the result; ``timeout_s``: the longest wait between two."""
         self.background.check_open()
-        return self.router.generate_stream(prompt, resolve_sampling(self.resolved.generation_config, sampling), session_id,
-                                           timeout_s)
+        return self.adapters.stream(adapter, resolve_sampling(self.resolved.generation_config, sampling),
+                                    lambda p: self.router.generate_stream(prompt, p, session_id, timeout_s))
 
     # -- weights -----------------------------------------------------------------------------
 
