@@ -22,8 +22,16 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_into(out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``out`` (fp8) := round(weight / scale), clamped to the fp8 range; true division, as vLLM's
-    online quantization."""
+    """``out`` (fp8) := weight / scale rounded, clamped to the fp8 range. On CUDA by vLLM's own
+    static per-tensor kernel (``scaled_fp8_quant``, the one its online FP8 runs at load: it
+    multiplies by the reciprocal, which rounds a value within an ulp of an fp8 midpoint the other
+    way than a true division; on an 8B model thousands of weights differ, enough to flip greedy
+    tokens); elsewhere in torch, by true division."""
+    if weight.is_cuda:
+        from vllm import _custom_ops as ops
+
+        ops.scaled_fp8_quant(weight.contiguous(), scale=scale, output=out)
+        return out
     out.copy_((weight.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(_FP8))
     return out
 
