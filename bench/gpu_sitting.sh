@@ -121,7 +121,7 @@ case "${1:-}" in
     cd .gpu-src
     end_left_gpu_processes
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    timeout "${LF_TIMEOUT:-585}" python3 -m bench lora_fp8_gpu --out "$OUT" --deadline-s "${LF_DEADLINE:-560}" \
+    timeout "${LF_TIMEOUT:-540}" python3 -m bench lora_fp8_gpu --out "$OUT" --deadline-s "${LF_DEADLINE:-510}" \
       ${LF_ARGS:-} > "$OUT/lora_fp8.log" 2>&1
     echo "lora_fp8 rc=$?"
     grep -E "^\[" "$OUT/lora_fp8.log" | cut -c1-400 | tail -30

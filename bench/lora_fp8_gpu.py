@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="timed refits per kind (the first, which sets up, not in the median)")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--deadline-s", type=float, default=570)
+    ap.add_argument("--deadline-s", type=float, default=510)
     ap.add_argument("--work", default="/tmp/nemo-gen-lora-fp8")
     ap.add_argument("--skip", default="", help="steps not to run, comma-separated: fp8_refit,fp8_throughput,bf16,lora")
     args = ap.parse_args(argv)
