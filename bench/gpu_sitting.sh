@@ -13,6 +13,9 @@
 #                                               (RL_STEPS, RL_MODE_S: steps and seconds per mode; RL_ARGS: more of its flags)
 #                                               and $OUT/gpu.csv (the card's utilization, sampled); RL_MPS=1: under a CUDA
 #                                               MPS daemon started for the run and stopped after it -> $OUT/mps.log
+#   bash .gpu-src/bench/gpu_sitting.sh lorafp8  install, run python -m bench lora_fp8_gpu (adapter vs full refit, FP8 refit
+#                                               from bf16 online and trainer-side, FP8 / bf16 throughput; an 11-layer random
+#                                               Llama, 4.5 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags)
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD
@@ -113,5 +116,15 @@ case "${1:-}" in
     if [ "${RL_MPS:-0}" = 1 ]; then stop_mps; fi
     tail -c 3000 "$OUT/rl.log"
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl"; exit 2 ;;
+  lorafp8)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    end_left_gpu_processes
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    timeout "${LF_TIMEOUT:-540}" python3 -m bench lora_fp8_gpu --out "$OUT" --deadline-s "${LF_DEADLINE:-510}" \
+      ${LF_ARGS:-} > "$OUT/lora_fp8.log" 2>&1
+    echo "lora_fp8 rc=$?"
+    grep -E "^\[" "$OUT/lora_fp8.log" | cut -c1-400 | tail -30
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl|lorafp8"; exit 2 ;;
 esac

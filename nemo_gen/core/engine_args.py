@@ -94,8 +94,16 @@ def engine_kwargs(
         "disable_log_stats": not vc.get("enable_vllm_metrics_logger"),
     }
     if precision == "fp8":
+        if device == "cpu":
+            # vLLM's CPU FP8 kernels need AMX tiles (Sapphire Rapids or newer) and a bfloat16
+            # model, the dtype this project's CPU engines avoid (see "auto" below).
+            raise ConfigError(
+                "fp8 runs on GPU fleets only: vLLM's CPU FP8 kernels need AMX and bfloat16; "
+                "use float32 or bfloat16 on fleet.device=cpu", field="generation.vllm_cfg.precision")
         kwargs["dtype"] = "bfloat16"
-        kwargs["quantization"] = "fp8"
+        # vLLM's online per-tensor FP8 (its "fp8" on a bf16 checkpoint is a deprecated alias):
+        # quantized at load and again at every reload (layerwise), so a refit sends bf16.
+        kwargs["quantization"] = "fp8_per_tensor"
     elif precision == "auto" and device == "cpu":
         # vLLM downcasts float32 checkpoints to bfloat16 on CPU and then picks its AMX attention
         # kernel, which dies with SIGILL on hosts that advertise AMX without enabling it (seen on

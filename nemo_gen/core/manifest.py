@@ -33,6 +33,11 @@ _SAFETENSORS_DTYPES = {
 # natural alignment).
 ALIGN = 64
 
+# A trainer-quantized tensor (refit.quantize: trainer; nemo_gen/core/fp8.py) travels as fp8 with
+# a float32 "<name>_scale" beside it.
+FP8_DTYPE = "float8_e4m3fn"
+SCALE_SUFFIX = "_scale"
+
 
 class RefitError(DataError):
     """A refit was refused before any weight changed (bad manifest, bad source)."""
@@ -252,10 +257,28 @@ def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | N
     else:
         return None
     metas = []
-    for name, shape, dtype in rows:
+    for name, shape, dtype in fold_scales(rows):  # fp8 tensors' scales are read with them
         dtype = canonical_dtype(str(dtype))
         metas.append(TensorMeta.of(name, shape, engine_dtype if is_floating(dtype) else dtype))
     return metas
+
+
+def fold_scales(rows: Sequence[tuple[str, Sequence[int], str]]) -> list[tuple[str, Sequence[int], str]]:
+    """The (name, shape, dtype) rows of a chunk as the model's manifest sees them: every fp8
+    tensor's ``_scale`` row dropped (it is read with its tensor). Raises ``RefitError`` for an fp8
+    tensor without its scale or a scale without its fp8 tensor."""
+    fp8 = {name for name, _, dtype in rows if canonical_dtype(str(dtype)) == FP8_DTYPE}
+    names = {name for name, _, _ in rows}
+    scales = {name[: -len(SCALE_SUFFIX)] for name in names if name.endswith(SCALE_SUFFIX)}
+    unscaled = sorted(fp8 - scales)
+    if unscaled:
+        raise RefitError(f"refit refused, no weight was changed: fp8 tensors without their "
+                         f"'{SCALE_SUFFIX}' tensor: {', '.join(unscaled[:8])}")
+    orphan = sorted(n for n in scales if n not in fp8 and n in names)
+    if orphan:
+        raise RefitError(f"refit refused, no weight was changed: scale tensors for tensors that are "
+                         f"not fp8: {', '.join(n + SCALE_SUFFIX for n in orphan[:8])}")
+    return [r for r in rows if not (r[0].endswith(SCALE_SUFFIX) and r[0][: -len(SCALE_SUFFIX)] in fp8)]
 
 
 def layout_only(update_info: Mapping) -> dict | None:

@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from nemo_gen.core.adapters import (
     AdapterEntry,
@@ -263,6 +263,24 @@ class FleetAdapters:
         finally:
             self.registry.release(entry)
 
+    def stream(self, name: str | None, sampling: dict[str, Any], start: Callable[[dict[str, Any]], Any]):
+        """``start(sampling)``'s stream on adapter ``name``'s newest version (None: the base model):
+        an unknown adapter is refused here, before any request; the adapter is held in flight (never
+        evicted) until the stream ends, and its result is stamped with the adapter and version."""
+        if name is None:
+            return start(sampling)
+        context = self.selected(name, sampling)
+        chosen, with_adapter = context.__enter__()  # raises AdapterError now, not at the first item
+
+        async def relay():
+            try:
+                async for item in start(with_adapter):
+                    yield chosen.stamp(item) if hasattr(item, "adapter_version") else item
+            finally:
+                context.__exit__(None, None, None)
+
+        return relay()
+
     @contextlib.contextmanager
     def full_refit(self, in_flight: Mapping[str, Any]):
         """Around a refit of the base weights, which drops every adapter in vLLM: under ``keep``
@@ -291,6 +309,10 @@ class AdapterVerbs:
         so no request after it reaches an older version; running requests are not paused."""
         self.background.check_open()
         return self.adapters.refit(name, source, version)
+
+    def adapter_versions(self) -> dict[str, int]:
+        """The adapters served now: name -> the version a request for it gets."""
+        return self.adapters.registry.names() if self.adapters.enabled else {}
 
 
 def _plain(config: Mapping[str, Any]) -> dict[str, Any]:

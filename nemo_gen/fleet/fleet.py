@@ -172,11 +172,11 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
             return chosen.stamp(await self.router.generate_async(prompt, p, session_id, timeout_s))
 
     def generate_stream(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
-                        **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
+                        adapter: str | None = None, **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
         """``Delta``s as generated, then the result; ``timeout_s``: the longest wait between two."""
         self.background.check_open()
-        return self.router.generate_stream(prompt, resolve_sampling(self.resolved.generation_config, sampling), session_id,
-                                           timeout_s)
+        return self.adapters.stream(adapter, resolve_sampling(self.resolved.generation_config, sampling),
+                                    lambda p: self.router.generate_stream(prompt, p, session_id, timeout_s))
 
     # -- weights -----------------------------------------------------------------------------
     @property
@@ -210,7 +210,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         self.background.check_open()
         return FleetWeightSyncClient(self.refitter, self.resolved.generation_config, self.settings.refit.backend,
                                      self.background.check_open, version, draft,
-                                     policies.in_flight(self.settings, in_flight))
+                                     policies.in_flight(self.settings, in_flight), quantize=self.settings.refit.quantize)
 
     # -- membership and recovery -------------------------------------------------------------
 

@@ -82,7 +82,8 @@ class FleetWeightSyncClient:
     ``report`` holds that refit's ``RefitReport``."""
 
     def __init__(self, refitter: Refitter, generation_config: dict[str, Any], backend: str,
-                 check_open: Callable[[], None], version: int | None, draft: bool, in_flight: dict[str, Any]):
+                 check_open: Callable[[], None], version: int | None, draft: bool, in_flight: dict[str, Any],
+                 quantize: str = "engine"):
         self.refitter = refitter
         self.weights = refitter.weights
         self._vllm_cfg = generation_config.get("vllm_cfg", {})
@@ -92,6 +93,9 @@ class FleetWeightSyncClient:
         self.version = version
         self.draft = draft
         self.report: RefitReport | None = None
+        # "fp8" under refit.quantize: trainer: trainer engines given this client quantize
+        # (nemo_gen.vllm_ext.vllm_backend.trainer_source)
+        self.quantize: str | None = "fp8" if quantize == "trainer" else None
         # shard label -> where its last one-call update went (seconds in the shard actor, in the
         # RPC into the engine, in the worker): the round trips' share of a refit, for benchmarks
         self.timings: dict[Any, dict[str, float]] = {}

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI's routes over a ``GenerationFleet``.
 
-    GET  /v1/models               the one model the fleet serves
+    GET  /v1/models               the model the fleet serves and its loaded LoRA adapters
     POST /v1/completions          prompt(s): a string, strings, token ids, lists of token ids
     POST /v1/chat/completions     messages, rendered with the tokenizer's chat template by the fleet;
                                   tools, tool_choice, reasoning: ``nemo_gen.server.tools``
@@ -97,10 +97,21 @@ class FleetApi:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def check_model(self, body: Any) -> None:
+    def _adapters(self) -> dict[str, int]:
+        versions = getattr(self.fleet, "adapter_versions", None)
+        return versions() if versions is not None else {}
+
+    def check_model(self, body: Any) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model, or no model sent);
+        any other name is a 404 naming it and what this server serves."""
         name = body.get("model") if isinstance(body, dict) else None
-        if name not in (None, "") and name not in self.model_aliases:
-            raise ApiError(404, f"model: the model {name!r} does not exist; this server serves {self.model!r}", "model")
+        if name in (None, "") or name in self.model_aliases:
+            return None
+        adapters = self._adapters()
+        if name in adapters:
+            return name
+        served = ", ".join(repr(n) for n in [self.model, *adapters])
+        raise ApiError(404, f"model: the model {name!r} does not exist; this server serves {served}", "model")
 
     def _kwargs(self, call: Call) -> dict[str, Any]:
         kwargs = dict(call.sampling)
@@ -108,6 +119,8 @@ class FleetApi:
             kwargs["session_id"] = call.session_id
         if call.timeout_s is not None:
             kwargs["timeout_s"] = call.timeout_s
+        if call.adapter is not None:
+            kwargs["adapter"] = call.adapter
         return kwargs
 
     def check_call(self, call: Call, prompt_field: str) -> None:
@@ -148,31 +161,34 @@ class FleetApi:
 
     async def completions(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
         self.inflight.check_room()
-        self.check_model(body)
+        adapter = self.check_model(body)
         call = protocol.parse_completion(body, session, timeout)
+        call.adapter = adapter
         self.check_call(call, "prompt")
         response_id = call.request_id or f"cmpl-{random_uuid()}"
         if call.stream:
-            fmt = responses.StreamFormat(call, self.model, self.detok, response_id, chat=False)
+            fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=False)
             return await self.stream_response(call, "prompt", fmt)
         results = await self.generate(call, "prompt")
-        body = await asyncio.to_thread(responses.completion_response, call, self.model, results, self.detok,
+        body = await asyncio.to_thread(responses.completion_response, call, call.adapter or self.model, results, self.detok,
                                        response_id)
         return _answer(results, body)
 
     async def chat(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
         self.inflight.check_room()
-        self.check_model(body)
+        adapter = self.check_model(body)
         call = protocol.parse_chat(body, session, timeout)
+        call.adapter = adapter
         self.check_call(call, "messages")
         if call.tooled or self.tools.parser_cls is not None:
             await asyncio.to_thread(self.with_tools, call)
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
         if call.stream:
-            fmt = responses.StreamFormat(call, self.model, self.detok, response_id, chat=True)
+            fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=True)
             return await self.stream_response(call, "messages", fmt)
         results = await self.generate(call, "messages")
-        body = await asyncio.to_thread(responses.chat_response, call, self.model, results, self.detok, response_id)
+        body = await asyncio.to_thread(responses.chat_response, call, call.adapter or self.model, results, self.detok,
+                                       response_id)
         return _answer(results, body)
 
     def with_tools(self, call: Call, render: bool = True) -> None:
@@ -220,7 +236,11 @@ class FleetApi:
     def models(self) -> dict[str, Any]:
         card = ModelCard(id=self.model, root=str(self.settings.model_dir()), owned_by="nemo-gen",
                          max_model_len=self.settings.generation.vllm_cfg.max_model_len)
-        return {**ModelList(data=[card]).model_dump(exclude_none=True), "nemo_gen": self._current()}
+        cards = [card] + [ModelCard(id=name, root=name, parent=self.model, owned_by="nemo-gen",
+                                    max_model_len=self.settings.generation.vllm_cfg.max_model_len)
+                          for name in self._adapters()]
+        return {**ModelList(data=cards).model_dump(exclude_none=True), "nemo_gen": {**self._current(),
+                                                                                  "adapters": self._adapters()}}
 
     def _current(self) -> dict[str, Any]:
         return {"weight_version": self.fleet.weight_version, "shard": None}

@@ -140,6 +140,7 @@ class Call:
     request: Any = None  # vLLM's request model (tools, tool_choice...)
     tooled: bool = False  # a chat with tools or tool messages: the server renders its prompt (tools.py)
     turn: Any = None  # tools.ChatTurn: parsers for the answers (tools or a reasoning parser)
+    adapter: str | None = None  # the LoRA adapter the request's ``model`` names (None: the base model)
 
     @property
     def samples(self) -> int:

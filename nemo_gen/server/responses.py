@@ -57,6 +57,9 @@ def provenance(results: Sequence[Any]) -> dict[str, Any]:
            "shard": next(iter(shards)) if len(shards) == 1 else None}
     if len(results) == 1:
         out["weight_versions"] = spans_of(results[0])
+    adapters = {(r.adapter, r.adapter_version) for r in results if getattr(r, "adapter", None) is not None}
+    if adapters:  # a LoRA adapter's request (the ``model`` field): its name and version
+        out["adapter"], out["adapter_version"] = min(adapters)
     return out
 
 

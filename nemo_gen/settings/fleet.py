@@ -150,6 +150,15 @@ class RefitSettings(Section):
         description="Draft refits carry the drafter's full state dict, not a partial set "
         "(NeMo-RL's draft_full_refit_enabled, true for Automodel draft co-training).",
     )
+    quantize: Literal["engine", "trainer"] = Field(
+        "engine",
+        description="Where an FP8 fleet's (generation.vllm_cfg.precision: fp8) weights are quantized on a "
+        "refit from a trainer's live tensors: 'engine' (bf16 on the wire, vLLM's online FP8 path quantizes "
+        "at load) or 'trainer' (the trainer engines of fleet.weight_sync_client() send the linear layers as "
+        "fp8 with one scale per fused layer: half their bytes; the engine loads them through the same "
+        "path). Checkpoint refits are read from disk as they are and quantized in the engine. 'trainer' "
+        "needs precision fp8.",
+    )
     in_flight: Literal["drain", "abort", "keep"] = Field(
         "drain",
         description="What a refit does to requests running on a shard: 'drain' waits for them to finish "

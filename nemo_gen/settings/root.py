@@ -126,6 +126,17 @@ class NemoGenSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_quantize(self) -> "NemoGenSettings":
+        """``refit.quantize: trainer`` acts only on an FP8 fleet."""
+        from nemo_gen.core.fp8 import quantize_problem
+
+        problem = quantize_problem(self.refit.quantize, self.generation.vllm_cfg.precision)
+        if problem:
+            raise invalid(type(self).__name__, ("refit", "quantize"), self.refit.quantize, "quantize", "{why}",
+                          {"why": problem})
+        return self
+
+    @model_validator(mode="after")
     def _check_gpu_share(self) -> "NemoGenSettings":
         """``fleet.shards_per_gpu`` engines must fit one GPU together."""
         k = self.fleet.shards_per_gpu

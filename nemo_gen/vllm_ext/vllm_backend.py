@@ -208,6 +208,7 @@ class SharedMemoryTrainerInitInfo(TrainerInitInfo):
     rank: int = field(default=0, kw_only=True)
     staging_dir: str = "/dev/shm"
     dtype: str | None = None
+    quantize: str | None = None  # "fp8": the linear weights sent as fp8 + scales (see trainer_source)
 
 
 class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerInitInfo]):
@@ -232,7 +233,7 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
     def trainer_init(cls, init_info: SharedMemoryTrainerInitInfo, *, client: Any, source: Any = None):
         if source is None:
             raise ValueError("nemo_gen_shm trainer weight transfer requires a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+        engine = cls(client=client, source=trainer_source(source, init_info, client), is_sender=init_info.is_sender,
                      staging_dir=init_info.staging_dir or tempfile.gettempdir(), dtype=init_info.dtype)
         if engine.is_sender:
             client.init_weight_transfer_engine({})
@@ -269,6 +270,7 @@ class CudaIpcTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = IPC_BACKEND
     rank: int = field(default=0, kw_only=True)
+    quantize: str | None = None  # "fp8": the linear weights sent as fp8 + scales (see trainer_source)
 
 
 class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
@@ -288,7 +290,7 @@ class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
     def trainer_init(cls, init_info: CudaIpcTrainerInitInfo, *, client: Any, source: Any = None):
         if source is None:
             raise ValueError("nemo_gen_ipc trainer weight transfer requires a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine = cls(client=client, source=trainer_source(source, init_info, client), is_sender=init_info.is_sender)
         if engine.is_sender:
             client.init_weight_transfer_engine({})
         return engine
@@ -300,6 +302,20 @@ class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
 
     def shutdown(self) -> None:
         self.sender.close()
+
+
+def trainer_source(source: Any, init_info: Any, client: Any) -> Any:
+    """The source a trainer engine sends: quantized to fp8 on the trainer (``Fp8Source``) when
+    its init info says ``quantize="fp8"`` or the fleet's client does (``refit.quantize: trainer``
+    sets ``client.quantize``), else ``source`` itself."""
+    quantize = getattr(init_info, "quantize", None) or getattr(client, "quantize", None)
+    if quantize is None:
+        return source
+    if quantize != "fp8":
+        raise ValueError(f"trainer-side quantization {quantize!r}: only 'fp8' is known")
+    from nemo_gen.vllm_ext.fp8 import Fp8Source
+
+    return Fp8Source(source)
 
 
 def send_one_chunk(client: Any, update_info: dict[str, Any]) -> None:

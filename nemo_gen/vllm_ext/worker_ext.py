@@ -267,6 +267,13 @@ class WeightLoad:
             raise RuntimeError("WeightLoad.load before begin")
         import torch
 
+        from nemo_gen.vllm_ext.fp8 import dequantized, has_fp8
+
+        # fp8 tensors with their scales (refit.quantize: trainer) load as the model's dtype;
+        # vLLM's FP8 engine re-quantizes them as it does any load. A list is checked first, so
+        # the copy plan is recorded only from the very tensors the model holds.
+        if not isinstance(weights, list) or has_fp8(weights):
+            weights, record = dequantized(weights, self.model_config.dtype), False
         t0 = time.perf_counter()
         try:
             if self.direct is not None:

@@ -111,6 +111,44 @@ def test_two_adapters_are_served_side_by_side(setup, adapters):
     assert {r.adapter for r in results[n:]} == {"b"}
 
 
+def test_the_http_model_field_and_a_stream_choose_the_adapter(setup):
+    """The official openai client picks an adapter by ``model`` (completions, chat, a stream);
+    /v1/models lists the adapters; an unknown name is a 404 naming it. The library's stream takes
+    ``adapter=`` and its result names the adapter's version."""
+    import openai
+
+    from nemo_gen.server import start_server
+
+    fleet, ref = setup
+
+    async def streamed():
+        items = [i async for i in fleet.generate_stream(PROMPTS[0], adapter="b", temperature=0, ignore_eos=True,
+                                                       max_new_tokens=MAX_TOKENS)]
+        return items[-1]
+
+    last = asyncio.run(streamed())
+    assert (last.token_ids, last.adapter, last.adapter_version) == (ref["b"][0], "b", 1)
+    with pytest.raises(AdapterError, match="'nope' is not loaded"):
+        fleet.generate_stream(PROMPTS[0], adapter="nope")
+    with start_server(fleet, port=0) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        models = client.models.list()
+        assert {"a", "b"} <= {m.id for m in models.data}
+        for name, want in (("a", ref["a2"][0]), ("b", ref["b"][0])):
+            out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert out.model == name and out.choices[0].token_ids == want
+            assert (out.nemo_gen["adapter"], out.nemo_gen["adapter_version"]) == (name, 2 if name == "a" else 1)
+        chunks = list(client.completions.create(model="b", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}))
+        assert [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])] == ref["b"][0]
+        chat = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              temperature=0)
+        assert chat.model == "b" and chat.nemo_gen["adapter"] == "b"
+        with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):
+            client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
 def _bad(tmp_path, base, name, **kw):
     tensors = kw.pop("tensors", None)
     config = kw.pop("config", None)

@@ -106,11 +106,16 @@ def test_explicit_precision_is_the_dtype(device, precision):
     assert "quantization" not in kw
 
 
-@pytest.mark.parametrize("device", ["cpu", "gpu"])
-def test_fp8_is_bf16_plus_fp8_quantization(device):
-    kw = _kw(device, precision="fp8")
+def test_fp8_is_bf16_plus_online_per_tensor_fp8_quantization():
+    kw = _kw("gpu", precision="fp8")
     assert kw["dtype"] == "bfloat16"
-    assert kw["quantization"] == "fp8"
+    assert kw["quantization"] == "fp8_per_tensor"  # vLLM's online FP8; "fp8" is its deprecated alias
+
+
+def test_fp8_on_a_cpu_fleet_is_refused_naming_the_setting():
+    with pytest.raises(ConfigError) as info:
+        _kw("cpu", precision="fp8")
+    assert info.value.field == "generation.vllm_cfg.precision" and "AMX" in str(info.value)
 
 
 @pytest.mark.parametrize("precision", ["int4", "fp16", "BF16", "", None])

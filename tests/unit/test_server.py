@@ -446,3 +446,24 @@ def test_expose_http_starts_the_fleets_own_server_or_cleans_up(make_settings):
         driver.close()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)  # the server went with the fleet
+
+
+def test_the_model_field_names_a_lora_adapter_or_is_a_404_naming_it(served, client, monkeypatch):
+    """/v1/models lists the fleet's adapters; a request whose ``model`` is one reaches the fleet
+    with ``adapter=`` (this fake fleet started without LoRA, so the fleet refuses it by name);
+    any other name is a 404 naming it and what is served."""
+    fleet, _, _ = served
+    with pytest.raises(openai.NotFoundError, match="'other' does not exist; this server serves"):
+        client.completions.create(model="other", prompt=[5], max_tokens=2)
+    monkeypatch.setattr(fleet, "adapter_versions", lambda: {"policy-a": 3}, raising=False)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_of(served), "policy-a"]
+    assert models.data[1].parent == model_of(served)
+    with pytest.raises(openai.APIStatusError, match="started without LoRA") as info:
+        client.completions.create(model="policy-a", prompt=[5], max_tokens=2)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.APIStatusError, match="started without LoRA"):
+        client.chat.completions.create(model="policy-a", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       stream=True)
+    with pytest.raises(openai.NotFoundError, match="'policy-b' does not exist; this server serves .*'policy-a'"):
+        client.completions.create(model="policy-b", prompt=[5], max_tokens=2)
