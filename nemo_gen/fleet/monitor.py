@@ -29,7 +29,7 @@ from typing import Any, Mapping
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe
-from nemo_gen.core.wire import ProbeReply, ProbeStatus
+from nemo_gen.core.wire import ProbeReply, ProbeStatus, Sampling
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -42,11 +42,12 @@ class Prober:
     """Sends probes and records their answers in the ledger."""
 
     def __init__(self, *, driver: ShardDriver, health: GenerationFleetHealth, members: Membership,
-                 sampling: dict[str, Any], tokens: list[int], timeout_s: float, warmup_s: float):
+                 sampling: Mapping[str, Any] | Sampling, tokens: list[int], timeout_s: float, warmup_s: float):
         self.driver = driver
         self.health = health
         self.members = members
-        self.sampling = sampling
+        # the probe's one greedy token: a resolved sampling dict (``resolve_sampling``) as the wire's
+        self.sampling = sampling if isinstance(sampling, Sampling) else Sampling.of(sampling)
         self.tokens = tokens
         self.timeout_s = timeout_s
         self.warmup_s = warmup_s
