@@ -46,6 +46,7 @@ from nemo_gen.core.wire import (
 )
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
+from nemo_gen.shard.gate import Gate
 from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver
 from nemo_gen.fleet.faults import classify, failure_of, unanswered
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
@@ -73,7 +74,8 @@ def dicts_in(value: Any, where: str = "") -> list[str]:
 
 
 class FakeEngine:
-    """An engine (``nemo_gen.shard.engine_protocol.EngineLike``) with the faults a test sets on it, and
+    """An engine (``nemo_gen.shard.engine_protocol.EngineLike``) behind the real admission gate
+    (``nemo_gen.shard.gate.Gate``), with the faults a test sets on it, and
     what it did (``generated``, ``running``, ``tokens_made``, ``refused``, ``streams``). ``rules``: the
     real ``Shard`` hosting it (its version, slot and layout are the shard's)."""
 
@@ -109,9 +111,9 @@ class FakeEngine:
         self.last_step_at = 0.0  # on the driver's clock
         self.rpcs: list[str] = []  # the control RPCs its workers got
         self.pids: list[int] = []  # its "processes" (none: a test may give it some)
-        self._held = False  # requests wait (a drain, or a swap)
-        self._frozen = False  # the running batch waits (a swap)
-        self._inflight = 0
+        # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
+        self.gate = Gate()
+        self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
 
     # -- the shard's state, as its rules hold it ----------------------------------------------------
 
@@ -145,12 +147,6 @@ class FakeEngine:
     def child_pids(self) -> list[int]:
         return list(self.pids)
 
-    async def _admit(self) -> None:
-        """Wait while requests are held back (a drain or a swap), then count this one in."""
-        while self._held:
-            await asyncio.sleep(0.002)
-        self._inflight += 1
-
     def _refuse(self) -> None:
         if self.busy > 0:
             from vllm.exceptions import QueueOverflowError
@@ -161,8 +157,7 @@ class FakeEngine:
 
     async def generate(self, requests: list, sampling: Sampling) -> list[RequestResult]:
         self._refuse()
-        await self._admit()
-        try:
+        async with self.gate.serving():  # waits while a refit holds the gate, as the real engine's
             n = sampling.max_new_tokens
             version = self.version
             if self.token_s:
@@ -175,8 +170,6 @@ class FakeEngine:
                 results.append(RequestResult(req.index, samples))
             self.generated += len(requests)
             return results
-        finally:
-            self._inflight -= 1
 
     async def _make_tokens(self, batch: list, n: int) -> None:
         """One token per ``token_s`` of the clock for each request of the batch, as an engine
@@ -206,8 +199,7 @@ class FakeEngine:
         apart), each stamped with the version the engine serves as it is made (a refit landing
         mid-stream shows), then the result."""
         self._refuse()
-        await self._admit()
-        try:
+        async with self.gate.serving():
             tokens = sampling.max_new_tokens
             made: list[list[int]] = [[] for _ in range(sampling.n)]
             spans: list[list[list[Any]]] = [[] for _ in range(sampling.n)]
@@ -228,14 +220,12 @@ class FakeEngine:
             yield RequestResult(req.index, tuple(
                 SampleResult(made[k], [0.0] * tokens, "", "length", tuple((v, n) for v, n in spans[k]))
                 for k in range(sampling.n)))
-        finally:
-            self._inflight -= 1
 
     async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> dict[str, Any]:
         """The real engine's rules: held for a refit, skipped; half-loaded, failed; busy: its last
         step's age (``nemo_gen.core.liveness``); idle: its one real token."""
-        if self._held:
+        if self.gate.held:
             return {"ok": True, "skipped": "refit or control call in progress"}
         if self.poisoned is not None:
             return {"ok": False, "error": f"weights half-loaded: {self.poisoned}"}
@@ -260,38 +250,29 @@ class FakeEngine:
             return [None]
         raise AssertionError(f"the fake engine has no RPC {method!r}")
 
-    @contextlib.asynccontextmanager
-    async def exclusive(self):
-        await self.hold()
-        try:
-            yield
-        finally:
-            await self.release()
+    def exclusive(self):
+        return self.gate.exclusive()
 
     async def hold(self) -> None:
-        while self._held:
-            await asyncio.sleep(0.002)
-        self._held = True
-        while self._inflight:
-            await asyncio.sleep(0.002)
+        await self.gate.hold()
 
     async def release(self) -> None:
-        self._held = False
+        await self.gate.release()
 
     async def set_version(self, version: int | None) -> None:
         self.version = version
 
     async def begin_swap(self) -> None:
-        while self._held:
-            await asyncio.sleep(0.002)
-        self._held = self._frozen = True
+        await self.gate.claim()  # as the real swap (``nemo_gen.shard.swap``): new requests wait
+        self._frozen = True
 
     async def end_swap(self, version: int | None, in_flight: InFlight, failed: str | None = None) -> None:
         if failed is not None:
             self.poisoned = failed
         if version is not None:
             self.version = version
-        self._held = self._frozen = False
+        self._frozen = False
+        await self.gate.release()
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
