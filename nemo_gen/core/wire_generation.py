@@ -88,6 +88,7 @@ class Sampling:
         """A resolved sampling dict (every key of ``SAMPLING_KEYS``; a missing one is unset)."""
         so = resolved.get("structured_outputs")
         top_p = resolved.get("top_p")
+        name, engine_id = adapter if adapter else (None, None)
         return cls(
             max_new_tokens=resolved["max_new_tokens"], temperature=resolved["temperature"],
             top_p=1.0 if top_p is None else top_p, top_k=resolved.get("top_k"),
@@ -96,7 +97,7 @@ class Sampling:
             ignore_eos=bool(resolved.get("ignore_eos")), n=resolved.get("n") or 1,
             structured_outputs=Structured.of(so) if so else None, logprobs=resolved.get("logprobs") or 0,
             prompt_logprobs=resolved.get("prompt_logprobs"),
-            adapter=None if not adapter else (str(list(adapter)[0]), int(list(adapter)[1])),
+            adapter=None if name is None else (str(name), int(engine_id)),
         )
 
 

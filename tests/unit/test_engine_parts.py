@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_gen.core.wire import StepGaps
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.wire import StepGaps
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard import step_clock
 from nemo_gen.shard.batch import Running, Track

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_gen.core.wire import InFlight
 from nemo_gen.core.adapters import AdapterError
 from nemo_gen.core.results import GenerationResult
+from nemo_gen.core.wire import InFlight
 from nemo_gen.fleet.adapters import FleetAdapters, read_adapter
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 

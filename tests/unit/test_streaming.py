@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_gen.core.wire import SampleDelta
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
+from nemo_gen.core.wire import SampleDelta
 from nemo_gen.errors import RequestError, ShardDiedError
 from nemo_gen.shard.batch import Track, sampled_by
 from nemo_gen.shard.streaming import Cursor, merge, span_slice
