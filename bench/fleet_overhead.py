@@ -95,7 +95,7 @@ def as_cli_overrides(values: dict[str, Any]) -> list[str]:
 # -- 1. fleet overhead -----------------------------------------------------------------------
 
 
-def direct_arm(fleet, batches, sampling: dict[str, Any]) -> Callable[[], tuple[int, dict[str, float]]]:
+def direct_arm(fleet, batches, sampling: Any) -> Callable[[], tuple[int, dict[str, float]]]:
     """The baseline: pre-tokenized batches straight to the shard actors, all in flight at once."""
     import ray
 
@@ -103,7 +103,7 @@ def direct_arm(fleet, batches, sampling: dict[str, Any]) -> Callable[[], tuple[i
 
     def run() -> tuple[int, dict[str, float]]:
         outs = ray.get([actor.generate.remote(batch, sampling) for actor, batch in zip(actors, batches)])
-        tokens = sum(len(r["token_ids"]) for out in outs for r in out.results if not r.get("error"))
+        tokens = sum(len(r.samples[0].token_ids) for out in outs for r in out.results if not r.error)
         return tokens, {"engine_s": max(out.seconds for out in outs)}
 
     return run
@@ -141,6 +141,7 @@ def timed(arm: Callable[[], tuple[int, dict[str, float]]]) -> dict[str, float]:
 
 def measure_fleet_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> dict[str, Any]:
     from nemo_gen.core.sampling import resolve_sampling
+    from nemo_gen.fleet.requests import sampling_of
     from nemo_gen.fleet.fleet import GenerationFleet
     from nemo_gen.fleet.resolve import load_tokenizer
     from nemo_gen.settings import NemoGenSettings
@@ -166,7 +167,7 @@ def measure_fleet_overhead(args: argparse.Namespace, foreign: ForeignCpu) -> dic
             tokenize_s.append(time.perf_counter() - t1)
         # Interleaved like the fleet's least-loaded routing deals them out.
         batches = [requests[s :: args.shards] for s in range(args.shards)]
-        sampling = resolve_sampling(fleet.resolved.generation_config, keywords)
+        sampling = sampling_of(resolve_sampling(fleet.resolved.generation_config, keywords))
         arms = {"direct": direct_arm(fleet, batches, sampling), "fleet": fleet_arm(fleet, prompts, keywords)}
 
         for name, arm in arms.items():  # warm-up: first-call costs (imports, caches) stay out

@@ -232,8 +232,9 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
     import ray
 
     from nemo_gen.core.results import GenerationRequest
+    from nemo_gen.core.wire import Sampling
 
-    resolved = {"max_new_tokens": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": None, "ignore_eos": True}
+    resolved = Sampling(max_new_tokens=tokens, temperature=0.0, top_p=1.0, ignore_eos=True)
     requests = [GenerationRequest(index=i, prompt_token_ids=p) for i, p in enumerate(prompts)]
 
     def fn(actor, prompts, requests, resolved, runs):
@@ -243,11 +244,11 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
         from nemo_gen.shard.engine import sampling_params
 
         engine = actor.shard.engine
-        vllm_params = SamplingParams(temperature=0.0, max_tokens=resolved["max_new_tokens"], ignore_eos=True, logprobs=0)
+        vllm_params = SamplingParams(temperature=0.0, max_tokens=resolved.max_new_tokens, ignore_eos=True, logprobs=0)
 
         def step_loop(per_step=None):
             results = engine._generate_sync(requests, sampling_params(resolved), per_step)
-            return sum(len(r["token_ids"]) for r in results)
+            return sum(len(r.samples[0].token_ids) for r in results)
 
         def llm_generate():
             outs = engine._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vllm_params, use_tqdm=False)
@@ -502,10 +503,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         legs = {"to_actor_s": shard["entered_at"] - steps.started["apply_weight_update"],
                                 "back_s": steps.ended["apply_weight_update"] - shard["left_at"],
                                 "sender_before_apply_s": steps.started["apply_weight_update"] - t_send}
-                    rounds.append({**legs, "wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats["seconds"],
+                    rounds.append({**legs, "wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats.seconds,
                                    "loaders_s": stats.get("load_s"), "transfer_s": stats.get("transfer_s"),
                                    "prepare_s": stats.get("prepare_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
-                                   "path": stats["path"], "ok": client.report.ok, "sender_s": sender_s,
+                                   "path": stats.path, "ok": client.report.ok, "sender_s": sender_s,
                                    "sender_source_s": source_s, "sender_sync_s": sync_s,
                                    # one-call only: seconds in the shard actor / its RPC into the engine / the worker
                                    "shard_s": next(iter(client.timings.values()), None)})

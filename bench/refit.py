@@ -197,13 +197,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
         fleet.refit(str(b))
         stats = [st for h in fleet.shards for st in ray.get(h.actor.load_stats.remote(), timeout=60)]
-        repack = [st["repack_s"] for st in stats if st.get("repack_s") is not None]
+        repack = [st.repack_s for st in stats if st.repack_s is not None]
         if repack:
             floor = max(repack)  # shards load in parallel: the slowest one's repack bounds the refit
             out["repack_s_per_shard"] = repack
-            out["load_s_per_shard"] = [st["seconds"] for st in stats]
+            out["load_s_per_shard"] = [st.seconds for st in stats]
             out["ceiling_fraction_of_copy"] = (model_bytes / floor) / copy_bw
-            print(f"  per shard: load {[round(st['seconds'], 2) for st in stats]} s, of which oneDNN repack "
+            print(f"  per shard: load {[round(st.seconds, 2) for st in stats]} s, of which oneDNN repack "
                   f"{[round(r, 2) for r in repack]} s ({model_bytes / floor / 1e9:.2f} GB/s) -> no transport can "
                   f"exceed {out['ceiling_fraction_of_copy']:.2f} of copy bandwidth on these engines")
 

@@ -55,7 +55,7 @@ def step_gaps(fleet, reset: bool) -> tuple[float, list[tuple[float, float]]]:
     import ray
 
     gaps = ray.get([h.actor.step_gaps.remote(reset) for h in fleet.shards], timeout=60)
-    return max(g["max_step_gap_s"] for g in gaps), [tuple(x) for g in gaps for x in g["gaps"]]
+    return max(g.max_step_gap_s for g in gaps), [tuple(x) for g in gaps for x in g.gaps]
 
 
 def refit_stall(gaps: list[tuple[float, float]], start: float, end: float) -> float:

@@ -16,6 +16,10 @@ tests/engine/.
     driver.shard(handle)                       # its FakeEngine (faults, counters); .rules: its real Shard
     CountingDriver().counts                    # every driver call the fleet made, by method
 
+Every argument and answer that crosses the fake actor boundary is checked to hold no dict (``dicts_in``:
+the wire's frozen messages only, vLLM's own payloads aside); a crossing dict fails the call and, at
+``close``, the test (``wire_violations``).
+
 Like a Ray async actor, every shard's calls run on one event loop (the driver's own thread), so a
 probe answers while a batch generates. A shard generating with ``token_s`` makes its tokens one by one
 on ``driver.clock`` and stops when its call is cancelled (``tokens_made`` says how far each request
@@ -27,15 +31,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import enum
 import threading
 import time
 from concurrent.futures import Future, wait as wait_futures, FIRST_COMPLETED
 from typing import Any, Callable, Iterable, Mapping
 
+from nemo_gen.core import wire
 from nemo_gen.core.liveness import busy_answer
-from nemo_gen.core.wire import CheckRefit, LoadRefit, ShardInfo, StreamDeltas, StreamEnd, SyncRequest
+from nemo_gen.core.wire import (
+    CheckRefit, EngineManifest, InFlight, LoadRefit, RequestResult, SampleDelta, SampleResult, Sampling, ShardInfo, StepGaps, StreamDeltas,
+    StreamEnd, SyncRequest, Unfinished,
+)
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
+from nemo_gen.shard.gate import Gate
 from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver
 from nemo_gen.fleet.faults import classify, failure_of, unanswered
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
@@ -43,9 +54,28 @@ from nemo_gen.shard.rules import Host, Shard
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
 
+# Calls whose answer is vLLM's own, not the fleet's protocol (the wire's docstring names them).
+VLLM_OWNED_ANSWERS = frozenset({"vllm_metrics"})
+
+
+def dicts_in(value: Any, where: str = "") -> list[str]:
+    """Where a dict (any mapping) sits in ``value``: walked through lists, tuples, sets and
+    dataclass fields, except the fields that carry vLLM's own payloads (``wire.VLLM_OWNED``)."""
+    if isinstance(value, Mapping):
+        return [where or "the value itself"]
+    if isinstance(value, (str, bytes, int, float, bool, enum.Enum)) or value is None:
+        return []
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [p for i, item in enumerate(value) for p in dicts_in(item, f"{where}[{i}]")]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [p for f in dataclasses.fields(value) if (type(value), f.name) not in wire.VLLM_OWNED
+                for p in dicts_in(getattr(value, f.name), f"{where}.{type(value).__name__}.{f.name}")]
+    return []
+
 
 class FakeEngine:
-    """An engine (``nemo_gen.shard.engine_protocol.EngineLike``) with the faults a test sets on it, and
+    """An engine (``nemo_gen.shard.engine_protocol.EngineLike``) behind the real admission gate
+    (``nemo_gen.shard.gate.Gate``), with the faults a test sets on it, and
     what it did (``generated``, ``running``, ``tokens_made``, ``refused``, ``streams``). ``rules``: the
     real ``Shard`` hosting it (its version, slot and layout are the shard's)."""
 
@@ -81,9 +111,9 @@ class FakeEngine:
         self.last_step_at = 0.0  # on the driver's clock
         self.rpcs: list[str] = []  # the control RPCs its workers got
         self.pids: list[int] = []  # its "processes" (none: a test may give it some)
-        self._held = False  # requests wait (a drain, or a swap)
-        self._frozen = False  # the running batch waits (a swap)
-        self._inflight = 0
+        # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
+        self.gate = Gate()
+        self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
 
     # -- the shard's state, as its rules hold it ----------------------------------------------------
 
@@ -117,12 +147,6 @@ class FakeEngine:
     def child_pids(self) -> list[int]:
         return list(self.pids)
 
-    async def _admit(self) -> None:
-        """Wait while requests are held back (a drain or a swap), then count this one in."""
-        while self._held:
-            await asyncio.sleep(0.002)
-        self._inflight += 1
-
     def _refuse(self) -> None:
         if self.busy > 0:
             from vllm.exceptions import QueueOverflowError
@@ -131,24 +155,21 @@ class FakeEngine:
             self.refused += 1
             raise QueueOverflowError()
 
-    async def generate(self, requests: list, sampling: dict[str, Any]) -> list[dict]:
+    async def generate(self, requests: list, sampling: Sampling) -> list[RequestResult]:
         self._refuse()
-        await self._admit()
-        try:
-            n = sampling.get("max_new_tokens") or 4
+        async with self.gate.serving():  # waits while a refit holds the gate, as the real engine's
+            n = sampling.max_new_tokens
             version = self.version
             if self.token_s:
                 await self._make_tokens(requests, n)
             results = []
             for req in requests:
-                samples = [{"token_ids": [fake_token(req, k, i) for i in range(n)], "text": "",
-                            "logprobs": [0.0] * n, "finish_reason": "length", "weight_versions": [(version, n)]}
-                           for k in range(sampling.get("n") or 1)]
-                results.append({"index": req.index, **samples[0], "samples": samples, "error": None})
+                samples = tuple(SampleResult([fake_token(req, k, i) for i in range(n)], [0.0] * n, "", "length",
+                                             ((version, n),))
+                                for k in range(sampling.n))
+                results.append(RequestResult(req.index, samples))
             self.generated += len(requests)
             return results
-        finally:
-            self._inflight -= 1
 
     async def _make_tokens(self, batch: list, n: int) -> None:
         """One token per ``token_s`` of the clock for each request of the batch, as an engine
@@ -173,16 +194,15 @@ class FakeEngine:
         finally:
             self.running -= len(batch)
 
-    async def stream(self, req: Any, sampling: dict[str, Any]):
+    async def stream(self, req: Any, sampling: Sampling):
         """One token per item for every sample (the first after ``slow_s``, the next ``token_s``
         apart), each stamped with the version the engine serves as it is made (a refit landing
         mid-stream shows), then the result."""
         self._refuse()
-        await self._admit()
-        try:
-            tokens = sampling.get("max_new_tokens") or 4
-            samples = [{"token_ids": [], "text": "", "logprobs": [], "finish_reason": None, "weight_versions": []}
-                       for _ in range(sampling.get("n") or 1)]
+        async with self.gate.serving():
+            tokens = sampling.max_new_tokens
+            made: list[list[int]] = [[] for _ in range(sampling.n)]
+            spans: list[list[list[Any]]] = [[] for _ in range(sampling.n)]
             for i in range(tokens):
                 await asyncio.sleep(self.slow_s if i == 0 else self.token_s)
                 while self._frozen:
@@ -190,25 +210,22 @@ class FakeEngine:
                 if (gone := self.gone()) is not None:
                     raise gone
                 deltas = []
-                for k, sample in enumerate(samples):
-                    finish = "length" if i == tokens - 1 else None
-                    sample["token_ids"].append(fake_token(req, k, i))
-                    sample["logprobs"].append(0.0)
-                    sample["finish_reason"] = finish
-                    add_span(sample["weight_versions"], self.version, 1)
-                    deltas.append({"sample": k, "token_ids": [sample["token_ids"][-1]], "text": "", "logprobs": [0.0],
-                                   "weight_versions": [[self.version, 1]], "finish_reason": finish})
-                yield {"deltas": deltas}
+                finish = "length" if i == tokens - 1 else None
+                for k in range(sampling.n):
+                    made[k].append(fake_token(req, k, i))
+                    add_span(spans[k], self.version, 1)
+                    deltas.append(SampleDelta(k, [made[k][-1]], "", [0.0], ((self.version, 1),), finish))
+                yield StreamDeltas(tuple(deltas))
             self.generated += 1
-            yield {"result": {"index": req.index, **samples[0], "samples": samples, "error": None}}
-        finally:
-            self._inflight -= 1
+            yield RequestResult(req.index, tuple(
+                SampleResult(made[k], [0.0] * tokens, "", "length", tuple((v, n) for v, n in spans[k]))
+                for k in range(sampling.n)))
 
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+    async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> dict[str, Any]:
         """The real engine's rules: held for a refit, skipped; half-loaded, failed; busy: its last
         step's age (``nemo_gen.core.liveness``); idle: its one real token."""
-        if self._held:
+        if self.gate.held:
             return {"ok": True, "skipped": "refit or control call in progress"}
         if self.poisoned is not None:
             return {"ok": False, "error": f"weights half-loaded: {self.poisoned}"}
@@ -233,39 +250,29 @@ class FakeEngine:
             return [None]
         raise AssertionError(f"the fake engine has no RPC {method!r}")
 
-    @contextlib.asynccontextmanager
-    async def exclusive(self):
-        await self.hold()
-        try:
-            yield
-        finally:
-            await self.release()
+    def exclusive(self):
+        return self.gate.exclusive()
 
     async def hold(self) -> None:
-        while self._held:
-            await asyncio.sleep(0.002)
-        self._held = True
-        while self._inflight:
-            await asyncio.sleep(0.002)
+        await self.gate.hold()
 
     async def release(self) -> None:
-        self._held = False
+        await self.gate.release()
 
     async def set_version(self, version: int | None) -> None:
         self.version = version
 
     async def begin_swap(self) -> None:
-        while self._held:
-            await asyncio.sleep(0.002)
-        self._held = self._frozen = True
+        await self.gate.claim()  # as the real swap (``nemo_gen.shard.swap``): new requests wait
+        self._frozen = True
 
-    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,
-                       recompute_kv: bool = False, failed: str | None = None) -> None:
+    async def end_swap(self, version: int | None, in_flight: InFlight, failed: str | None = None) -> None:
         if failed is not None:
             self.poisoned = failed
         if version is not None:
             self.version = version
-        self._held = self._frozen = False
+        self._frozen = False
+        await self.gate.release()
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
@@ -278,11 +285,11 @@ class FakeEngine:
                  "count": self.generated, "sum": 0.01 * self.generated,
                  "buckets": {"0.1": self.generated, "+Inf": self.generated}}]
 
-    def unfinished(self) -> dict[str, int]:
-        return {}
+    def unfinished(self) -> Unfinished:
+        return Unfinished()
 
-    def step_gaps(self, reset: bool) -> dict[str, Any]:
-        return {}
+    def step_gaps(self, reset: bool) -> StepGaps:
+        return StepGaps(0.0)
 
     def shutdown(self, grace_s: float) -> None:
         self.stopped = True
@@ -303,6 +310,7 @@ class FakeDriver:
         self.launched: list[ShardSpec] = []
         self.launch_failures: list[BaseException | None] = []  # the next launches: raise this, or (None) start
         self.remote_calls: list[tuple[str, str, Any]] = []  # (actor, method, message) of each fanned-out call
+        self.wire_violations: list[str] = []  # dicts that crossed the actor boundary (``crosses``)
         self._lock = threading.Lock()
         self.clock = time.monotonic  # the shards' time: token_s, the probes' step ages
         # The shards' event loop, as a Ray async actor has one: calls on a shard interleave there.
@@ -352,12 +360,24 @@ class FakeDriver:
         for engine in self.shards.values():
             engine.hung.clear()
         self.loop.call_soon_threadsafe(self.loop.stop)
+        assert not self.wire_violations, self.wire_violations
 
     # -- the driver's shape --------------------------------------------------------------------------
 
-    def _serve(self, engine: FakeEngine, call: Callable[[], Any]) -> Future:
-        """Run ``call()`` (a coroutine, or a plain value) on the shards' loop as the actor would:
-        failing if dead, never while hung, late if slow. Cancelling the future cancels the call there."""
+    def crosses(self, method: str, what: str, value: Any) -> None:
+        """``value`` crosses the actor boundary: fail on any dict in it (and note it for ``close``)."""
+        found = [] if what == "answer" and method in VLLM_OWNED_ANSWERS else dicts_in(value)
+        if found:
+            message = f"a dict crossed the actor boundary in {method}'s {what}: at {', '.join(found)}"
+            self.wire_violations.append(message)
+            raise AssertionError(message)
+
+    def _serve(self, engine: FakeEngine, method: str, *args: Any) -> Future:
+        """Run the shard's ``method(*args)`` (a coroutine, or a plain value) on the shards' loop as the
+        actor would: failing if dead, never while hung, late if slow; its arguments and answer hold
+        no dict. Cancelling the future cancels the call there."""
+        self.crosses(method, "arguments", args)
+
         async def run():
             while engine.hung.is_set() and not engine.dead:
                 await asyncio.sleep(0.01)
@@ -365,12 +385,14 @@ class FakeDriver:
                 await asyncio.sleep(engine.slow_s)
             if (gone := engine.gone()) is not None:
                 raise gone
-            out = call()
-            return await out if asyncio.iscoroutine(out) else out
+            out = getattr(engine.rules, method)(*args)
+            out = await out if asyncio.iscoroutine(out) else out
+            self.crosses(method, "answer", out)
+            return out
         return asyncio.run_coroutine_threadsafe(run(), self.loop)
 
-    def _blocking(self, handle: ShardHandle, what: str, call: Callable[[], Any], timeout_s: float):
-        future = self._serve(self.shards[handle.name], call)
+    def _blocking(self, handle: ShardHandle, what: str, *args: Any, timeout_s: float):
+        future = self._serve(self.shards[handle.name], what, *args)
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
@@ -389,6 +411,7 @@ class FakeDriver:
         engine.rules = Shard(spec.index, spec.weight_version, None if spec.spare else spec.index, spec.fleet,
                              spec.async_engine, Host(node_id="fake"))
         info = engine.rules.attach(engine, "fake")
+        self.crosses("start", "answer", info)
         self.shards[engine.name] = engine
         return ShardHandle(index=spec.index, name=engine.name, actor=None, placement_group=None, info=info)
 
@@ -405,12 +428,14 @@ class FakeDriver:
         engine.hung.clear()
 
     def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
-        return [ShardHandle(index=e.slot, name=e.name, actor=None, placement_group=None, info=e.rules.info())
-                for e in self.shards.values() if not e.dead and not e.stopped]
+        found = [ShardHandle(index=e.slot, name=e.name, actor=None, placement_group=None, info=e.rules.info())
+                 for e in self.shards.values() if not e.dead and not e.stopped]
+        self.crosses("info", "answer", [h.info for h in found])
+        return found
 
     def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
         """The real driver's shape: every ``info`` at once, one deadline for all of them."""
-        futures = {k: self._serve(self.shards[h.name], self.shards[h.name].rules.info) for k, h in handles.items()}
+        futures = {k: self._serve(self.shards[h.name], "info") for k, h in handles.items()}
         wait_futures(list(futures.values()), timeout=self.timeouts.control_s)
         out: dict[Any, Any] = {}
         for key, future in futures.items():
@@ -426,22 +451,19 @@ class FakeDriver:
         return out
 
     def info(self, handle: ShardHandle) -> ShardInfo:
-        handle.info = self._blocking(handle, "info", self.rules(handle).info, self.timeouts.control_s)
+        handle.info = self._blocking(handle, "info", timeout_s=self.timeouts.control_s)
         return handle.info
 
     def assign(self, handle: ShardHandle, slot: int, restarts: int) -> ShardInfo:
         handle.index = slot
-        rules = self.rules(handle)
-        handle.info = self._blocking(handle, "assign", lambda: rules.assign(slot, restarts), self.timeouts.control_s)
+        handle.info = self._blocking(handle, "assign", slot, restarts, timeout_s=self.timeouts.control_s)
         return handle.info
 
     def vllm_metrics(self, handle: ShardHandle) -> list[dict[str, Any]]:
-        return self._blocking(handle, "vllm_metrics", self.rules(handle).vllm_metrics, self.timeouts.control_s)
+        return self._blocking(handle, "vllm_metrics", timeout_s=self.timeouts.control_s)
 
-    def expected_manifest(self, handle: ShardHandle, target: str) -> dict[str, Any]:
-        rules = self.rules(handle)
-        return self._blocking(handle, "expected_manifest", lambda: rules.expected_manifest(target),
-                              self.timeouts.refit_s)
+    def expected_manifest(self, handle: ShardHandle, target: str) -> EngineManifest:
+        return self._blocking(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
 
     def fan_out(self, handles: Mapping[Any, ShardHandle], message: Any, margin_s: float) -> dict[Any, Outcome]:
         """The real driver's shape: each shard's refit message runs on its real ``Shard``; one
@@ -449,11 +471,10 @@ class FakeDriver:
         per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
         futures = {}
         for key, handle in handles.items():
-            msg, rules = per_key[key], self.rules(handle)
+            msg = per_key[key]
             method = _REFIT_CALLS[type(msg)]
             self.remote_calls.append((handle.name, method, msg))
-            futures[key] = self._serve(self.shards[handle.name], lambda rules=rules, method=method, msg=msg:
-                                       getattr(rules, method)(msg))
+            futures[key] = self._serve(self.shards[handle.name], method, msg)
         wait = self.timeouts.refit_s + margin_s
         wait_futures(list(futures.values()), timeout=wait)
         out = {}
@@ -467,9 +488,8 @@ class FakeDriver:
                 out[key] = Outcome(value=future.result())
         return out
 
-    def start_generate(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> Call:
-        rules = self.rules(handle)
-        return Call(handle, "generate", self._serve(self.shards[handle.name], lambda: rules.generate(batch, params)))
+    def start_generate(self, handle: ShardHandle, batch: list, params: Sampling) -> Call:
+        return Call(handle, "generate", self._serve(self.shards[handle.name], "generate", batch, params))
 
     def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
         engine = self.shards[handle.name]
@@ -479,11 +499,10 @@ class FakeDriver:
             self.set_dead(engine.name, engine.dead, engine.actor_dead)
         return Call(handle, "watch", future)
 
-    def start_probe(self, handle: ShardHandle, sampling: dict[str, Any], tokens: list[int], timeout_s: float,
+    def start_probe(self, handle: ShardHandle, sampling: Sampling, tokens: list[int], timeout_s: float,
                     warmup_s: float) -> Call:
-        rules = self.rules(handle)
-        return Call(handle, "probe", self._serve(self.shards[handle.name],
-                                                 lambda: rules.probe(sampling, tokens, timeout_s, warmup_s)))
+        return Call(handle, "probe", self._serve(self.shards[handle.name], "probe", sampling, tokens, timeout_s,
+                                                 warmup_s))
 
     def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
         calls = list(calls)
@@ -501,12 +520,14 @@ class FakeDriver:
     def cancel(self, call: Call) -> None:
         call.ref.cancel()  # cancels the shard's task: its engine stops generating for it
 
-    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "FakePending":
+    def generate_async(self, handle: ShardHandle, batch: list, params: Sampling) -> "FakePending":
         return FakePending(self.start_generate(handle, batch, params).ref)
 
-    def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> "FakeStream":
+    def generate_stream(self, handle: ShardHandle, request: Any, params: Sampling) -> "FakeStream":
         engine = self.shards[handle.name]
-        stream = FakeStream(engine, engine.rules.generate_stream(request, params), self.loop)
+        self.crosses("generate_stream", "arguments", (request, params))
+        stream = FakeStream(engine, engine.rules.generate_stream(request, params), self.loop,
+                            lambda item: self.crosses("generate_stream", "item", item))
         engine.streams.append(stream)
         return stream
 
@@ -565,8 +586,9 @@ class FakeStream:
     A dead shard's stream fails at its next item; a hung one's never answers; ``cancel()`` ends
     it on the shard (its engine stops). ``sent``: the items read."""
 
-    def __init__(self, engine: FakeEngine, items: Any, loop: asyncio.AbstractEventLoop):
-        self.engine, self._loop = engine, loop
+    def __init__(self, engine: FakeEngine, items: Any, loop: asyncio.AbstractEventLoop,
+                 check: Callable[[Any], None] = lambda item: None):
+        self.engine, self._loop, self._check = engine, loop, check
         self.cancelled = False
         self.sent = 0
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -576,6 +598,7 @@ class FakeStream:
         try:
             async with contextlib.aclosing(items):
                 async for item in items:
+                    self._check(item)  # it crosses the actor boundary
                     self._queue.put_nowait(("item", item))
             self._queue.put_nowait(("end", None))
         except BaseException as exc:  # what the call raised (cancelled included) is its reader's

@@ -49,15 +49,17 @@ def request_limits(settings: NemoGenSettings):
 IN_FLIGHT_MODES = ("drain", "abort", "keep")
 
 
-def in_flight(settings: NemoGenSettings, mode: str | None = None) -> dict[str, Any]:
+def in_flight(settings: NemoGenSettings, mode: str | None = None):
     """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given),
-    as the shards take it: ``{"mode", "resume_aborted", "max_staleness", "recompute_kv"}``."""
+    as the shards take it (``nemo_gen.core.wire.InFlight``)."""
+    from nemo_gen.core.wire import InFlight
+
     r = settings.refit
     mode = r.in_flight if mode is None else mode
     if mode not in IN_FLIGHT_MODES:
         raise ConfigError(f"must be one of {list(IN_FLIGHT_MODES)}, got {mode!r}", field="refit.in_flight")
-    return {"mode": mode, "resume_aborted": r.resume_aborted, "max_staleness": r.max_staleness,
-            "recompute_kv": r.recompute_kv}
+    return InFlight(mode=mode, resume_aborted=r.resume_aborted, max_staleness=r.max_staleness,
+                    recompute_kv=r.recompute_kv)
 
 
 def driver_timeouts(settings: NemoGenSettings):

@@ -2,11 +2,17 @@
 direct line), both ways, as a frozen dataclass or an enum. The driver (``nemo_gen.fleet.driver``),
 the shard's rules (``nemo_gen.shard.rules``) and the fake tier (``tests/fakes.py``) import
 these and nothing else, so a change to a message is a change to one class that the type checker
-and every tier see. No dict of the fleet's crosses the boundary; what vLLM defines stays vLLM's
-(a weight-sync ``update_info`` or ``init_info``, the engine's per-request results).
+and every tier see. No dict of the fleet's crosses the boundary (the fake tier checks every call:
+``tests/unit/test_wire_no_dicts.py``); what vLLM defines stays vLLM's, and only these fields carry
+a mapping (``VLLM_OWNED``): a weight-sync ``init_info`` or ``update_info``, a LoRA adapter's
+PEFT ``config``; and ``vllm_metrics`` answers vLLM's own stats rows as it reads them.
 
 - ``ShardInfo``: a shard's own account of itself (``info``, ``start``, ``assign``).
-- ``GenerateReply``: what a generate call answers; ``StreamDeltas`` / ``StreamEnd``: a stream's items.
+- ``Sampling``: a request's resolved sampling parameters (``Structured``: a grammar to decode under).
+- ``GenerateReply``: what a generate call answers, one ``RequestResult`` (of ``SampleResult``s)
+  per request; ``StreamDeltas`` (of ``SampleDelta``s) / ``StreamEnd``: a stream's items.
+- ``InFlight``: how running requests meet a refit (``refit.in_flight`` and its options).
+- ``StepGaps``, ``Unfinished``, ``LoadStats``: diagnostics for tests and benchmarks.
 - ``ProbeReply``: a probe's answer, its ``ProbeStatus`` saying what the shard showed.
 - ``CheckRefit`` / ``LoadRefit``: the two phases of a checkpoint refit on one shard.
 - ``SyncRequest``: one step of vLLM's weight-sync protocol, ``SyncStep`` naming it and one frozen
@@ -24,6 +30,12 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Union
+
+# The generate path's messages and the diagnostics, in their own module for size; part of the wire.
+from nemo_gen.core.wire_generation import (  # noqa: F401
+    GenerateReply, LoadStats, RequestResult, SampleDelta, SampleResult, Sampling, Spans, StepGaps, StreamDeltas,
+    StreamEnd, Structured, TokenLogprobs, Unfinished, pairs,
+)
 
 # -- failures --------------------------------------------------------------------------------------
 
@@ -104,37 +116,6 @@ class ShardInfo:
         return out
 
 
-# -- generation ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GenerateReply:
-    """A generate call's answer: ``results`` (the engine's, one per request, in order) were made
-    by shard ``shard`` at ``weight_version``, read when the work started."""
-
-    shard: int | None
-    weight_version: int | None
-    results: tuple[Mapping[str, Any], ...]
-    seconds: float
-
-
-@dataclass(frozen=True)
-class StreamDeltas:
-    """A stream's item: per sample, the tokens since the last item (the engine's delta records)."""
-
-    deltas: tuple[Mapping[str, Any], ...]
-
-
-@dataclass(frozen=True)
-class StreamEnd:
-    """A stream's last item: the request's whole result, stamped as ``GenerateReply`` is."""
-
-    result: Mapping[str, Any]
-    shard: int | None
-    weight_version: int | None
-    seconds: float
-
-
 class ProbeStatus(str, enum.Enum):
     """What a probe showed about a shard (Ray Serve's ``ReplicaHealthCheckResponse``'s role)."""
 
@@ -163,7 +144,26 @@ class ProbeReply:
         return self.status.alive or self.status is ProbeStatus.SKIPPED
 
 
-# -- a checkpoint refit ----------------------------------------------------------------------------
+# -- a refit -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """What a refit does to running requests (``refit.in_flight`` and its options, built by
+    ``nemo_gen.config.policies.in_flight``): ``drain`` holds new ones back until the running
+    ones finish; ``keep`` / ``abort`` swap the weights under them, cutting those with more than
+    ``max_staleness`` tokens from older weights (``keep``) or all (``abort``), resumed on the new
+    weights when ``resume_aborted``; ``recompute_kv``: their KV recomputed as they resume."""
+
+    mode: str
+    resume_aborted: bool = True
+    max_staleness: int | None = None
+    recompute_kv: bool = False
+
+    @property
+    def drain(self) -> bool:
+        return self.mode == "drain"
+
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class LoadRefit:
     version: int
     timeout_s: float
     source: str | None
-    in_flight: Mapping[str, Any]
+    in_flight: InFlight
 
 
 # -- vLLM's weight-sync protocol, one step at a time -----------------------------------------------
@@ -214,13 +214,13 @@ class SyncInit:
 @dataclass(frozen=True)
 class SyncStart:
     step: ClassVar[SyncStep] = SyncStep.START
-    in_flight: Mapping[str, Any]
+    in_flight: InFlight
 
 
 @dataclass(frozen=True)
 class SyncStartDraft:
     step: ClassVar[SyncStep] = SyncStep.START_DRAFT
-    in_flight: Mapping[str, Any]
+    in_flight: InFlight
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ class SyncShutdown:
 @dataclass(frozen=True)
 class SyncApply:
     step: ClassVar[SyncStep] = SyncStep.APPLY
-    in_flight: Mapping[str, Any]
+    in_flight: InFlight
     update_info: Mapping[str, Any]
     target: str  # "policy" or "draft"
     version: int
@@ -313,15 +313,20 @@ class EngineManifest:
     output embeddings, and the drafter's tensors that are the policy's own), those shared ones
     alone, and whether the target exists at all (no drafter: ``available`` False)."""
 
-    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype)
     optional: tuple[str, ...] = ()
     shared: tuple[str, ...] = ()
     available: bool = True
 
+    @property
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Name -> (shape, dtype), built on the reader's side."""
+        return {name: (shape, dtype) for name, shape, dtype in self.entries}
+
     @classmethod
     def of(cls, answer: Mapping[str, Any]) -> "EngineManifest":
         """A worker's answer (``nemo_gen_expected_manifest``) as the wire's message."""
-        return cls({n: (tuple(shape), str(dtype)) for n, (shape, dtype) in answer["tensors"].items()},
+        return cls(tuple((n, tuple(shape), str(dtype)) for n, (shape, dtype) in answer["tensors"].items()),
                    tuple(answer.get("optional", ())), tuple(answer.get("shared", ())),
                    bool(answer.get("available", True)))
 
@@ -367,3 +372,9 @@ class ChannelAddress:
     address: str
     key: bytes
     node_ip: str
+
+
+# The fields that carry vLLM's own payloads, as vLLM defines them: the only mappings on the wire.
+VLLM_OWNED: frozenset[tuple[type, str]] = frozenset({
+    (SyncInit, "init_info"), (SyncUpdate, "update_info"), (SyncApply, "update_info"), (AdapterLoad, "config"),
+})

@@ -42,7 +42,7 @@ from nemo_gen.core.adapters import (
     refuse,
 )
 from nemo_gen.core.manifest import TensorMeta, canonical_dtype, is_floating, layout
-from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove
+from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove, InFlight
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
@@ -282,14 +282,14 @@ class FleetAdapters:
         return relay()
 
     @contextlib.contextmanager
-    def full_refit(self, in_flight: Mapping[str, Any]):
+    def full_refit(self, in_flight: InFlight):
         """Around a refit of the base weights, which drops every adapter in vLLM: under ``keep``
         or ``abort`` a running adapter request would step on after its adapter is gone, so with
         adapters loaded only ``drain`` is taken."""
-        if self.registry.loaded() and in_flight.get("mode") != "drain":
+        if self.registry.loaded() and not in_flight.drain:
             raise AdapterError(
                 f"a full refit drops the loaded adapters ({', '.join(sorted(self.registry.names()))}) and "
-                f"in_flight {in_flight.get('mode')!r} would run their requests on after that: use in_flight='drain'"
+                f"in_flight {in_flight.mode!r} would run their requests on after that: use in_flight='drain'"
             )
         yield
 

@@ -13,32 +13,42 @@ from typing import Any
 
 from nemo_gen.core.detokenize import IncrementalText
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample
+from nemo_gen.core.wire import RequestResult, SampleDelta, SampleResult, TokenLogprobs
 
 
-def decode_result(req: GenerationRequest, raw: dict[str, Any], shard: int, version: int | None,
+def decode_result(req: GenerationRequest, raw: RequestResult, shard: int, version: int | None,
                   tokenizer: Any | None) -> GenerationResult:
     """The result of ``req`` from its shard's answer ``raw``; ``tokenizer``: decode text here
     (engines without a tokenizer), else None."""
-    if raw.get("error"):
-        return GenerationResult.failed(req, raw["error"], shard=shard)
-    samples = [decode_sample(s, version, tokenizer) for s in raw.get("samples") or [raw]]
+    if raw.error:
+        return GenerationResult.failed(req, raw.error, shard=shard)
+    if not raw.samples:
+        return GenerationResult.failed(req, "RuntimeError: the shard answered no sample", shard=shard)
+    samples = [decode_sample(s, version, tokenizer) for s in raw.samples]
     first = samples[0]
     return GenerationResult(
         index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids), text=first.text,
         token_ids=first.token_ids, logprobs=first.logprobs, finish_reason=first.finish_reason, shard=shard,
         weight_version=first.weight_versions[-1][0] if first.weight_versions else version,
         weight_versions=first.weight_versions, samples=samples, top_logprobs=first.top_logprobs,
-        prompt_logprobs=raw.get("prompt_logprobs"),
+        prompt_logprobs=None if raw.prompt_logprobs is None else [
+            None if entry is None else as_dict(entry) for entry in raw.prompt_logprobs],
     )
 
 
-def decode_sample(raw: dict[str, Any], version: int | None, tokenizer: Any | None) -> Sample:
-    text = raw.get("text")
-    if not text and raw["token_ids"] and tokenizer is not None:
-        text = tokenizer.decode(raw["token_ids"], skip_special_tokens=True)
-    spans = [(v, n) for v, n in raw.get("weight_versions") or [(version, len(raw["token_ids"]))]]
-    return Sample(text=text or "", token_ids=raw["token_ids"], logprobs=raw["logprobs"],
-                  finish_reason=raw["finish_reason"], weight_versions=spans, top_logprobs=raw.get("top_logprobs"))
+def as_dict(entry: TokenLogprobs) -> dict[int, float]:
+    """One token's (token id, logprob) pairs as the caller's {token id: logprob}."""
+    return dict(entry)
+
+
+def decode_sample(raw: SampleResult, version: int | None, tokenizer: Any | None) -> Sample:
+    text = raw.text
+    if not text and raw.token_ids and tokenizer is not None:
+        text = tokenizer.decode(raw.token_ids, skip_special_tokens=True)
+    spans = [(v, n) for v, n in raw.weight_versions or [(version, len(raw.token_ids))]]
+    top = None if raw.top_logprobs is None else [as_dict(entry) for entry in raw.top_logprobs]
+    return Sample(text=text or "", token_ids=list(raw.token_ids), logprobs=list(raw.logprobs),
+                  finish_reason=raw.finish_reason, weight_versions=spans, top_logprobs=top)
 
 
 class StreamDecoder:
@@ -48,11 +58,11 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self.texts: dict[int, SampleText] = {}
 
-    def delta(self, raw: dict[str, Any], shard: int) -> Delta:
-        text = self.texts.setdefault(raw["sample"], SampleText(self.tokenizer))
-        return Delta(sample=raw["sample"], token_ids=list(raw["token_ids"]), text=text.add(raw),
-                     logprobs=list(raw["logprobs"]), weight_versions=[(v, n) for v, n in raw["weight_versions"]],
-                     finish_reason=raw["finish_reason"], shard=shard)
+    def delta(self, raw: SampleDelta, shard: int) -> Delta:
+        text = self.texts.setdefault(raw.sample, SampleText(self.tokenizer))
+        return Delta(sample=raw.sample, token_ids=list(raw.token_ids), text=text.add(raw),
+                     logprobs=list(raw.logprobs), weight_versions=[(v, n) for v, n in raw.weight_versions],
+                     finish_reason=raw.finish_reason, shard=shard)
 
 
 class SampleText:
@@ -65,12 +75,12 @@ class SampleText:
         self.text = IncrementalText(tokenizer) if tokenizer is not None else None
         self.sent = ""
 
-    def add(self, raw: dict[str, Any]) -> str:
+    def add(self, raw: SampleDelta) -> str:
         if self.text is None:
-            self.sent += raw["text"]
-            return raw["text"]
-        piece = self.text.add(raw["token_ids"])
-        if raw["finish_reason"] is not None:  # the whole text, as the result will carry it
+            self.sent += raw.text
+            return raw.text
+        piece = self.text.add(raw.token_ids)
+        if raw.finish_reason is not None:  # the whole text, as the result will carry it
             whole = self.tokenizer.decode(self.text.ids, skip_special_tokens=True)
             piece = whole[len(self.sent):] if whole.startswith(self.sent) else piece
         self.sent += piece

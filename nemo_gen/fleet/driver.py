@@ -35,7 +35,7 @@ import ray
 from ray.util import get_node_ip_address
 
 from nemo_gen.core.wire import (
-    AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, ShardInfo,
+    AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, Sampling, ShardInfo,
     StreamDeltas, StreamEnd, SyncRequest,
 )
 from nemo_gen.errors import ShardDiedError
@@ -389,13 +389,13 @@ class ShardDriver:
 
     # -- calls in flight -----------------------------------------------------------------------
 
-    def start_generate(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> Call:
+    def start_generate(self, handle: ShardHandle, batch: list, params: Sampling) -> Call:
         return Call(handle, "generate", handle.actor.generate.remote(batch, params))
 
     def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
         return Call(handle, "watch", handle.actor.watch.remote(interval_s))
 
-    def start_probe(self, handle: ShardHandle, sampling: dict[str, Any], tokens: list[int], timeout_s: float,
+    def start_probe(self, handle: ShardHandle, sampling: Sampling, tokens: list[int], timeout_s: float,
                     warmup_s: float) -> Call:
         return Call(handle, "probe", handle.actor.probe.remote(sampling, tokens, timeout_s, warmup_s))
 
@@ -419,11 +419,11 @@ class ShardDriver:
         except Exception:  # already finished or its worker is gone: nothing left to cancel
             pass
 
-    def generate_async(self, handle: ShardHandle, batch: list, params: dict[str, Any]) -> "Pending":
+    def generate_async(self, handle: ShardHandle, batch: list, params: Sampling) -> "Pending":
         """One generate call as an awaitable (the per-request path of ``generate_async``)."""
         return Pending(handle.actor.generate.remote(batch, params))
 
-    def generate_stream(self, handle: ShardHandle, request: Any, params: dict[str, Any]) -> Stream:
+    def generate_stream(self, handle: ShardHandle, request: Any, params: Sampling) -> Stream:
         """One request, streamed as the shard generates it (``ShardActor.generate_stream``)."""
         return Stream(handle.actor.generate_stream.remote(request, params))
 

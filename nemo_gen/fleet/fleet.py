@@ -18,7 +18,6 @@ from typing import Any, AsyncIterator, Sequence
 
 from nemo_gen.config import policies
 from nemo_gen.core.fleet_health import GenerationFleetHealth
-from nemo_gen.core.members import Member
 from nemo_gen.core.planner import attach_seeds, seed_ledger
 from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
@@ -30,7 +29,7 @@ from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
 from nemo_gen.fleet.driver import ProgressFn, ShardDriver
 from nemo_gen.fleet.members import Membership, claimed_slots
-from nemo_gen.fleet.monitor import FleetMonitor, Prober
+from nemo_gen.fleet.monitor import DeathWatch, FleetMonitor, Prober
 from nemo_gen.host.processes import reap
 from nemo_gen.fleet.record import RecordWriter, create_record, find_record, remove_record
 from nemo_gen.fleet.recovery import Recovery
@@ -72,21 +71,22 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         elif not s.is_eval():
             for handle in shards:
                 self.health.mark_loaded(handle.index)
-        self.weights = FleetWeights(version, source, s.refit.staging_dir, s.fleet.name,
-                                    RecordWriter(record, s.fleet.control_timeout_s, key=(s.ray.namespace, s.fleet.name)))
+        self.weights = FleetWeights(version=version, source=source, staging_dir=s.refit.staging_dir, fleet_name=s.fleet.name,
+                                    record=RecordWriter(record, s.fleet.control_timeout_s, key=(s.ray.namespace, s.fleet.name)))
         self.background = Background(s.fleet.name)
         self.monitor: FleetMonitor | None = None
+        self.watches = DeathWatch(driver=self.driver, interval_s=s.health.watch_interval_s)
         gen_cfg = resolved.generation_config
         parts = dict(health=self.health, members=self.members, driver=self.driver)
         self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes)
         self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,
                                 template=(resolved.spares or resolved.shards)[0], fleet_name=s.fleet.name,
                                 num_slots=s.fleet.num_shards, wanted=lambda: self.settings.fleet.spares,
-                                watch=self._watch, stop_and_reap=self._stop_and_reap)
+                                watches=self.watches, reap_timeout_s=s.health.reap_timeout_s)
         self.recovery = Recovery(**parts, weights=self.weights, refitter=self.refitter, spares=self.spares,
                                  background=self.background, specs=resolved.shards, fleet_name=s.fleet.name,
                                  reap_timeout_s=s.health.reap_timeout_s, backoff=policies.backoff_policy(s),
-                                 auto_recover=lambda: self.settings.health.auto_recover, watch=self._watch)
+                                 auto_recover=lambda: self.settings.health.auto_recover, watches=self.watches)
         self.router = Router(**parts, tokenizer=self._tokenizer, max_model_len=int(resolved.max_model_len or 0),
                              limits=policies.request_limits(s), decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
                              serving_version=lambda: self.weights.version, fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack)
@@ -230,20 +230,12 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         """One probe round over the serving shards, here (the heal flow's; no monitor runs there)."""
         return self.prober.probe_round(self.settings.health.unhealthy_threshold)
 
-    def _watch(self, member: Member, handle: ShardHandle) -> None:
-        if self.monitor is not None:
-            self.monitor.watch(member, handle)
-
-    def _stop_and_reap(self, handle: ShardHandle) -> None:
-        pids = self.driver.stop(handle) + ([handle.actor_pid] if handle.actor_pid else [])
-        reap(pids, self.settings.health.reap_timeout_s)
-
     def _start_monitor(self) -> None:
         h, stats = self.settings.health, not self.resolved.shards[0].engine_kwargs.get("disable_log_stats", True)
-        self.monitor = FleetMonitor(self.prober, h.watch_interval_s, h.probe_interval_s, self.settings.fleet.name, stats)
+        self.monitor = FleetMonitor(prober=self.prober, watches=self.watches, probe_interval_s=h.probe_interval_s,
+                                    name=self.settings.fleet.name, stats=stats)
         self.recovery.start_watching()
-        for member, handle in self.members.members().items():
-            self.monitor.watch(member, handle)
+        self.watches.start(self.members.members())
         self.monitor.start()
 
     @property

@@ -9,7 +9,9 @@ process is certain). Hang: every ``health.probe_interval_s`` each serving shard 
 condemn the shard (NeMo-RL's streak rules, in the ledger). A SIGSTOPped engine answers
 nothing and is condemned this way.
 
-``Prober`` owns what a probe answer means (shared by the monitor's thread and the heal flow's
+``DeathWatch`` owns the watch calls: whoever installs a member (the spare pool, recovery) hands it
+to the death watch, which starts its call once a monitor runs; the monitor waits on them and
+settles them. ``Prober`` owns what a probe answer means (shared by the monitor's thread and the heal flow's
 blocking ``probe_round``); a lost shard is condemned in the slot table, whose ``ShardLost``
 recovery drains.
 
@@ -29,7 +31,7 @@ from typing import Any, Mapping
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe
-from nemo_gen.core.wire import ProbeReply, ProbeStatus
+from nemo_gen.core.wire import ProbeReply, ProbeStatus, Sampling
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -42,11 +44,12 @@ class Prober:
     """Sends probes and records their answers in the ledger."""
 
     def __init__(self, *, driver: ShardDriver, health: GenerationFleetHealth, members: Membership,
-                 sampling: dict[str, Any], tokens: list[int], timeout_s: float, warmup_s: float):
+                 sampling: Mapping[str, Any] | Sampling, tokens: list[int], timeout_s: float, warmup_s: float):
         self.driver = driver
         self.health = health
         self.members = members
-        self.sampling = sampling
+        # the probe's one greedy token: a resolved sampling dict (``resolve_sampling``) as the wire's
+        self.sampling = sampling if isinstance(sampling, Sampling) else Sampling.of(sampling)
         self.tokens = tokens
         self.timeout_s = timeout_s
         self.warmup_s = warmup_s
@@ -161,17 +164,54 @@ class VllmStats:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class DeathWatch:
+    """One pending ``watch`` call per member (``ShardActor.watch``: it returns when an engine
+    process exits and fails when the actor dies). The one owner of which members are watched:
+    the spare pool and recovery hand it each member they install (``watch``); nothing is watched
+    until a monitor runs (``start``, with the members there are then), and the monitor waits on
+    the calls and takes each one that answered (``take``)."""
+
+    def __init__(self, *, driver: ShardDriver, interval_s: float):
+        self.driver = driver
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._calls: dict[Call, Member] = {}
+        self.active = False  # a monitor runs
+
+    def start(self, members: Mapping[Member, ShardHandle]) -> None:
+        self.active = True
+        for member, handle in members.items():
+            self.watch(member, handle)
+
+    def watch(self, member: Member, handle: ShardHandle) -> None:
+        """Watch ``handle`` in its role ``member`` (a no-op while no monitor runs)."""
+        if not self.active:
+            return
+        call = self.driver.start_watch(handle, self.interval_s)
+        with self._lock:
+            self._calls[call] = member
+
+    def calls(self) -> list[Call]:
+        with self._lock:
+            return list(self._calls)
+
+    def take(self, call: Call) -> Member | None:
+        """The member ``call`` watched, if it was a watch call (it is no longer pending)."""
+        with self._lock:
+            return self._calls.pop(call, None)
+
+
 class FleetMonitor:
-    def __init__(self, prober: Prober, watch_interval_s: float, probe_interval_s: float, name: str,
+    def __init__(self, *, prober: Prober, watches: DeathWatch, probe_interval_s: float, name: str,
                  stats: bool = False):
         self.prober = prober
         self.driver = prober.driver
+        self.watches = watches
         # stats: the engines keep vLLM's stats (without, they answer nothing: none are fetched)
         self.stats = VllmStats(self.driver, name) if stats else None
-        self._watch_interval = watch_interval_s
+        self._watch_interval = watches.interval_s
         self._probe_interval = probe_interval_s
         self._lock = threading.Lock()
-        self._watches: dict[Call, Member] = {}
         self._probes: dict[Call, tuple[Member, float]] = {}  # call -> (member, deadline)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nemo-gen-monitor-{name}", daemon=True)
@@ -204,19 +244,13 @@ class FleetMonitor:
         members = self.prober.members
         return {slot: h for slot in self.prober.health.serving_shards() if (h := members.handle(slot)) is not None}
 
-    def watch(self, member: Member, handle: ShardHandle) -> None:
-        """Start watching ``handle`` in its role ``member``."""
-        call = self.driver.start_watch(handle, self._watch_interval)
-        with self._lock:
-            self._watches[call] = member
-
     def _run(self) -> None:
         next_probe = time.monotonic() + self._probe_interval
         if self.stats is not None:  # a scrape soon after launch finds them: the first round is later
             self.stats.refresh(self._serving())
         while not self._stop.is_set():
             with self._lock:
-                calls = list(self._watches) + list(self._probes)
+                calls = self.watches.calls() + list(self._probes)
             if not calls:
                 self._stop.wait(self._watch_interval)
             else:
@@ -239,8 +273,8 @@ class FleetMonitor:
                 next_probe = now + self._probe_interval
 
     def _settle(self, call: Call) -> None:
+        watched = self.watches.take(call)
         with self._lock:
-            watched = self._watches.pop(call, None)
             probe = self._probes.pop(call, None)
         if watched is not None:
             try:

@@ -40,6 +40,7 @@ from nemo_gen.host import gpu_memory
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.monitor import DeathWatch
 from nemo_gen.host.processes import processes, wait_exit, wait_or_kill
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
@@ -136,7 +137,7 @@ class Recovery:
     def __init__(self, *, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
                  refitter: Refitter, spares: SparePool, driver: ShardDriver, background: Background,
                  specs: Sequence[ShardSpec], fleet_name: str, reap_timeout_s: float, backoff: BackoffPolicy,
-                 auto_recover: Callable[[], bool], watch: Callable[[Member, ShardHandle], None]):
+                 auto_recover: Callable[[], bool], watches: DeathWatch):
         self.health = health
         self.members = members
         self.weights = weights
@@ -149,7 +150,7 @@ class Recovery:
         self._reap_timeout_s = reap_timeout_s
         self.backoff = backoff
         self._auto_recover = auto_recover
-        self._watch = watch
+        self.watches = watches  # every member it installs is watched
         self.watching = False  # a monitor runs: this process heals its own fleet
         self.orphans: list[dict[str, Any]] = []  # processes left by dead shards (cleanup disabled)
         self._drainer: threading.Thread | None = None
@@ -287,7 +288,7 @@ class Recovery:
             except SlotConflict as exc:  # dropped meanwhile: nothing changed, a restart follows
                 log.warning("shard %d: spare %s not promoted: %s", index, name, exc)
                 return None
-            self._watch(member, spare)
+            self.watches.watch(member, spare)
         self.spares.replenish()
         return "promoted-spare"
 
@@ -301,7 +302,7 @@ class Recovery:
         except SlotConflict:  # the slot left RESTARTING meanwhile: the new actor has no place
             self.driver.stop(handle)
             raise
-        self._watch(member, handle)
+        self.watches.watch(member, handle)
         try:
             self.refitter.catch_up(member, handle)
             return "restarted"

@@ -36,7 +36,7 @@ from nemo_gen.core.manifest import (
     next_version,
     split_draft,
 )
-from nemo_gen.core.wire import CheckRefit, EngineManifest, LoadRefit
+from nemo_gen.core.wire import CheckRefit, EngineManifest, InFlight, LoadRefit
 from nemo_gen.errors import NemoGenError, ShardDiedError, StaleShard
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
@@ -47,7 +47,7 @@ from nemo_gen.fleet.weight_sources import as_source
 log = logging.getLogger(__name__)
 
 # How a newcomer that serves nothing yet takes its catch-up refit.
-_DRAIN = {"mode": "drain", "resume_aborted": True, "max_staleness": None, "recompute_kv": False}
+_DRAIN = InFlight("drain")
 # The workers enforce refit.timeout_s; these margins cover an actor that never answers.
 _CHECK_MARGIN_S = 0.0
 _LOAD_MARGIN_S = 60.0
@@ -114,7 +114,7 @@ class Refitter:
 
     # -- checkpoint / live-tensor refit ----------------------------------------------------------
 
-    def refit(self, source: Any, version: int | None, in_flight: dict[str, Any]) -> RefitReport:
+    def refit(self, source: Any, version: int | None, in_flight: InFlight) -> RefitReport:
         """``in_flight``: what the shards do to running requests (``policies.in_flight``)."""
         with self.weights.refitting():
             new_version = next_version(self.weights.version, version)
@@ -203,7 +203,7 @@ class Refitter:
         )
 
     def apply_staged(self, staged: StagedRefit, handles: dict[Member, ShardHandle],
-                     in_flight: dict[str, Any]) -> dict[Member, tuple[bool, float, str | None]]:
+                     in_flight: InFlight) -> dict[Member, tuple[bool, float, str | None]]:
         """Phase 1 then phase 2 on ``handles``; returns member -> (ok, seconds, error). Phase 1:
         every shard reads the staged tensors, nothing changes; a shard that is dead or hung is
         left out, any other failure refuses the refit everywhere (``RefitError``). Phase 2: all

@@ -4,7 +4,8 @@ Owns the driver-side input processing the router runs first: a string is tokeniz
 tokenizer's special tokens, token ids pass as they are, chat messages are checked and rendered
 with the tokenizer's chat template (a generation prompt added), and a prompt longer than the
 model's context is answered with an error result before it costs a round trip. Also the
-``session_id`` argument of a batch spread over its prompts. Routing is ``router.py``'s; turning
+``session_id`` argument of a batch spread over its prompts, and the call's resolved sampling
+dict as the wire's ``Sampling`` (``sampling_of``). Routing is ``router.py``'s; turning
 shard replies into results is ``decode.py``'s.
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from nemo_gen.core.results import GenerationRequest, GenerationResult, too_long_error
+from nemo_gen.core.wire import Sampling
 from nemo_gen.errors import RequestError
+from nemo_gen.vllm_ext.lora import EXTRA_KEY
 
 # A string, token ids, or chat messages ({"role": ..., "content": ...}, rendered here).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
@@ -80,3 +83,9 @@ def sessions_of(session_id: str | Sequence[str | None] | None, n: int) -> dict[i
     if len(session_id) != n:
         raise RequestError(f"session_id has {len(session_id)} entries for {n} prompts (give one, or one per prompt)")
     return dict(enumerate(session_id))
+
+
+def sampling_of(params: Mapping[str, Any]) -> Sampling:
+    """A call's resolved sampling (``nemo_gen.core.sampling.resolve_sampling``, with the chosen
+    LoRA adapter under ``EXTRA_KEY``: ``nemo_gen.fleet.adapters``) as the shard takes it."""
+    return Sampling.of(params, params.get(EXTRA_KEY))

@@ -38,13 +38,13 @@ from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, He
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
-from nemo_gen.core.wire import GenerateReply, StreamDeltas
+from nemo_gen.core.wire import GenerateReply, RequestResult, Sampling, StreamDeltas
 from nemo_gen.errors import RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.requests import Prompt, build_requests, sessions_of
+from nemo_gen.fleet.requests import Prompt, build_requests, sampling_of, sessions_of
 
 __all__ = ["Prompt", "Router"]
 
@@ -94,7 +94,7 @@ class Router:
         must not hold up the loop's other requests (an HTTP server's /health among them)."""
         return await asyncio.to_thread(self.requests, prompts)
 
-    def result(self, req: GenerationRequest, raw: dict[str, Any], shard: int, version: int | None) -> GenerationResult:
+    def result(self, req: GenerationRequest, raw: RequestResult, shard: int, version: int | None) -> GenerationResult:
         return decode_result(req, raw, shard, version, self._text_tokenizer())
 
     def _text_tokenizer(self) -> Any | None:
@@ -194,6 +194,7 @@ class Router:
         ``fleet.max_reroutes``, busy ones past ``fleet.busy_retries``) gets that error as its
         result; the others are answered."""
         requests, results = self.requests(prompts)
+        sampling = sampling_of(params)
         sessions = sessions_of(session_id, len(prompts))
         deadline = self.deadline(timeout_s)
         attempts = {req.index: Attempts(self.tries) for req in requests}
@@ -208,10 +209,10 @@ class Router:
                         results[req.index] = GenerationResult.failed(req, describe(self._timeout(deadline, None)))
                     break
                 assignment = self._assign(pending, sessions, deadline, avoid)
-                pending, not_before = self._run_batch(assignment, params, results, attempts, avoid, deadline)
+                pending, not_before = self._run_batch(assignment, sampling, results, attempts, avoid, deadline)
         return [results[i] for i in range(len(prompts))]
 
-    def _run_batch(self, assignment: dict[int, list[GenerationRequest]], params: dict[str, Any],
+    def _run_batch(self, assignment: dict[int, list[GenerationRequest]], sampling: Sampling,
                    results: dict[int, GenerationResult], attempts: dict[int, Attempts], avoid: dict[int, int],
                    deadline: Deadline) -> tuple[list[GenerationRequest], float]:
         """One round: ``assignment``'s calls until each is answered, lost or past the deadline;
@@ -237,7 +238,7 @@ class Router:
         try:
             for shard, batch in assignment.items():
                 handle = self.members.handle(shard)
-                inflight[self.driver.start_generate(handle, batch, params)] = (Member(handle.name, shard), batch)
+                inflight[self.driver.start_generate(handle, batch, sampling)] = (Member(handle.name, shard), batch)
             while inflight:
                 for call in self.driver.wait(inflight, deadline.wait_s(_POLL_S)):
                     member, batch = inflight.pop(call)
@@ -283,13 +284,14 @@ class Router:
         if rejected:
             return rejected[0]
         req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
+        sampling = sampling_of(params)
         with self.admission.admitted(1):
             while True:
                 shard = await self._pick_async(deadline, session_id, avoid)
                 handle = self.members.handle(shard)
                 member = Member(handle.name, shard)
                 try:
-                    out = await self._await(self.driver.generate_async(handle, [req], params), member, deadline)
+                    out = await self._await(self.driver.generate_async(handle, [req], sampling), member, deadline)
                 except (RequestTimeout, asyncio.CancelledError):
                     raise
                 except Exception as exc:
@@ -341,6 +343,7 @@ class Router:
             yield rejected[0]
             return
         req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
+        sampling = sampling_of(params)
         with self.admission.admitted(1):
             while True:
                 shard = await self._pick_async(deadline, session_id, avoid)
@@ -348,7 +351,7 @@ class Router:
                 member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
                 decoder = StreamDecoder(self._text_tokenizer())
                 try:
-                    stream = self.driver.generate_stream(handle, req, params)
+                    stream = self.driver.generate_stream(handle, req, sampling)
                     deadline.restart()
                     while (item := await self._next_item(stream, member, deadline)) is not _LOST:
                         deadline.restart()

@@ -3,7 +3,8 @@
 ``SparePool`` takes a spare that is at the fleet's version for a dead slot, drops one that
 died or failed a refit, and keeps ``fleet.spares`` of them up (started in the background,
 caught up to the fleet's version before they count). The spares themselves are members of
-``Membership``; this module decides what happens to them.
+``Membership``; this module decides what happens to them: a new one is handed to the death
+watch (``monitor.DeathWatch``), a dropped one is stopped and its processes reaped here.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.monitor import DeathWatch
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
+from nemo_gen.host.processes import reap
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 class SparePool:
     def __init__(self, *, members: Membership, driver: ShardDriver, refitter: Refitter, background: Background,
                  template: ShardSpec, fleet_name: str, num_slots: int, wanted: Callable[[], int],
-                 watch: Callable[[Member, ShardHandle], None], stop_and_reap: Callable[[ShardHandle], None]):
+                 watches: DeathWatch, reap_timeout_s: float):
         self.members = members
         self.driver = driver
         self.refitter = refitter
@@ -36,8 +39,8 @@ class SparePool:
         self._fleet_name = fleet_name
         self._num_slots = num_slots
         self._wanted = wanted  # fleet.spares, read each time: an operator may change it on a live fleet
-        self._watch = watch
-        self._stop_and_reap = stop_and_reap
+        self.watches = watches
+        self._reap_timeout_s = reap_timeout_s
 
     def ready(self, version: int | None) -> list[str]:
         """Spares believed to be at ``version`` (from what they last said; ``pick`` asks again)."""
@@ -67,6 +70,11 @@ class SparePool:
         self.background.submit(self._stop_and_reap, handle)
         self.replenish()
 
+    def _stop_and_reap(self, handle: ShardHandle) -> None:
+        """A dropped spare's engine stopped, then its processes gone (``health.reap_timeout_s``)."""
+        pids = self.driver.stop(handle) + ([handle.actor_pid] if handle.actor_pid else [])
+        reap(pids, self._reap_timeout_s)
+
     def replenish(self) -> None:
         """Start spares in the background until ``fleet.spares`` are up (or coming up)."""
         for seq in self.members.reserve_spare_starts(self._wanted()):
@@ -88,4 +96,4 @@ class SparePool:
             return
         finally:
             self.members.spare_start_done()
-        self._watch(self.members.add_spare(handle), handle)
+        self.watches.watch(self.members.add_spare(handle), handle)

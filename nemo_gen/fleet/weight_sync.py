@@ -44,7 +44,7 @@ from nemo_gen.core.manifest import (
     nccl_rank_offsets,
 )
 from nemo_gen.core.wire import (
-    SyncAbort, SyncApply, SyncFinish, SyncInit, SyncPayload, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft,
+    InFlight, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncPayload, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft,
     SyncUpdate,
 )
 from nemo_gen.fleet.refit import Refitter, metas_of
@@ -82,7 +82,7 @@ class FleetWeightSyncClient:
     ``report`` holds that refit's ``RefitReport``."""
 
     def __init__(self, refitter: Refitter, generation_config: dict[str, Any], backend: str,
-                 check_open: Callable[[], None], version: int | None, draft: bool, in_flight: dict[str, Any],
+                 check_open: Callable[[], None], version: int | None, draft: bool, in_flight: InFlight,
                  quantize: str = "engine"):
         self.refitter = refitter
         self.weights = refitter.weights

@@ -34,7 +34,7 @@ class StagedRefit:
 
 
 class FleetWeights:
-    def __init__(self, version: int | None, source: str | None, staging_dir: str, fleet_name: str, record: Any):
+    def __init__(self, *, version: int | None, source: str | None, staging_dir: str, fleet_name: str, record: Any):
         self._version = version
         self._source = source
         self._staged: StagedRefit | None = None

@@ -17,7 +17,8 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    AdapterCall, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ShardInfo, SyncReply, SyncRequest,
+    AdapterCall, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, LoadStats, ProbeReply, Sampling,
+    ShardInfo, StepGaps, SyncReply, SyncRequest, Unfinished,
 )
 from nemo_gen.shard.rules import Host, Shard
 
@@ -109,14 +110,14 @@ class ShardActor:
                     return f"engine process {proc.pid} exited"
             await asyncio.sleep(interval_s)
 
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+    async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> ProbeReply:
         return await self.shard.probe(sampling, token_ids, stall_s, warmup_s)
 
-    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> GenerateReply:
+    async def generate(self, requests: list[GenerationRequest], sampling: Sampling) -> GenerateReply:
         return await self.shard.generate(requests, sampling)
 
-    async def generate_stream(self, request: GenerationRequest, sampling: dict[str, Any]):
+    async def generate_stream(self, request: GenerationRequest, sampling: Sampling):
         """``Shard.generate_stream`` as a Ray streaming generator (an async generator method of
         an async actor); cancelling the call (``ray.cancel``) aborts the request in the engine."""
         async with contextlib.aclosing(self.shard.generate_stream(request, sampling)) as items:
@@ -126,10 +127,10 @@ class ShardActor:
     def vllm_metrics(self) -> list[dict[str, Any]]:
         return self.shard.vllm_metrics()
 
-    def unfinished(self) -> dict[str, int]:
+    def unfinished(self) -> Unfinished:
         return self.shard.unfinished()
 
-    def step_gaps(self, reset: bool = False) -> dict[str, Any]:
+    def step_gaps(self, reset: bool = False) -> StepGaps:
         return self.shard.step_gaps(reset)
 
     async def expected_manifest(self, target: str = "policy") -> EngineManifest:
@@ -138,7 +139,7 @@ class ShardActor:
     async def digest(self, target: str = "policy") -> float:
         return await self.shard.digest(target)
 
-    async def load_stats(self) -> list[dict[str, Any]]:
+    async def load_stats(self) -> list[LoadStats]:
         return await self.shard.load_stats()
 
     async def check_refit(self, msg: CheckRefit) -> int:

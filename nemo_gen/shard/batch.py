@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.wire import RequestResult, SampleResult, pairs
 
 
 def add_span(spans: list[list[Any]], version: int | None, count: int) -> None:
@@ -77,6 +78,11 @@ def prompt_entries(prompt_logprobs: Any) -> list[dict[int, float] | None] | None
             for entry in prompt_logprobs]
 
 
+def prompt_result(entries: list[dict[int, float] | None] | None) -> tuple | None:
+    """``prompt_entries`` as the wire's ``RequestResult.prompt_logprobs``."""
+    return None if entries is None else tuple(None if e is None else pairs(e) for e in entries)
+
+
 @dataclass
 class SampleTrack:
     tokens: list[int] = field(default_factory=list)
@@ -98,12 +104,10 @@ class SampleTrack:
         if piece.finish_reason is not None:
             self.finish_reason = piece.finish_reason
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {"token_ids": self.tokens, "text": self.text, "logprobs": self.logprobs,
-               "finish_reason": self.finish_reason, "weight_versions": [tuple(s) for s in self.spans]}
-        if self.top is not None:
-            out["top_logprobs"] = self.top
-        return out
+    def as_result(self) -> SampleResult:
+        return SampleResult(self.tokens, self.logprobs, self.text, self.finish_reason,
+                            tuple((v, n) for v, n in self.spans),
+                            None if self.top is None else tuple(pairs(t) for t in self.top))
 
 
 @dataclass
@@ -115,7 +119,7 @@ class Track:
     # The engine requests it is made of now: output id -> (internal id, the sample it carries, or
     # None for the original request, whose outputs name their sample by index).
     parts: dict[str, tuple[str, int | None]] = field(default_factory=dict)
-    result: dict[str, Any] | None = None
+    result: RequestResult | None = None
     # Its engine requests report only their final outputs (an unstreamed batch): what a running
     # part has made is in the engine's request state until then, not here.
     final_only: bool = False
@@ -148,7 +152,7 @@ class Track:
     def internal_ids(self) -> list[str]:
         return [internal for internal, _ in self.parts.values()]
 
-    def abandon(self) -> dict[str, Any]:
+    def abandon(self) -> RequestResult:
         """Cut and not resumed: the partial result; unfinished samples end with "abort"."""
         self.parts = {}
         for s in self.samples:
@@ -172,13 +176,11 @@ class Track:
 
         return max(stale(s.spans) + stale(pieces[i].spans if i in pieces else ()) for i, s in enumerate(self.samples))
 
-    def _close(self) -> dict[str, Any]:
+    def _close(self) -> RequestResult:
         for s in self.samples:
             s.finish_reason = s.finish_reason or "abort"
-        samples = [s.as_dict() for s in self.samples]
-        self.result = {"index": self.req.index, **samples[0], "samples": samples, "error": None}
-        if self.prompt_logprobs is not None:
-            self.result["prompt_logprobs"] = self.prompt_logprobs
+        self.result = RequestResult(self.req.index, tuple(s.as_result() for s in self.samples), None,
+                                    prompt_result(self.prompt_logprobs))
         return self.result
 
 

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.wire import Sampling
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.engine_async import AsyncEngine
 from nemo_gen.shard.engine_base import STREAM_INTERVAL_S
@@ -26,8 +27,7 @@ from nemo_gen.shard.vllm_compat import sampling_params
 __all__ = ["STREAM_INTERVAL_S", "AsyncEngine", "Engine", "EngineLike", "SyncEngine", "sampling_params"]
 
 # One greedy token: the warm-up generation of a fresh engine.
-_WARMUP = {"max_new_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": None, "stop_strings": None,
-           "stop_token_ids": None, "seed": None, "ignore_eos": True}
+_WARMUP = Sampling(max_new_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 class Engine:
@@ -45,8 +45,8 @@ class Engine:
         # One token before the engine counts as up: its first step (kernel selection for the
         # decode shapes) is paid here, not by the first probe, which would time out on it.
         (out,) = await engine.generate([GenerationRequest(index=0, prompt_token_ids=[1, 1])], _WARMUP)
-        if out.get("error"):
-            raise RuntimeError(f"the engine's warm-up generation failed: {out['error']}")
+        if out.error:
+            raise RuntimeError(f"the engine's warm-up generation failed: {out.error}")
         vllm_compat.freeze_heap()
         engine.load_s = time.monotonic() - t0
         return engine

@@ -13,8 +13,9 @@ from typing import Any, AsyncIterator
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
-from nemo_gen.shard.batch import Track, prompt_entries, spans_between
-from nemo_gen.shard.engine_base import BaseEngine, error_dict
+from nemo_gen.core.wire import RequestResult, StreamDeltas
+from nemo_gen.shard.batch import Track, prompt_entries, prompt_result, spans_between
+from nemo_gen.shard.engine_base import BaseEngine, error_result
 from nemo_gen.shard.swap import AsyncSwap
 from nemo_gen.shard.streaming import Cursor
 from nemo_gen.vllm_ext.lora import lora_request_of
@@ -55,13 +56,13 @@ class AsyncEngine(BaseEngine):
             # No output for that long: a real token says whether the engine still steps.
         return None
 
-    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[dict]:
+    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[RequestResult]:
         return list(await asyncio.gather(*(self._one(r, params) for r in requests)))
 
     def _version_spans(self, comp: Any) -> list[tuple[int | None, int]]:
         return vllm_compat.label_spans(comp, self.weights.version_of)
 
-    async def _one(self, req: GenerationRequest, params: Any) -> dict:
+    async def _one(self, req: GenerationRequest, params: Any) -> RequestResult:
         request_id = f"nemo-gen-{next(self._ids)}"
         latest: dict[int, Any] = {}
         prompt_lps = None
@@ -79,18 +80,18 @@ class AsyncEngine(BaseEngine):
                         latest[comp.index] = comp
                     prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
         except (ValueError, TypeError) as exc:
-            return error_dict(req, exc)
+            return error_result(req, exc)
         finally:
             self.running.discard(request_id)
         self.weights.check()
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
         top = bool(params.logprobs)
-        samples = [vllm_compat.sample_dict(latest[i], self._version_spans(latest[i]), top) for i in sorted(latest)]
-        extra = {"prompt_logprobs": prompt_entries(prompt_lps)} if params.prompt_logprobs is not None else {}
-        return {"index": req.index, **samples[0], "samples": samples, "error": None, **extra}
+        samples = tuple(vllm_compat.sample_result(latest[i], self._version_spans(latest[i]), top) for i in sorted(latest))
+        prompt = prompt_result(prompt_entries(prompt_lps)) if params.prompt_logprobs is not None else None
+        return RequestResult(req.index, samples, None, prompt)
 
-    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
         rid = f"nemo-gen-{next(self._ids)}"
         track = Track.start(req, params, rid, rid)
         cursor = Cursor(track)
@@ -117,16 +118,16 @@ class AsyncEngine(BaseEngine):
                         self.clock.output()
                         track.observe(rid, out, spans_of)
                         if deltas := cursor.deltas():
-                            yield {"deltas": deltas}
+                            yield StreamDeltas(tuple(deltas))
         except (ValueError, TypeError) as exc:  # vLLM refused the request
-            yield {"result": error_dict(req, exc)}
+            yield error_result(req, exc)
             return
         finally:
             self.running.discard(rid)
         self.weights.check()
         if track.result is None:
             raise RuntimeError(f"vLLM's output for request {req.index} ended before it finished")
-        yield {"result": track.result}
+        yield track.result
 
     def shutdown(self, grace_s: float) -> None:
         """Stop the engine's processes now, rather than whenever garbage collection runs: vLLM

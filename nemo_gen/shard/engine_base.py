@@ -19,6 +19,7 @@ import psutil
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
+from nemo_gen.core.wire import InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.gate import Gate
@@ -63,9 +64,9 @@ class Weights:
             raise ShardDiedError(-1, f"weights half-loaded: {self.poisoned}")
 
 
-def error_dict(req: GenerationRequest, exc: BaseException) -> dict[str, Any]:
+def error_result(req: GenerationRequest, exc: BaseException) -> RequestResult:
     """The result of a request vLLM refused."""
-    return {"index": req.index, "error": f"RequestError: {exc}"}
+    return RequestResult.failed(req.index, f"RequestError: {exc}")
 
 
 class BaseEngine(abc.ABC):
@@ -101,11 +102,11 @@ class BaseEngine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[dict]:
+    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[RequestResult]:
         ...
 
     @abc.abstractmethod
-    def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+    def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
         ...
 
     @abc.abstractmethod
@@ -146,17 +147,17 @@ class BaseEngine(abc.ABC):
     def last_step_at(self) -> float:
         return self.clock.last_step_at
 
-    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> list[dict]:
-        """One result dict per request, in order. A request vLLM rejects gets an ``error`` entry;
+    async def generate(self, requests: list[GenerationRequest], sampling: Sampling) -> list[RequestResult]:
+        """One result per request, in order. A request vLLM rejects gets an ``error`` result;
         the others still run."""
         params = vllm_compat.sampling_params(sampling)
         async with self.gate.serving():
             return await self._generate(requests, params)
 
-    async def stream(self, req: GenerationRequest, sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """One request as it is generated (``nemo_gen.shard.streaming``): ``{"deltas": [...]}``
+    async def stream(self, req: GenerationRequest, sampling: Sampling) -> AsyncIterator[StreamDeltas | RequestResult]:
+        """One request as it is generated (``nemo_gen.shard.streaming``): ``StreamDeltas``
         items, per sample the tokens since the last item with the versions that sampled them,
-        then ``{"result": ...}``, what ``generate`` returns for it. Steps made while the reader
+        then the ``RequestResult``, what ``generate`` returns for it. Steps made while the reader
         was busy come merged in one item. A refit under ``keep``/``abort`` may cut and resume
         the request mid-stream: the stream goes on, under the new version. Closing the iterator
         early aborts the request in the engine."""
@@ -166,7 +167,7 @@ class BaseEngine(abc.ABC):
             async with contextlib.aclosing(inner):
                 async for item in inner:
                     yield item
-                    if "deltas" in item:  # what the engine makes meanwhile waits, merged
+                    if isinstance(item, StreamDeltas):  # what the engine makes meanwhile waits, merged
                         await asyncio.sleep(STREAM_INTERVAL_S)
 
     def exclusive(self):
@@ -186,8 +187,7 @@ class BaseEngine(abc.ABC):
         them; new requests wait until ``end_swap`` (``nemo_gen.shard.swap``)."""
         await self.swap.begin()
 
-    async def end_swap(self, version: int | None, mode: str, resume_aborted: bool,
-                       max_staleness: int | None, recompute_kv: bool = False, failed: str | None = None) -> None:
+    async def end_swap(self, version: int | None, in_flight: InFlight, failed: str | None = None) -> None:
         """The weights are ``version`` now (unchanged when None): cut what the mode says —
         every running request (``abort``), or those with more than ``max_staleness`` tokens
         from older weights (``keep``) — resume, let new requests in. ``recompute_kv`` (NeMo-RL's
@@ -195,7 +195,8 @@ class BaseEngine(abc.ABC):
         on the new weights as it resumes, and the prefix cache is emptied. ``failed``: the load
         broke off, the weights are half-loaded: every running request is aborted and fails (the
         fleet re-routes it), and so does every later one."""
-        await self.swap.end(version, mode, resume_aborted, max_staleness, recompute_kv, failed)
+        await self.swap.end(version, in_flight.mode, in_flight.resume_aborted, in_flight.max_staleness,
+                            in_flight.recompute_kv, failed)
 
     async def rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """``collective_rpc`` on every worker of this engine (metadata only, never tensors)."""
@@ -205,12 +206,12 @@ class BaseEngine(abc.ABC):
         finally:
             self._rpc_active -= 1
 
-    def step_gaps(self, reset: bool) -> dict[str, Any]:
+    def step_gaps(self, reset: bool) -> StepGaps:
         """The longest time the engine went without finishing a step (sync engine) since the
         last reset, and each longer stretch as (start, end) monotonic seconds (``StepClock.gaps``)."""
         return self.clock.gaps(reset)
 
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+    async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> dict[str, Any]:
         """Is the engine generating? Idle: generate one real token. Busy (a batch on the sync
         engine, which runs one at a time; requests on the async one): it is alive if it made a
@@ -230,13 +231,13 @@ class BaseEngine(abc.ABC):
             if kind_of(exc) == "busy":  # its queue is full: a frontend that answers is alive
                 return {"ok": True, "busy": True, "refused": describe(exc)}
             raise
-        if out.get("error"):
-            return {"ok": False, "error": out["error"]}
+        if out.error:
+            return {"ok": False, "error": out.error}
         return {"ok": True, "seconds": time.monotonic() - t0}
 
-    def unfinished(self) -> dict[str, int]:
+    def unfinished(self) -> Unfinished:
         """vLLM's own account of the requests this engine holds (its output processor's state,
-        which an abort removes at once): engine request id -> tokens generated so far."""
+        which an abort removes at once): (engine request id, tokens generated so far)."""
         return vllm_compat.unfinished(self._front())
 
     def vllm_metrics(self) -> list[dict[str, Any]]:

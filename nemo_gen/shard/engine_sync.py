@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Callable
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.batch import Running, Track, sampled_by
-from nemo_gen.shard.engine_base import BaseEngine, error_dict
+from nemo_gen.core.wire import RequestResult, StreamDeltas
+from nemo_gen.shard.engine_base import BaseEngine, error_result
 from nemo_gen.shard.swap import Swap
 from nemo_gen.shard.streaming import Cursor, merge
 from nemo_gen.vllm_ext.lora import lora_request_of
@@ -68,12 +69,12 @@ class SyncEngine(BaseEngine):
     def _busy_probe(self, stall_s: float, warmup_s: float) -> dict[str, Any] | None:
         return self.clock.evidence(stall_s, warmup_s) if self._lock.locked() else None
 
-    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[dict]:
+    async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[RequestResult]:
         return await self._run_batch(requests, params)
 
     async def _run_batch(self, requests: list[GenerationRequest], params: Any,
                          on_step: Callable[[list[Track]], None] | None = None,
-                         stop: threading.Event | None = None) -> list[dict]:
+                         stop: threading.Event | None = None) -> list[RequestResult]:
         """One batch (one at a time). ``on_step(tracks)`` runs after each step; ``stop`` set: the
         batch is aborted after the current step (its unfinished samples end with "abort")."""
         async with self._lock:
@@ -98,7 +99,7 @@ class SyncEngine(BaseEngine):
                 self.batch.generating = False
                 self.batch.clear()
 
-    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
         loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
         cursors: list[Cursor] = []
 
@@ -123,9 +124,9 @@ class SyncEngine(BaseEngine):
                     items.append(getter.result())
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                yield {"deltas": merge(d for item in items for d in item)}
+                yield StreamDeltas(tuple(merge(d for item in items for d in item)))
             (result,) = batch.result()
-            yield {"result": result}
+            yield result
         finally:
             if not batch.done():  # the reader went away: stop generating for nobody
                 stop.set()
@@ -135,14 +136,14 @@ class SyncEngine(BaseEngine):
     # -- the step thread ---------------------------------------------------------------------------
 
     def _generate_sync(self, requests: list[GenerationRequest], params,
-                       on_step: Callable[[list[Track]], None] | None = None) -> list[dict]:
+                       on_step: Callable[[list[Track]], None] | None = None) -> list[RequestResult]:
         # A stream needs every step's new tokens; a batch only each request's final output, with
         # its tokens' versions from the engine core's labels: per-step outputs for a whole batch
         # cost the step loop a large share of a batch (bench/results/2026-12-01/h200-pipelined.md).
         final_only = on_step is None
         vllm_compat.output_kind(params, final_only)
         self.weights.check()
-        results: dict[int, dict] = {}
+        results: dict[int, RequestResult] = {}
         tracks: list[Track] = []
         self.batch.tracks = {}
         # enqueue one by one so vLLM's validation rejects only the bad request, not the batch.
@@ -152,7 +153,7 @@ class SyncEngine(BaseEngine):
                 internal = vllm_compat.add_request(self._llm, rid, req.prompt_token_ids, params, self.weights.salt,
                                                    lora_request=lora_request_of(params, self))
             except (ValueError, TypeError) as exc:
-                results[req.index] = error_dict(req, exc)
+                results[req.index] = error_result(req, exc)
                 continue
             tracks.append(track := Track.start(req, params, rid, internal, final_only=final_only))
             self.batch.tracks[rid] = track

@@ -21,9 +21,9 @@ from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.wire import (
-    AdapterCall, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, LoadRefit, ProbeReply, ProbeStatus, ShardInfo, StreamDeltas,
-    StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncReply, SyncRequest, SyncShutdown, SyncStart,
-    SyncStartDraft, SyncUpdate,
+    AdapterCall, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
+    ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
+    SyncReply, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft, SyncUpdate, Unfinished,
 )
 from nemo_gen.errors import ShardBusy
 from nemo_gen.shard.adapters import adapter_call
@@ -64,7 +64,7 @@ class SyncSession:
 
     def __init__(self, engine: EngineLike):
         self.engine = engine
-        self.in_flight: Mapping[str, Any] | None = None  # set from begin to end
+        self.in_flight: InFlight | None = None  # set from begin to end
         self.was: Claim = NO_CLAIM
         self.layout: Any = None
 
@@ -72,10 +72,10 @@ class SyncSession:
     def open(self) -> bool:
         return self.in_flight is not None
 
-    async def begin(self, in_flight: Mapping[str, Any], claim: Claim) -> None:
+    async def begin(self, in_flight: InFlight, claim: Claim) -> None:
         """Hold requests back (``drain``) or freeze the running batch (``keep``/``abort``)."""
-        self.in_flight = dict(in_flight)
-        if in_flight["mode"] == "drain":
+        self.in_flight = in_flight
+        if in_flight.drain:
             await self.engine.hold()
         else:
             await self.engine.begin_swap()
@@ -86,12 +86,12 @@ class SyncSession:
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is None:
             return
-        if in_flight["mode"] == "drain":
+        if in_flight.drain:
             if version is not None:
                 await self.engine.set_version(version)
             await self.engine.release()
         else:
-            await self.engine.end_swap(version, **in_flight, failed=failed)
+            await self.engine.end_swap(version, in_flight, failed=failed)
 
 
 class Shard:
@@ -154,7 +154,7 @@ class Shard:
             raise RuntimeError("the shard's engine is not running")
         return self.engine
 
-    async def generate(self, requests: list[GenerationRequest], sampling: dict[str, Any]) -> GenerateReply:
+    async def generate(self, requests: list[GenerationRequest], sampling: Sampling) -> GenerateReply:
         # The version is read when the work starts: every result is stamped with the weights
         # that produced it.
         version = self.claim.version
@@ -164,7 +164,7 @@ class Shard:
         return GenerateReply(self.slot, version, tuple(results), time.perf_counter() - t0)
 
     async def generate_stream(self, request: GenerationRequest,
-                              sampling: dict[str, Any]) -> AsyncIterator[StreamDeltas | StreamEnd]:
+                              sampling: Sampling) -> AsyncIterator[StreamDeltas | StreamEnd]:
         """One request as it is generated: ``StreamDeltas`` items, then one ``StreamEnd``
         stamped as ``generate`` stamps its reply (``nemo_gen.shard.streaming``). Closing it
         early aborts the request in the engine."""
@@ -173,10 +173,10 @@ class Shard:
         with self._admission():
             async with contextlib.aclosing(self._engine().stream(request, sampling)) as items:
                 async for item in items:
-                    if "result" in item:
-                        yield StreamEnd(item["result"], self.slot, version, time.perf_counter() - t0)
+                    if isinstance(item, StreamDeltas):
+                        yield item
                     else:
-                        yield StreamDeltas(tuple(item["deltas"]))
+                        yield StreamEnd(item, self.slot, version, time.perf_counter() - t0)
 
     @contextlib.contextmanager
     def _admission(self):
@@ -189,7 +189,7 @@ class Shard:
                 raise ShardBusy(-1 if self.slot is None else self.slot, describe(exc)) from None
             raise
 
-    async def probe(self, sampling: dict[str, Any], token_ids: list[int], stall_s: float,
+    async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> ProbeReply:
         """A real generation of one token (or, while a batch runs, proof of a recent step)."""
         if self.engine is None:
@@ -216,7 +216,7 @@ class Shard:
             for target, entries in msg.groups:
                 await engine.rpc("nemo_gen_load_staged", msg.path, msg.total, entries, target, timeout=msg.timeout_s)
 
-        if msg.in_flight["mode"] == "drain":
+        if msg.in_flight.drain:
             async with engine.exclusive():
                 await load()
                 await engine.set_version(msg.version)
@@ -225,9 +225,9 @@ class Shard:
             try:
                 await load()
             except BaseException as exc:
-                await engine.end_swap(None, **msg.in_flight, failed=f"refit to version {msg.version} failed: {exc}")
+                await engine.end_swap(None, msg.in_flight, failed=f"refit to version {msg.version} failed: {exc}")
                 raise
-            await engine.end_swap(msg.version, **msg.in_flight)
+            await engine.end_swap(msg.version, msg.in_flight)
         self.claim = Claim(msg.version, msg.source)
         return time.perf_counter() - t0
 
@@ -293,7 +293,7 @@ class Shard:
             raise TypeError(f"no rule for weight-sync step {req.step.value!r}")
         return SyncReply()
 
-    async def _begin(self, in_flight: Mapping[str, Any]) -> None:
+    async def _begin(self, in_flight: InFlight) -> None:
         assert self.sync is not None
         await self.sync.begin(in_flight, self.claim)
         self.claim = NO_CLAIM
@@ -329,17 +329,17 @@ class Shard:
         (value, *_) = await self._engine().rpc("nemo_gen_digest", target)
         return value
 
-    async def load_stats(self) -> list[dict[str, Any]]:
+    async def load_stats(self) -> list[LoadStats]:
         """Per worker: how its last refit load went (path, seconds, kernel repack seconds)."""
-        return await self._engine().rpc("nemo_gen_load_stats")
+        return [LoadStats.of(stats) for stats in await self._engine().rpc("nemo_gen_load_stats")]
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         return self.engine.vllm_metrics() if self.engine else []
 
-    def unfinished(self) -> dict[str, int]:
-        return self.engine.unfinished() if self.engine else {}
+    def unfinished(self) -> Unfinished:
+        return self.engine.unfinished() if self.engine else Unfinished()
 
-    def step_gaps(self, reset: bool = False) -> dict[str, Any]:
+    def step_gaps(self, reset: bool = False) -> StepGaps:
         return self._engine().step_gaps(reset)
 
 

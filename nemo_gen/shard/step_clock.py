@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from nemo_gen.core.liveness import busy_answer
+from nemo_gen.core.wire import StepGaps
 
 # Stretches without a step longer than this are kept (step_gaps): far above a decode step.
 GAP_S = 0.005
@@ -77,11 +78,11 @@ class StepClock:
         """A probe's answer about the busy engine (``busy_answer``)."""
         return busy_answer(time.monotonic() - self.last_step_at, self.steps, stall_s, warmup_s)
 
-    def gaps(self, reset: bool) -> dict[str, Any]:
+    def gaps(self, reset: bool) -> StepGaps:
         """The longest time the engine went without finishing a step (sync engine) since the
         last reset, and each stretch over ``GAP_S`` as (start, end) monotonic seconds; ``reset``
         starts a new window."""
-        out = {"max_step_gap_s": self.max_step_gap, "gaps": list(self._gaps)}
+        out = StepGaps(self.max_step_gap, tuple(self._gaps))
         if reset:
             self.max_step_gap, self._last_step_end = 0.0, None
             self._gaps.clear()

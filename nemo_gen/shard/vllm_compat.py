@@ -16,38 +16,38 @@ import threading
 import uuid
 from typing import Any, Callable
 
+from nemo_gen.core.wire import SampleResult, Sampling, Unfinished, pairs
 from nemo_gen.shard.batch import Piece, Track, top_entries
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 
 VersionOf = Callable[[Any], "int | None"]  # an output label -> the weight version it stands for
 
 
-def sampling_params(s: dict[str, Any]):
-    """vLLM ``SamplingParams`` from a resolved sampling dict (``nemo_gen.core.sampling``)."""
+def sampling_params(s: Sampling):
+    """vLLM ``SamplingParams`` from the wire's ``Sampling`` (resolved by ``nemo_gen.core.sampling``)."""
     from vllm import SamplingParams
 
-    top_k = s.get("top_k")
     structured = None
-    if s.get("structured_outputs"):  # a grammar to decode under (the server's forced tool calls)
+    if s.structured_outputs is not None:  # a grammar to decode under (the server's forced tool calls)
         from vllm.sampling_params import StructuredOutputsParams
 
-        structured = StructuredOutputsParams(**s["structured_outputs"])
+        structured = StructuredOutputsParams(**s.structured_outputs.as_kwargs())
     return SamplingParams(
-        max_tokens=s["max_new_tokens"],
-        n=s.get("n") or 1,
-        temperature=float(s["temperature"]),
-        top_p=float(s["top_p"]),
-        top_k=-1 if top_k is None else top_k,
-        stop=list(s["stop_strings"]) if s.get("stop_strings") else None,
-        stop_token_ids=list(s["stop_token_ids"]) if s.get("stop_token_ids") else None,
-        bad_words=list(s["bad_words"]) if s.get("bad_words") else None,
-        seed=s.get("seed"),
-        ignore_eos=bool(s.get("ignore_eos") or False),
+        max_tokens=s.max_new_tokens,
+        n=s.n,
+        temperature=float(s.temperature),
+        top_p=float(s.top_p),
+        top_k=-1 if s.top_k is None else s.top_k,
+        stop=list(s.stop_strings) if s.stop_strings else None,
+        stop_token_ids=list(s.stop_token_ids) if s.stop_token_ids else None,
+        bad_words=list(s.bad_words) if s.bad_words else None,
+        seed=s.seed,
+        ignore_eos=s.ignore_eos,
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
-        logprobs=s.get("logprobs") or 0,
-        prompt_logprobs=s.get("prompt_logprobs"),
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
         structured_outputs=structured,
-        extra_args={EXTRA_KEY: s[EXTRA_KEY]} if s.get(EXTRA_KEY) else None,  # the request's LoRA adapter
+        extra_args={EXTRA_KEY: list(s.adapter)} if s.adapter else None,  # the request's LoRA adapter
     )
 
 
@@ -174,16 +174,14 @@ def state_spans(state: Any, version_of: VersionOf) -> list[tuple[int | None, int
     return [(version_of(label), end - start) for (label, start), end in zip(starts, ends)]
 
 
-def sample_dict(comp: Any, spans: list[tuple[int | None, int]], top: bool = False) -> dict[str, Any]:
+def sample_result(comp: Any, spans: list[tuple[int | None, int]], top: bool = False) -> SampleResult:
     """One finished (cumulative) completion output as a sample of a result; ``spans``: its
     tokens by the version that sampled them; ``top``: with each token's alternatives."""
     token_ids = list(comp.token_ids)
     logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)] if comp.logprobs else []
-    out = {"token_ids": token_ids, "text": comp.text if comp.text is not None else None, "logprobs": logprobs,
-           "finish_reason": comp.finish_reason, "weight_versions": spans}
-    if top:
-        out["top_logprobs"] = top_entries(comp.logprobs)
-    return out
+    return SampleResult(token_ids, logprobs, comp.text if comp.text is not None else None, comp.finish_reason,
+                        tuple((v, n) for v, n in spans),
+                        tuple(pairs(t) for t in top_entries(comp.logprobs)) if top else None)
 
 
 # -- the output processor's request state ---------------------------------------------------------
@@ -249,10 +247,10 @@ def made_so_far(state: Any) -> int:
     return state.detokenizer.num_output_tokens()
 
 
-def unfinished(front: Any) -> dict[str, int]:
+def unfinished(front: Any) -> Unfinished:
     """vLLM's own account of the requests an engine (``LLMEngine`` or ``AsyncLLM``) holds: its
-    output processor's state, which an abort removes at once: request id -> tokens so far."""
-    return {rid: made_so_far(state) for rid, state in list(front.output_processor.request_states.items())}
+    output processor's state, which an abort removes at once: (request id, tokens so far)."""
+    return Unfinished(tuple((rid, made_so_far(state)) for rid, state in list(front.output_processor.request_states.items())))
 
 
 def metrics(front: Any) -> list[dict[str, Any]]:

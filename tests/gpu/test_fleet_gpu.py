@@ -208,7 +208,7 @@ def test_a_bad_manifest_is_rejected_with_nothing_changed(fleet, models, prompt_i
     assert greedy_each(fleet, prompt_ids)[0] == fleet.initial_tokens
 
 
-def load_stats(fleet) -> list[dict]:
+def load_stats(fleet) -> list:
     import ray
 
     return [st for h in fleet.shards for st in ray.get(h.actor.load_stats.remote(), timeout=60)]
@@ -224,23 +224,23 @@ def test_refit_through_nemo_gen_ipc_matches_a_fresh_engine(fleet, models, prompt
         assert report.ok and report.version == before + 1 == fleet.weight_version, report
         got = greedy_each(fleet, prompt_ids)
         assert got[0] == fresh_b and got[1] == fresh_b
-        assert {st["path"] for st in load_stats(fleet)} == {"direct"}
+        assert {st.path for st in load_stats(fleet)} == {"direct"}
         # the first load of these tensors is recorded as a copy plan; the next ones replay it
-        assert {st["plan"] for st in load_stats(fleet)} == {"recorded"}, load_stats(fleet)
+        assert {st.plan for st in load_stats(fleet)} == {"recorded"}, load_stats(fleet)
         # an optimizer step writes the trainer's weights in place: the next refit sends the same
         # handles and the engines see the new values
         with torch.no_grad():
             for p in policy.parameters():
                 p.mul_(-1.0)
         engine.send_weights()
-        assert {st["plan"] for st in load_stats(fleet)} == {"replayed"}, load_stats(fleet)
+        assert {st.plan for st in load_stats(fleet)} == {"replayed"}, load_stats(fleet)
         flipped = greedy_each(fleet, prompt_ids)
         assert flipped[0] == flipped[1] and flipped[0] != fresh_b
         with torch.no_grad():
             for p in policy.parameters():
                 p.mul_(-1.0)
         engine.send_weights()
-        assert {st["plan"] for st in load_stats(fleet)} == {"replayed"}
+        assert {st.plan for st in load_stats(fleet)} == {"replayed"}
         assert greedy_each(fleet, prompt_ids)[0] == fresh_b
         print(f"\nnemo_gen_ipc refit of {report.bytes / 2**20:.1f} MiB: {report.load_seconds * 1e3:.1f} ms end to end")
     finally:

@@ -84,7 +84,7 @@ def test_replayed_refits_load_what_every_other_path_loads(setup):
         assert client.report.ok, client.report
         stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
         got, want = worker("nemo_gen_digest"), trainer_digest()
-        entry = {"step": label, "plan": stats.get("plan"), "path": stats["path"], "digest": got, "trainer": want,
+        entry = {"step": label, "plan": stats.plan, "path": stats.path, "digest": got, "trainer": want,
                  "wall_ms": round(wall * 1e3, 2), "tokens": tokens()}
         log.append(entry)
         assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), log

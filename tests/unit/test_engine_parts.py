@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.wire import StepGaps
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard import step_clock
 from nemo_gen.shard.batch import Running, Track
@@ -89,12 +90,12 @@ def test_the_step_clock_keeps_gaps_over_its_bound_until_a_reset(monkeypatch):
         now[0] += dt
         clock.stepped()
     out = clock.gaps(reset=True)
-    assert clock.steps == 4 and out["max_step_gap_s"] == pytest.approx(0.5)
-    assert out["gaps"] == [(pytest.approx(100.002), pytest.approx(100.502))]
-    assert clock.gaps(reset=False) == {"max_step_gap_s": 0.0, "gaps": []}
+    assert clock.steps == 4 and out.max_step_gap_s == pytest.approx(0.5)
+    assert out.gaps == ((pytest.approx(100.002), pytest.approx(100.502)),)
+    assert clock.gaps(reset=False) == StepGaps(0.0, ())
     now[0] += 3.0  # the first step after a reset starts a new window: no gap from before it
     clock.stepped()
-    assert clock.gaps(reset=False)["max_step_gap_s"] == 0.0
+    assert clock.gaps(reset=False).max_step_gap_s == 0.0
 
 
 def test_the_step_clock_judges_a_busy_engine_by_its_progress(monkeypatch):
@@ -109,7 +110,7 @@ def test_the_step_clock_judges_a_busy_engine_by_its_progress(monkeypatch):
         answer = clock.evidence(stall_s=10, warmup_s=30)
         assert not answer["ok"] and "11.0s" in answer["error"]
         assert clock.active == 1
-    assert clock.active == 0 and clock.gaps(reset=False)["gaps"] == []  # outputs keep no gaps
+    assert clock.active == 0 and clock.gaps(reset=False).gaps == ()  # outputs keep no gaps
     with clock.running():  # busy again: the count starts over
         assert clock.steps == 0 and clock.last_step_at == 31.0
 

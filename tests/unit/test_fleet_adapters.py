@@ -10,6 +10,7 @@ import pytest
 
 from nemo_gen.core.adapters import AdapterError
 from nemo_gen.core.results import GenerationResult
+from nemo_gen.core.wire import InFlight
 from nemo_gen.fleet.adapters import FleetAdapters, read_adapter
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 
@@ -65,14 +66,14 @@ def test_a_chosen_adapter_rides_with_the_request_and_names_the_result():
 
 def test_with_adapters_loaded_a_full_refit_only_drains():
     fleet = adapters()
-    with fleet.full_refit({"mode": "keep"}):
+    with fleet.full_refit(InFlight("keep")):
         pass  # nothing loaded: any mode
     fleet.registry.commit(fleet.registry.reserve("a", None, 0))
     for mode in ("keep", "abort"):
         with pytest.raises(AdapterError, match="use in_flight='drain'"):
-            with fleet.full_refit({"mode": mode}):
+            with fleet.full_refit(InFlight(mode)):
                 pytest.fail("the refit ran")
-    with fleet.full_refit({"mode": "drain"}):
+    with fleet.full_refit(InFlight("drain")):
         pass
 
 

@@ -12,15 +12,15 @@ import pytest
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    LoadRefit, ProbeStatus, ShardInfo, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncReply, SyncRequest, SyncStart,
+    InFlight, LoadRefit, ProbeStatus, Sampling, ShardInfo, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncReply, SyncRequest, SyncStart,
     SyncUpdate,
 )
 from nemo_gen.errors import ShardBusy
 from nemo_gen.shard.rules import Host, Shard, probe_reply
 from tests.fakes import FakeEngine
 
-DRAIN = {"mode": "drain", "resume_aborted": False, "max_staleness": None, "recompute_kv": False}
-KEEP = {**DRAIN, "mode": "keep"}
+DRAIN = InFlight("drain", resume_aborted=False)
+KEEP = InFlight("keep", resume_aborted=False)
 SHORT = {"layout": "a", "layout_only": True}
 
 
@@ -66,7 +66,7 @@ def test_a_result_carries_the_version_read_when_the_work_started():
 
     async def main():
         call = asyncio.ensure_future(shard.generate([GenerationRequest(index=0, prompt_token_ids=[1])],
-                                                    {"max_new_tokens": 20}))
+                                                    Sampling(max_new_tokens=20, temperature=0.0)))
         await asyncio.sleep(0.05)
         await shard.load_refit(LoadRefit("/x", 80, (("policy", []),), 3, 5.0, None, KEEP))  # lands mid-batch
         return await call
@@ -79,7 +79,7 @@ def test_a_full_queue_leaves_the_shard_as_busy_naming_its_slot():
     shard, engine = make(slot=3)
     engine.busy = 1
     with pytest.raises(ShardBusy) as caught:
-        asyncio.run(shard.generate([GenerationRequest(index=0, prompt_token_ids=[1])], {}))
+        asyncio.run(shard.generate([GenerationRequest(index=0, prompt_token_ids=[1])], Sampling(4, 0.0)))
     assert caught.value.shard == 3 and engine.refused == 1
 
 
@@ -93,17 +93,17 @@ def test_a_load_claims_no_version_while_it_runs_and_none_when_it_fails(in_flight
     engine.fail["nemo_gen_load_staged"] = "out of memory"
     with pytest.raises(RuntimeError, match="out of memory"):
         asyncio.run(shard.load_refit(LoadRefit("/x", 80, (("policy", []),), 2, 5.0, None, in_flight)))
-    assert shard.weight_version is None and not engine._held  # requests flow again, to a shard claiming nothing
-    assert (engine.poisoned is not None) == (in_flight["mode"] == "keep")  # a swap's batch is cut, not resumed
+    assert shard.weight_version is None and not engine.gate.held  # requests flow again, to a shard claiming nothing
+    assert (engine.poisoned is not None) == (in_flight.mode == "keep")  # a swap's batch is cut, not resumed
 
 
 def test_a_session_claims_no_version_until_finish_serves_the_new_one():
     shard, engine = make(version=4)
     sync(shard, SyncStart(DRAIN))
-    assert shard.weight_version is None and engine._held and shard.sync.open
+    assert shard.weight_version is None and engine.gate.held and shard.sync.open
     sync(shard, SyncUpdate({"names": ["w"]}))
     sync(shard, SyncFinish(5))
-    assert (shard.weight_version, engine.version, engine._held, shard.sync.open) == (5, 5, False, False)
+    assert (shard.weight_version, engine.version, engine.gate.held, shard.sync.open) == (5, 5, False, False)
 
 
 @pytest.mark.parametrize("nothing_loaded, version", [(True, 4), (False, None)])
@@ -111,7 +111,7 @@ def test_an_abort_restores_the_old_version_only_when_nothing_was_loaded(nothing_
     shard, engine = make(version=4)
     sync(shard, SyncStart(KEEP))
     sync(shard, SyncAbort(nothing_loaded=nothing_loaded))
-    assert shard.weight_version == version and not engine._held
+    assert shard.weight_version == version and not engine.gate.held
     assert (engine.poisoned is None) == nothing_loaded
 
 
@@ -120,7 +120,7 @@ def test_an_abort_whose_workers_fail_to_end_claims_nothing():
     sync(shard, SyncStart(DRAIN))
     engine.fail["finish_weight_update"] = "worker gone"
     sync(shard, SyncAbort(nothing_loaded=True))
-    assert shard.weight_version is None and not engine._held
+    assert shard.weight_version is None and not engine.gate.held
 
 
 def test_a_start_that_fails_keeps_the_old_version_and_lets_requests_flow():
@@ -128,7 +128,7 @@ def test_a_start_that_fails_keeps_the_old_version_and_lets_requests_flow():
     engine.fail["start_weight_update"] = "no transfer engine"
     with pytest.raises(RuntimeError, match="no transfer engine"):
         sync(shard, SyncStart(DRAIN))
-    assert shard.weight_version == 4 and not engine._held and not shard.sync.open
+    assert shard.weight_version == 4 and not engine.gate.held and not shard.sync.open
 
 
 def test_a_layouts_short_form_goes_only_to_a_shard_holding_that_layout():

@@ -278,7 +278,7 @@ def test_fleet_weights_sweep_when_the_fleet_starts_and_closes(tmp_path):
     record = types.SimpleNamespace(close=lambda: None, write=lambda **_: None)
     dead, dead_file = _child_staging(tmp_path, FLEET)
     _sigkill(dead)
-    weights = FleetWeights(0, None, str(tmp_path), FLEET, record)
+    weights = FleetWeights(version=0, source=None, staging_dir=str(tmp_path), fleet_name=FLEET, record=record)
     assert not dead_file.exists(), "the fleet's start left a dead driver's staging file"
 
     dead, dead_file = _child_staging(tmp_path, FLEET)

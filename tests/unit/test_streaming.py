@@ -15,6 +15,7 @@ import pytest
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
+from nemo_gen.core.wire import SampleDelta
 from nemo_gen.errors import RequestError, ShardDiedError
 from nemo_gen.shard.batch import Track, sampled_by
 from nemo_gen.shard.streaming import Cursor, merge, span_slice
@@ -184,16 +185,15 @@ def test_a_cursor_cuts_what_came_since_its_last_call_with_the_versions_that_made
     track = Track.start(req, SimpleNamespace(n=2, max_tokens=4), "r", "i")
     cursor = Cursor(track)
     track.observe("r", SimpleNamespace(outputs=[_comp(0, [5, 6], "ab")], finished=False), sampled_by(0))
-    assert cursor.deltas() == [{"sample": 0, "token_ids": [5, 6], "text": "ab", "logprobs": [],
-                                "weight_versions": [[0, 2]], "finish_reason": None}]
+    assert cursor.deltas() == [SampleDelta(0, [5, 6], "ab", [], ((0, 2),), None)]
     assert cursor.deltas() == []  # nothing new
     track.observe("r", SimpleNamespace(outputs=[_comp(0, [7], "c"), _comp(1, [8], "d")], finished=False),
                   sampled_by(1))
-    assert [(d["sample"], d["token_ids"], d["weight_versions"]) for d in cursor.deltas()] == [
-        (0, [7], [[1, 1]]), (1, [8], [[1, 1]])]
+    assert [(d.sample, d.token_ids, d.weight_versions) for d in cursor.deltas()] == [
+        (0, [7], ((1, 1),)), (1, [8], ((1, 1),))]
     track.observe("r", SimpleNamespace(outputs=[_comp(0, [9], "e", "length"), _comp(1, [], "", "stop")],
                                        finished=True), sampled_by(1))
-    assert [(d["sample"], d["token_ids"], d["finish_reason"]) for d in cursor.deltas()] == [
+    assert [(d.sample, d.token_ids, d.finish_reason) for d in cursor.deltas()] == [
         (0, [9], "length"), (1, [], "stop")]
     assert cursor.deltas() == []
 
@@ -212,11 +212,11 @@ def test_a_final_only_track_cut_without_resume_closes_from_what_the_engine_holds
     assert track.stale_tokens(1, pieces) == 5
     track.absorb(pieces)
     result = track.abandon()
-    assert result["index"] == 3 and track.result is result
-    first, second = result["samples"]
-    assert first["token_ids"] == [5, 6, 7] and first["text"] == "abc" and first["finish_reason"] == "abort"
-    assert first["weight_versions"] == [(0, 2), (1, 1)]
-    assert second["token_ids"] == [8, 9, 4, 4, 4] and second["finish_reason"] == "length"
+    assert result.index == 3 and track.result is result
+    first, second = result.samples
+    assert first.token_ids == [5, 6, 7] and first.text == "abc" and first.finish_reason == "abort"
+    assert first.weight_versions == ((0, 2), (1, 1))
+    assert second.token_ids == [8, 9, 4, 4, 4] and second.finish_reason == "length"
 
 
 def test_spans_between_cuts_a_samples_labels_to_a_delta():
@@ -232,11 +232,10 @@ def test_spans_between_cuts_a_samples_labels_to_a_delta():
 
 
 def test_merging_deltas_joins_each_samples_tokens_and_spans_in_order():
-    d = lambda k, ids, v, fin=None: {"sample": k, "token_ids": ids, "text": "x" * len(ids), "logprobs": [0.0] * len(ids),  # noqa: E731
-                                     "weight_versions": [[v, len(ids)]], "finish_reason": fin}
+    d = lambda k, ids, v, fin=None: SampleDelta(k, ids, "x" * len(ids), [0.0] * len(ids), ((v, len(ids)),), fin)  # noqa: E731
     merged = merge([d(0, [1], 0), d(1, [2], 0), d(0, [3, 4], 0), d(0, [5], 1, "length")])
-    assert [m["sample"] for m in merged] == [0, 1]
-    assert merged[0]["token_ids"] == [1, 3, 4, 5] and merged[0]["text"] == "xxxx"
-    assert merged[0]["weight_versions"] == [[0, 3], [1, 1]] and merged[0]["finish_reason"] == "length"
-    assert merged[1]["token_ids"] == [2] and merged[1]["finish_reason"] is None
-    assert span_slice([[0, 3], [1, 4]], 2, 5) == [[0, 1], [1, 2]] and span_slice([[0, 3]], 3, 3) == []
+    assert [m.sample for m in merged] == [0, 1]
+    assert merged[0].token_ids == [1, 3, 4, 5] and merged[0].text == "xxxx"
+    assert merged[0].weight_versions == ((0, 3), (1, 1)) and merged[0].finish_reason == "length"
+    assert merged[1].token_ids == [2] and merged[1].finish_reason is None
+    assert span_slice([[0, 3], [1, 4]], 2, 5) == ((0, 1), (1, 2)) and span_slice([[0, 3]], 3, 3) == ()
