@@ -49,6 +49,13 @@ def _ok_lines(path: Path) -> dict[int, dict]:
     return {r["line"]: r for r in _rows(path) if r.get("error") is None} if path.exists() else {}
 
 
+def _error_rows(path: Path) -> str:
+    """The rows written with an error (a line that failed and was retried later is not counted by
+    ``_ok_lines`` until its retry lands): how many, and the first one's error."""
+    errors = [r for r in _rows(path) if r.get("error") is not None] if path.exists() else []
+    return f"{len(errors)} rows with an error" + (f", the first: {errors[0]['error']!r:.300}" if errors else "")
+
+
 class _Run:
     def __init__(self, tmp: Path, tiny: Path, extra: list[str], batch_size: int = 2, max_new_tokens: int = 160):
         # Two lines in flight, 160 tokens each: a signal sent after a few lines lands mid-run, with
@@ -102,7 +109,7 @@ class _Run:
             if n >= at_least:
                 assert n < N, (f"the run had generated all {N} lines before the poll saw {at_least} (its last "
                                f"poll {time.monotonic() - last:.1f}s earlier): the signal cannot land mid-run; "
-                               f"{self.timeline()}")
+                               f"{self.timeline()}; {_error_rows(path)}")
                 return n
             last = time.monotonic()
             time.sleep(0.2)
