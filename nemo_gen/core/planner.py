@@ -18,10 +18,10 @@ fleet: which version the fleet serves and how each slot enters its ledger.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
-from nemo_gen.core.wire import ShardInfo
+from nemo_gen.core.wire import FleetRecordState, ShardInfo, SlotRecord
 
 
 class SlotHealth(Protocol):
@@ -99,7 +99,7 @@ class Seed:
     restarts: int  # the slot's restart count so far (the budget spans every attaching process)
 
 
-def attach_seeds(num_slots: int, infos: Mapping[int, ShardInfo], recorded: Mapping[str, Any] | None
+def attach_seeds(num_slots: int, infos: Mapping[int, ShardInfo], recorded: FleetRecordState | None
                  ) -> tuple[int | None, str | None, list[Seed]]:
     """(the fleet's version, its source, one Seed per slot) from what each slot's actor said
     (``infos``: slot -> its ``ShardInfo``) and the fleet record. The record says which version
@@ -107,20 +107,20 @@ def attach_seeds(num_slots: int, infos: Mapping[int, ShardInfo], recorded: Mappi
     known = [i.weight_version for i in infos.values() if i.weight_version is not None]
     version = max(known) if known else None
     if recorded is not None:
-        version = recorded.get("weight_version")
+        version = recorded.weight_version
     # The checkpoint of that version: the record's, or one a shard at that version loaded (never
     # another version's: a catch-up from it would load the wrong weights).
-    source = (recorded or {}).get("weight_source") or next(
+    source = (recorded.weight_source if recorded is not None else None) or next(
         (i.weight_source for i in infos.values() if i.weight_version == version and i.weight_source),
         None)
-    slots = (recorded or {}).get("slots") or {}
     seeds = []
     for slot in range(num_slots):
-        info, kept = infos.get(slot), slots.get(str(slot)) or {}
+        info = infos.get(slot)
+        kept = (recorded.slot(slot) if recorded is not None else None) or SlotRecord(slot)
         # The budget spans every process: the record's count, or the actor's if it saw more.
-        restarts = max(info.restarts if info is not None else 0, int(kept.get("restarts") or 0))
-        if kept.get("retired"):
-            seeds.append(Seed(slot, ShardState.RETIRED, kept["retired"], restarts))
+        restarts = max(info.restarts if info is not None else 0, kept.restarts)
+        if kept.retired:
+            seeds.append(Seed(slot, ShardState.RETIRED, kept.retired, restarts))
         elif info is None:
             seeds.append(Seed(slot, ShardState.DEAD, "shard actor not found when attaching", restarts))
         elif info.unresponsive:

@@ -18,8 +18,11 @@ PEFT ``config``; and ``vllm_metrics`` answers vLLM's own stats rows as it reads 
 - ``SyncRequest``: one step of vLLM's weight-sync protocol, ``SyncStep`` naming it and one frozen
   payload type per step; ``SyncReply`` its answer (``ApplyTimings`` for a one-call apply).
 - ``ChannelAddress``: where a shard's direct line for weight-sync steps listens.
+- ``FleetRecordState`` / ``SlotRecord``: what the fleet's record actor (``nemo_gen.fleet.record``)
+  holds and is told: the fleet's version and its checkpoint, each slot's restarts and retirement.
 - ``EngineManifest``: the tensors a refit of the policy or the drafter must provide.
-- ``AdapterModules`` / ``AdapterLoad`` / ``AdapterRemove``: a LoRA adapter call on one shard.
+- ``AdapterModules`` / ``AdapterLoad`` / ``AdapterRemove``: a LoRA adapter call on one shard;
+  ``AdapterState`` its answer.
 - ``Failure``: how a call failed, by the fault model (``nemo_gen.core.retry``): dead, busy, slow
   or data — never a bare string.
 """
@@ -359,6 +362,17 @@ class AdapterRemove:
     engine_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class AdapterState:
+    """A shard's answer to an adapter call: the engine ids its engine holds afterwards and, for
+    ``AdapterModules``, what it can adapt (module leaves, max rank, adapter slots)."""
+
+    held: tuple[int, ...]
+    supported: tuple[str, ...] = ()
+    max_rank: int = 0
+    capacity: int = 0
+
+
 AdapterCall = Union[AdapterModules, AdapterLoad, AdapterRemove]
 RefitMessage = Union[CheckRefit, LoadRefit, SyncRequest, AdapterModules, AdapterLoad, AdapterRemove]
 
@@ -378,3 +392,33 @@ class ChannelAddress:
 VLLM_OWNED: frozenset[tuple[type, str]] = frozenset({
     (SyncInit, "init_info"), (SyncUpdate, "update_info"), (SyncApply, "update_info"), (AdapterLoad, "config"),
 })
+
+
+# -- the fleet record (``nemo_gen.fleet.record``: a detached actor that outlives every shard) -------
+
+
+@dataclass(frozen=True)
+class SlotRecord:
+    """One slot's entry in the fleet record: its restart count and, once retired, why."""
+
+    slot: int
+    restarts: int = 0
+    retired: str | None = None
+
+
+@dataclass(frozen=True)
+class FleetRecordState:
+    """The fleet record's contents: the version the fleet serves, the checkpoint it came from
+    (None for weights that came from a live trainer), and the slots' entries."""
+
+    fleet: str
+    weight_version: int | None = None
+    weight_source: str | None = None
+    slots: tuple[SlotRecord, ...] = ()
+
+    def slot(self, slot: int) -> SlotRecord | None:
+        return next((s for s in self.slots if s.slot == slot), None)
+
+    def with_slot(self, entry: SlotRecord) -> "FleetRecordState":
+        kept = tuple(s for s in self.slots if s.slot != entry.slot)
+        return dataclasses.replace(self, slots=tuple(sorted(kept + (entry,), key=lambda s: s.slot)))

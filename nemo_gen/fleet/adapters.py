@@ -42,7 +42,7 @@ from nemo_gen.core.adapters import (
     refuse,
 )
 from nemo_gen.core.manifest import TensorMeta, canonical_dtype, is_floating, layout
-from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove, InFlight
+from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove, AdapterState, InFlight
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
@@ -140,11 +140,11 @@ class FleetAdapters:
         if self._base is None:
             expected = self.refitter.expected("policy")
             engine = self._modules()
-            self._base = base_lora_manifest(expected.tensors, engine["supported"],
-                                            min(self.max_rank, engine["max_rank"]), self._model_names)
+            self._base = base_lora_manifest(expected.tensors, engine.supported,
+                                            min(self.max_rank, engine.max_rank), self._model_names)
         return self._base
 
-    def _modules(self) -> Any:
+    def _modules(self) -> AdapterState:
         """What the first shard that answers says its engine can adapt and holds."""
         errors = []
         for member, handle in self.refitter.refit_members().items():
@@ -227,7 +227,7 @@ class FleetAdapters:
     def _seed_ids(self) -> None:
         """Engines outlive a driver (an attached fleet): new ids start past every id a shard holds."""
         if not self._seeded:
-            held = self._modules()["held"]
+            held = self._modules().held
             if held:
                 self.registry = AdapterRegistry(self.registry.max_adapters, first_id=max(held) + 1)
             self._seeded = True

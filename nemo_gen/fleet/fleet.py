@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 from nemo_gen.config import policies
 from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.planner import attach_seeds, seed_ledger
+from nemo_gen.core.wire import FleetRecordState
 from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.sampling import resolve_sampling
@@ -54,7 +55,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
     def __init__(self, resolved: ResolvedGeneration, shards: Sequence[ShardHandle],
                  ray_connection: RayConnection | None = None, tokenizer=None, attached: bool = False,
                  spares: Sequence[ShardHandle] = (), watch: bool = True, record: Any = None,
-                 recorded: dict[str, Any] | None = None, driver: ShardDriver | None = None):
+                 recorded: FleetRecordState | None = None, driver: ShardDriver | None = None):
         self.resolved = resolved
         self.settings = s = resolved.settings
         self.driver = driver or policies.shard_driver(s)

@@ -10,6 +10,7 @@ load. ``attach`` reads the record; a refit writes it (``RecordWriter``); ``shutd
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,24 +19,28 @@ from typing import Any
 
 import ray
 
+from nemo_gen.core.wire import FleetRecordState, SlotRecord
+
 log = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
 class FleetRecord:
     def __init__(self, fleet: str, weight_version: int | None):
-        self._data: dict[str, Any] = {"fleet": fleet, "weight_version": weight_version, "weight_source": None,
-                                      "slots": {}}
+        self._state = FleetRecordState(fleet, weight_version)
 
-    def get(self) -> dict[str, Any]:
-        return dict(self._data)
+    def get(self) -> FleetRecordState:
+        return self._state
 
-    def update(self, **values: Any) -> dict[str, Any]:
-        self._data.update(values)
-        return dict(self._data)
+    def reset(self, weight_version: int | None) -> None:
+        """A fleet being launched under this name: its version, no source, no slot entries."""
+        self._state = FleetRecordState(self._state.fleet, weight_version)
 
-    def update_slot(self, slot: int, **values: Any) -> None:
-        self._data.setdefault("slots", {}).setdefault(str(slot), {}).update(values)
+    def set_version(self, weight_version: int | None, weight_source: str | None) -> None:
+        self._state = dataclasses.replace(self._state, weight_version=weight_version, weight_source=weight_source)
+
+    def set_slot(self, entry: SlotRecord) -> None:
+        self._state = self._state.with_slot(entry)
 
 
 def record_name(fleet: str) -> str:
@@ -47,11 +52,11 @@ def create_record(fleet: str, namespace: str, weight_version: int | None, timeou
     actor = FleetRecord.options(
         name=record_name(fleet), namespace=namespace, lifetime="detached", get_if_exists=True
     ).remote(fleet, weight_version)
-    ray.get(actor.update.remote(weight_version=weight_version, weight_source=None, slots={}), timeout=timeout_s)
+    ray.get(actor.reset.remote(weight_version), timeout=timeout_s)
     return actor
 
 
-def find_record(fleet: str, namespace: str, timeout_s: float) -> tuple[Any, dict[str, Any]] | tuple[None, None]:
+def find_record(fleet: str, namespace: str, timeout_s: float) -> tuple[Any, FleetRecordState] | tuple[None, None]:
     """(actor, contents) of a running fleet's record, or (None, None). This process's own writes
     to it are in it first."""
     for writer in list(_WRITERS.get((namespace, fleet), ())):
@@ -82,15 +87,22 @@ class RecordWriter:
         if actor is not None and key is not None:
             _WRITERS.setdefault(key, weakref.WeakSet()).add(self)
 
-    def write(self, slot: int | None = None, **values: Any) -> None:
-        """``values`` into the record, or into slot ``slot``'s entry."""
+    def write_version(self, weight_version: int | None, weight_source: str | None) -> None:
+        """The version the fleet serves now and the checkpoint it came from (None: a live trainer's)."""
+        self._put(("set_version", (weight_version, weight_source)))
+
+    def write_slot(self, slot: int, restarts: int, retired: str | None) -> None:
+        """Slot ``slot``'s restart count and, once retired, why."""
+        self._put(("set_slot", (SlotRecord(slot, restarts, retired),)))
+
+    def _put(self, call: tuple[str, tuple]) -> None:
         if self.actor is None:
             return
         with self._lock:
             if self._queue is None:
                 self._queue = queue.SimpleQueue()
                 threading.Thread(target=self._send, args=(self._queue,), name="nemo-gen-record", daemon=True).start()
-            self._queue.put((slot, values))
+            self._queue.put(call)
 
     def flush(self) -> None:
         """Wait (``fleet.control_timeout_s`` at most) until the record holds every write asked for."""
@@ -119,12 +131,11 @@ class RecordWriter:
                 last = None
                 item.set()
                 continue
-            slot, values = item
+            method, args = item
             self._settle(last, wait=False)
             last = None
             try:
-                last = (self.actor.update.remote(**values) if slot is None
-                        else self.actor.update_slot.remote(slot, **values))
+                last = getattr(self.actor, method).remote(*args)
             except Exception as exc:  # noqa: BLE001 — the thread must outlive a bad write
                 log.warning("could not update the fleet record: %s", exc)
 

@@ -106,12 +106,12 @@ class FleetWeights:
         self._version = version
         self._source = source
         self._staged = staged
-        self._record.write(weight_version=version, weight_source=source)
+        self._record.write_version(version, source)
 
     def note_slot(self, slot: int, restarts: int, retired: str | None) -> None:
         """Keep slot ``slot``'s restart count and retirement in the fleet record, which outlives
         every shard and every process that attaches."""
-        self._record.write(slot=slot, restarts=restarts, retired=retired)
+        self._record.write_slot(slot, restarts, retired)
 
     def keep_staged(self, staged: StagedRefit) -> None:
         """A catch-up re-staged the current version (another process did the last refit)."""

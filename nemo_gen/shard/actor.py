@@ -17,7 +17,7 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    AdapterCall, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, LoadStats, ProbeReply, Sampling,
+    AdapterCall, AdapterState, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, LoadStats, ProbeReply, Sampling,
     ShardInfo, StepGaps, SyncReply, SyncRequest, Unfinished,
 )
 from nemo_gen.shard.rules import Host, Shard
@@ -151,7 +151,7 @@ class ShardActor:
     async def weight_sync(self, req: SyncRequest) -> SyncReply:
         return await self.shard.weight_sync(req)
 
-    async def adapter_call(self, call: AdapterCall) -> Any:
+    async def adapter_call(self, call: AdapterCall) -> AdapterState:
         return await self.shard.adapter_call(call)
 
     async def control_channel(self, timeout_s: float) -> ChannelAddress:

@@ -7,21 +7,21 @@ the first answers for all.
 
 from __future__ import annotations
 
-from typing import Any
 
 from nemo_gen.core.adapters import AdapterError
-from nemo_gen.core.wire import AdapterCall, AdapterLoad, AdapterModules, AdapterRemove
+from nemo_gen.core.wire import AdapterCall, AdapterLoad, AdapterModules, AdapterRemove, AdapterState
 from nemo_gen.shard.engine_protocol import EngineLike
 
 
-async def adapter_call(engine: EngineLike | None, call: AdapterCall) -> Any:
+async def adapter_call(engine: EngineLike | None, call: AdapterCall) -> AdapterState:
     """``AdapterModules`` -> what the engine takes and holds; ``AdapterLoad`` / ``AdapterRemove``
-    -> the ids held afterwards."""
+    -> the ids held afterwards (the worker extension's answers, made the wire's record)."""
     if engine is None:
         raise AdapterError("the shard has no engine")
     if isinstance(call, AdapterModules):
         answers = await engine.rpc("nemo_gen_lora_modules")
-        held = answers[0]["held"]
+        modules = answers[0]
+        held = modules["held"]
     elif isinstance(call, AdapterLoad):
         answers = await engine.rpc("nemo_gen_load_adapter", call.path, call.total, [list(e) for e in call.entries],
                                    dict(call.config), call.engine_id, list(call.evict))
@@ -33,4 +33,7 @@ async def adapter_call(engine: EngineLike | None, call: AdapterCall) -> Any:
         raise TypeError(f"not an adapter call: {type(call).__name__}")
     # What lora_request_of checks each request against (a full refit empties vLLM's set).
     engine.adapters_held = (frozenset(held), engine.version)
-    return answers[0]
+    if isinstance(call, AdapterModules):
+        return AdapterState(tuple(held), tuple(modules["supported"]), int(modules["max_rank"]),
+                            int(modules["capacity"]))
+    return AdapterState(tuple(held))

@@ -21,7 +21,7 @@ from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.wire import (
-    AdapterCall, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
+    AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
     SyncReply, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft, SyncUpdate, Unfinished,
 )
@@ -233,7 +233,7 @@ class Shard:
 
     # -- LoRA adapters --------------------------------------------------------------------------
 
-    async def adapter_call(self, call: AdapterCall) -> Any:
+    async def adapter_call(self, call: AdapterCall) -> AdapterState:
         """A LoRA adapter call on this shard's engine (``nemo_gen.shard.adapters``)."""
         return await adapter_call(self._engine(), call)
 

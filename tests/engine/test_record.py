@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from nemo_gen.core.wire import SlotRecord
 from nemo_gen.fleet.record import RecordWriter, create_record, find_record, remove_record
 from tests.conftest import TEST_NAMESPACE
 
@@ -23,8 +24,8 @@ class _Spy:
 
     def __init__(self, actor):
         self.threads: list[threading.Thread] = []
-        self.update = self._method(actor.update)
-        self.update_slot = self._method(actor.update_slot)
+        self.set_version = self._method(actor.set_version)
+        self.set_slot = self._method(actor.set_slot)
 
     def _method(self, method):
         spy = self
@@ -52,13 +53,13 @@ def test_writes_leave_the_callers_thread_land_in_order_and_are_read_back(record)
     writer = RecordWriter(spy, 30, key=(TEST_NAMESPACE, name))
     t0 = time.perf_counter()
     for v in range(1, 51):
-        writer.write(weight_version=v, weight_source=f"ckpt-{v}")
-        writer.write(slot=v % 2, restarts=v)
+        writer.write_version(v, f"ckpt-{v}")
+        writer.write_slot(v % 2, v, None)
     asked_s = time.perf_counter() - t0
     # this process's writes are in the record before find_record reads it, the last ones last
     _, data = find_record(name, TEST_NAMESPACE, 30)
-    assert data["weight_version"] == 50 and data["weight_source"] == "ckpt-50"
-    assert data["slots"] == {"0": {"restarts": 50}, "1": {"restarts": 49}}
+    assert data.weight_version == 50 and data.weight_source == "ckpt-50"
+    assert data.slots == (SlotRecord(0, restarts=50), SlotRecord(1, restarts=49))
     assert len(spy.threads) == 100 and {t.name for t in spy.threads} == {"nemo-gen-record"}
     assert threading.current_thread() not in spy.threads
     assert asked_s < 1.0, f"100 writes kept the caller {asked_s:.2f}s"  # queued, not submitted, here
@@ -66,9 +67,9 @@ def test_writes_leave_the_callers_thread_land_in_order_and_are_read_back(record)
     writer.close()
     sender.join(10)
     assert not sender.is_alive()
-    writer.write(weight_version=51)  # a write after close starts another thread
+    writer.write_version(51, None)  # a write after close starts another thread
     writer.close()
-    assert find_record(name, TEST_NAMESPACE, 30)[1]["weight_version"] == 51
+    assert find_record(name, TEST_NAMESPACE, 30)[1].weight_version == 51
     assert spy.threads[-1] is not sender
 
 
@@ -77,7 +78,7 @@ def test_a_write_to_a_record_that_is_gone_is_logged_not_raised(record, caplog):
     writer = RecordWriter(actor, 10, key=(TEST_NAMESPACE, name))
     remove_record(actor)
     with caplog.at_level(logging.WARNING, logger="nemo_gen.fleet.record"):
-        writer.write(weight_version=3)
+        writer.write_version(3, None)
         t0 = time.monotonic()
         writer.close()
     assert time.monotonic() - t0 < 15

@@ -12,7 +12,7 @@ import pytest
 
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.manifest import RefitError
-from nemo_gen.core.wire import ShardInfo
+from nemo_gen.core.wire import FleetRecordState, ShardInfo, SlotRecord
 from nemo_gen.errors import EngineStartError, FleetExhausted, PlacementError, RequestError, ShardUnavailableError
 from tests import helpers
 from tests.fakes import fake_fleet
@@ -335,8 +335,8 @@ def test_attaching_seeds_the_ledger_from_what_the_actors_and_the_record_say():
     assert [health.state_of(i).value for i in range(4)] == ["healthy", "stale", "dead", "dead"]
     assert health.snapshot()[0].restart_attempts == 2 and "not found" in health.snapshot()[2].last_error
     # The record outlives every shard: its version wins, and version 4's checkpoint is not version 5's.
-    assert attach_seeds(4, infos, recorded={"weight_version": 5, "weight_source": None})[:2] == (5, None)
-    assert attach_seeds(4, infos, recorded={"weight_version": 4, "weight_source": None})[:2] == (4, "/ckpt/4")
+    assert attach_seeds(4, infos, recorded=FleetRecordState("f", weight_version=5))[:2] == (5, None)
+    assert attach_seeds(4, infos, recorded=FleetRecordState("f", weight_version=4))[:2] == (4, "/ckpt/4")
 
 
 def test_spares_follow_fleet_spares_changed_on_a_live_fleet(settings, driver):
@@ -352,8 +352,8 @@ def test_retirement_and_the_restart_budget_outlive_the_process_that_decided_them
     from nemo_gen.core.fleet_health import GenerationFleetHealth
     from nemo_gen.core.planner import attach_seeds, seed_ledger
 
-    recorded = {"weight_version": 2, "slots": {"1": {"restarts": 3, "retired": "restart attempts exhausted"},
-                                               "0": {"restarts": 2, "retired": None}}}
+    recorded = FleetRecordState("f", weight_version=2, slots=(
+        SlotRecord(1, restarts=3, retired="restart attempts exhausted"), SlotRecord(0, restarts=2)))
     infos = {0: ShardInfo(slot=0, weight_version=2, restarts=1)}
     _, _, seeds = attach_seeds(2, infos, recorded)
     health = GenerationFleetHealth(2)
@@ -365,9 +365,17 @@ def test_retirement_and_the_restart_budget_outlive_the_process_that_decided_them
 def test_recovery_writes_restarts_and_retirement_to_the_fleet_record(settings, driver):
     written = []
     with fake_fleet(settings(health__max_restart_attempts_per_shard=1), driver) as fleet:
-        fleet.weights.record.write = lambda slot=None, **v: written.append({"slot": slot, **v})  # the record's stand-in
+        fleet.weights.record.write_slot = lambda slot, restarts, retired: written.append(  # the record's stand-in
+            {"slot": slot, "restarts": restarts, "retired": retired})
         driver.launch_failures = [EngineStartError(1, "CUDA error")]
         driver.set_dead(fleet.handle(1).name)
         wait_until(lambda: fleet.health.state_of(1) is ShardState.RETIRED, what="slot 1 retired")
     slot1 = [w for w in written if w.get("slot") == 1]
     assert slot1[0]["restarts"] == 1 and slot1[-1]["retired"]
+
+
+def test_the_fleet_records_slot_entries_are_replaced_whole_and_kept_in_slot_order():
+    state = FleetRecordState("f").with_slot(SlotRecord(2, restarts=1)).with_slot(SlotRecord(0, restarts=4))
+    state = state.with_slot(SlotRecord(2, restarts=2, retired="restart attempts exhausted"))
+    assert state.slots == (SlotRecord(0, restarts=4), SlotRecord(2, restarts=2, retired="restart attempts exhausted"))
+    assert state.slot(2).retired and state.slot(1) is None
