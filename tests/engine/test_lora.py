@@ -65,7 +65,7 @@ def tokens(results):
 
 def held(fleet):
     handle = fleet.handle(0)
-    return fleet.driver.fan_out({0: handle}, AdapterModules(), 60)[0].value["held"]
+    return list(fleet.driver.fan_out({0: handle}, AdapterModules(), 60)[0].value.held)
 
 
 def test_an_adapter_refit_generates_what_a_fresh_engine_with_that_adapter_does(setup, adapters):
