@@ -40,7 +40,8 @@ holds too many sessions costs queueing, not hits. Bounded, a piled-up shard evic
 sessions' prefixes (prime-rl's 98 % -> 5 %). The engines cache prompt KV in whole blocks:
 ``--block-size`` (default 32) instead of the CPU backend's 128, which for conversations of a few
 hundred tokens (the tiny model's ``max_model_len`` is 512) would leave most of a prefix in a
-partial block; GPU engines use 16.
+partial block; GPU engines use 16. The defaults keep the longest conversation's last prompt
+under 512 tokens (an answer re-tokenized from its text is longer than the tokens sampled).
 
 Per arm and round: the prefix-cache hit rate from vLLM's own counters (``vllm:prefix_cache_hits``
 / ``vllm:prefix_cache_queries``, summed over the shards, the arm's difference), the time to first
@@ -54,7 +55,7 @@ affinity and against round-robin, and round-robin / affinity. The "others" colum
 of processes outside this benchmark (someone's tests on the shared machine); above 10% the round
 is NOISY.
 
-    python -m bench sessions [--shards 2] [--sessions 32] [--concurrency 8] [--turns 8] [--min-turns 2]
+    python -m bench sessions [--shards 2] [--sessions 32] [--concurrency 8] [--turns 6] [--min-turns 1]
                              [--rounds 4] [--arms placement,affinity] [--kv-blocks N] [--json out.json]
 """
 
@@ -90,14 +91,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=2, help="shards in the fleet (default 2)")
     p.add_argument("--sessions", type=int, default=32, help="conversations per arm and round (default 32)")
     p.add_argument("--concurrency", type=int, default=8, help="agents, each one conversation at a time (default 8)")
-    p.add_argument("--turns", type=int, default=8, help="most turns of a conversation (default 8)")
-    p.add_argument("--min-turns", type=int, default=2, help="fewest turns of a conversation (default 2)")
+    p.add_argument("--turns", type=int, default=6, help="most turns of a conversation (default 6)")
+    p.add_argument("--min-turns", type=int, default=1, help="fewest turns of a conversation (default 1)")
     p.add_argument("--stagger-ms", type=float, default=150.0, help="between two agents' starts (default 150)")
-    p.add_argument("--words", type=int, default=12, help="words per user message (default 12)")
+    p.add_argument("--words", type=int, default=8, help="words per user message (default 8)")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between turns (default 100)")
     p.add_argument("--block-size", type=int, default=32, help="the engines' KV block size (default 32)")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV cache blocks per engine (default: vLLM's)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default 24)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of every arm, rotated (default 4)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"arms to run, comma-separated (default {','.join(ARMS)})")
     p.add_argument("--home", type=Path, default=HOME, help="working directory")
