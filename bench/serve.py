@@ -22,13 +22,19 @@ Both arms are warmed up once, then alternated (library, http, then http, library
 library) and its median, min and max printed. The "others" column is the CPU share of processes
 outside this benchmark (someone's tests on the shared machine); above 10% the round is NOISY.
 
-    .venv/bin/python bench/serve.py [--shards 2] [--requests 1024] [--concurrency 64] [--rounds 3] [--json out.json]
+``--fake``: the same two arms over a fleet of fake shards (tests/fakes.py: no Ray, no engines,
+tokens made at once), so what is left is the router's cost (library) and the server's on top of it
+(http): the per-request CPU figures are the figures of interest there, not the ratio. No engine
+lock is needed; it is how the server's CPU per request is profiled and compared across commits.
+
+    .venv/bin/python bench/serve.py [--shards 2] [--requests 1024] [--concurrency 64] [--rounds 3] [--fake] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
@@ -45,7 +51,8 @@ from bench.lib.stats import spread, verdict
 TARGET = 0.9  # http / library tokens per second: at least
 NAMESPACE = "nemo_gen_bench"
 
-# The HTTP arm's client, run in its own interpreter: argv[1] is a JSON job; prints one JSON result.
+# The HTTP arm's client, run in its own interpreter: its stdin is a JSON job (argv would bound the
+# prompts to 128 KiB); prints one JSON result.
 # A load generator as lean as wrk's: one keep-alive HTTP/1.1 connection per in-flight request on
 # asyncio streams, each request's bytes built once, the response read by Content-Length and its
 # JSON parsed (the usage is checked). An off-the-shelf client (aiohttp: ~0.75 ms of CPU per
@@ -55,7 +62,7 @@ CLIENT = r"""
 import asyncio, json, sys, time
 from urllib.parse import urlsplit
 
-job = json.loads(sys.argv[1])
+job = json.loads(sys.stdin.read())
 url = urlsplit(job["url"])
 
 def request(prompt):
@@ -105,6 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternating library/http rounds (default 3)")
     p.add_argument("--home", type=Path, default=HOME, help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--fake", action="store_true", help="fake shards (tests/fakes.py): the server's CPU alone")
     args = p.parse_args(argv)
     return at_least_one(p, args, ("shards", "requests", "concurrency", "max_new_tokens", "rounds"))
 
@@ -130,9 +138,9 @@ def library_arm(fleet, prompts: list[str], concurrency: int, max_new_tokens: int
 
 def http_arm(url: str, model: str, prompts: list[str], concurrency: int, max_new_tokens: int) -> dict[str, Any]:
     job = {"url": url, "model": model, "prompts": prompts, "concurrency": concurrency, "max_tokens": max_new_tokens}
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, json.dumps(job)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    stdout, stderr = proc.communicate(timeout=900)
+    stdout, stderr = proc.communicate(json.dumps(job), timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"the HTTP client failed: {stderr[-2000:]}")
     out = json.loads(stdout.strip().splitlines()[-1])
@@ -153,22 +161,47 @@ def _children_cpu_s() -> float:
     return used
 
 
+@contextlib.contextmanager
+def _fleet(settings: Any, args: argparse.Namespace):
+    """The fleet of the run: engines (``GenerationFleet.launch``), or fake shards with ``--fake``."""
+    if not args.fake:
+        from nemo_gen.fleet.fleet import GenerationFleet
+
+        with GenerationFleet.launch(settings) as fleet:
+            yield fleet
+        return
+    from tests.fakes import FakeDriver, fake_fleet
+
+    driver = FakeDriver()
+    fleet = fake_fleet(settings, driver)
+    try:
+        yield fleet
+    finally:
+        fleet.shutdown()
+        driver.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_environment()
-    from nemo_gen.fleet.fleet import GenerationFleet
     from nemo_gen.server import start_server
     from nemo_gen.settings import NemoGenSettings
 
-    settings = NemoGenSettings.load(overrides={
+    overrides = {
         "home": str(args.home), "fleet.name": "bench-serve", "fleet.num_shards": args.shards, "fleet.device": "cpu",
         "generation.vllm_cfg.max_model_len": 512, "generation.vllm_cfg.async_engine": True,
         "ray.namespace": NAMESPACE, "ray.log_to_driver": False, "server.port": 0,
-    })
-    print(f"bench serve: {args.shards} shards, {args.requests} requests x {args.max_new_tokens} tokens, "
+    }
+    if args.fake:  # the tiny model's tokenizer; the router decodes the fake shards' tokens
+        from nemo_gen.tiny_model import make_tiny_model
+
+        overrides.update({"model.path": str(make_tiny_model(args.home / "fake-serve-model")),
+                          "generation.vllm_cfg.skip_tokenizer_init": True, "health.auto_recover": False})
+    settings = NemoGenSettings.load(overrides=overrides)
+    print(f"bench serve{' (fake shards)' if args.fake else ''}: {args.shards} shards, {args.requests} requests x {args.max_new_tokens} tokens, "
           f"concurrency {args.concurrency}, {args.rounds} rounds; {load()}", flush=True)
     rounds: list[dict[str, Any]] = []
-    with GenerationFleet.launch(settings) as fleet, start_server(fleet) as server, ForeignCpu() as foreign:
+    with _fleet(settings, args) as fleet, start_server(fleet) as server, ForeignCpu() as foreign:
         model = settings.model_name()
         warm = make_prompts(min(args.requests, args.concurrency))
         library_arm(fleet, warm, args.concurrency, args.max_new_tokens)

@@ -27,6 +27,27 @@ def is_chat(prompt: Any) -> bool:
         isinstance(m, Mapping) for m in prompt)
 
 
+# Prompts up to this many characters (or token ids) in all are made into requests on the
+# caller's event loop (tens of microseconds with a fast tokenizer): a thread hop per request cost
+# an HTTP server more CPU than the tokenizing. Chats (a template to render) and more go off it.
+ON_LOOP_CHARS = 4096
+
+
+def on_loop(prompts: Sequence[Prompt]) -> bool:
+    """Whether ``prompts`` are cheap enough to make into requests on an event loop: strings and
+    token-id lists of at most ``ON_LOOP_CHARS`` characters and ids in all, no chat."""
+    if isinstance(prompts, (str, bytes)):
+        return True  # refused at once by build_requests
+    size = 0
+    for prompt in prompts:
+        if not isinstance(prompt, (str, list, tuple)) or (prompt and not isinstance(prompt[0], (str, int))):
+            return False  # a chat (messages), or something build_requests will name
+        size += len(prompt)
+        if size > ON_LOOP_CHARS:
+            return False
+    return True
+
+
 def build_requests(prompts: Sequence[Prompt], tokenizer: Any, max_model_len: int
                    ) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
     """Tokenize on the driver; too-long prompts (and chats without a template) become error

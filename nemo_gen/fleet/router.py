@@ -44,7 +44,7 @@ from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.requests import Prompt, build_requests, sampling_of, sessions_of
+from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of, sessions_of
 
 __all__ = ["Prompt", "Router"]
 
@@ -91,7 +91,10 @@ class Router:
     async def requests_async(self, prompts: Sequence[Prompt]
                              ) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
         """``requests`` off the event loop: tokenizing a long prompt or rendering a chat template
-        must not hold up the loop's other requests (an HTTP server's /health among them)."""
+        must not hold up the loop's other requests (an HTTP server's /health among them). Token
+        ids and short strings (``on_loop``) are done on the loop: the thread hop costs more."""
+        if on_loop(prompts):
+            return self.requests(prompts)
         return await asyncio.to_thread(self.requests, prompts)
 
     def result(self, req: GenerationRequest, raw: RequestResult, shard: int, version: int | None) -> GenerationResult:

@@ -27,10 +27,11 @@ deadline passes (``timeout_s`` in the body or the ``x-nemo-gen-timeout-s`` heade
 (that goes to the log).
 
 The event loop stays free for every request (``/health`` among them): bodies are read against
-their bound and large ones parsed off the loop, prompts are tokenized and chat templates rendered
-off it (``Router.requests_async``), and responses are built off it. A client that disconnects
-before its answer is sent cancels its requests on their engines (as vLLM's ``with_cancellation``
-does), streamed or not.
+their bound and large ones parsed off the loop, long prompts are tokenized and chat templates
+rendered off it (``Router.requests_async``), and heavy responses are built off it (a light one —
+no logprobs or parsers, a few thousand tokens — on it: ``responses.light``; a thread hop costs
+more CPU than building it). A client that disconnects before its answer is sent cancels its
+requests on their engines (as vLLM's ``with_cancellation`` does), streamed or not.
 
 Streaming (``stream: true``) is real token streaming through ``fleet.generate_stream`` (engine ->
 shard actor's Ray streaming generator -> router): chunks leave as the engine makes tokens
@@ -150,6 +151,8 @@ class FleetApi:
 
     async def generate(self, call: Call, prompt_field: str) -> list[Any]:
         with self.inflight.admitted(call.samples):
+            if len(call.prompts) == 1:  # no task of its own: cancelling this one aborts it
+                return [await self._one(call, call.prompts[0], prompt_field)]
             tasks = [asyncio.ensure_future(self._one(call, p, prompt_field)) for p in call.prompts]
             try:
                 return list(await asyncio.gather(*tasks))
@@ -170,9 +173,8 @@ class FleetApi:
             fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=False)
             return await self.stream_response(call, "prompt", fmt)
         results = await self.generate(call, "prompt")
-        body = await asyncio.to_thread(responses.completion_response, call, call.adapter or self.model, results, self.detok,
-                                       response_id)
-        return _answer(results, body)
+        return _answer(results, await _built(responses.completion_response, call, call.adapter or self.model, results,
+                                             self.detok, response_id))
 
     async def chat(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
         self.inflight.check_room()
@@ -187,9 +189,8 @@ class FleetApi:
             fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=True)
             return await self.stream_response(call, "messages", fmt)
         results = await self.generate(call, "messages")
-        body = await asyncio.to_thread(responses.chat_response, call, call.adapter or self.model, results, self.detok,
-                                       response_id)
-        return _answer(results, body)
+        return _answer(results, await _built(responses.chat_response, call, call.adapter or self.model, results,
+                                             self.detok, response_id))
 
     def with_tools(self, call: Call, render: bool = True) -> None:
         """A chat with tools, tool messages or a parser set: checked and constrained as vLLM's
@@ -284,6 +285,13 @@ def _chars(prompt: Any) -> int:
     if prompt and isinstance(prompt[0], dict):
         return sum(len(m.get("content") or "") for m in prompt)
     return 0
+
+
+async def _built(build: Callable[..., Any], call: Call, model: str, results: list[Any], *args: Any) -> Any:
+    """``build``'s response: on the loop when light (``responses.light``), else off it."""
+    if responses.light(call, results):
+        return build(call, model, results, *args)
+    return await asyncio.to_thread(build, call, model, results, *args)
 
 
 def _answer(results: list[Any], body: Any) -> Response:

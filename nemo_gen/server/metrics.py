@@ -175,14 +175,19 @@ class ServerMetrics:
                                  ["route"], registry=self.registry,
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.registry.register(_FleetCollector(fleet))
+        # the labelled children, looked up once: ``labels()`` takes a lock and checks its labels every time
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     @staticmethod
     def route(path: str) -> str:
         return path if path in ROUTES else "other"
 
     def observe(self, route: str, code: int, seconds: float) -> None:
-        self.requests.labels(route, str(code)).inc()
-        self.seconds.labels(route).observe(seconds)
+        children = self._children.get((route, code))
+        if children is None:  # a bounded set: the known routes and "other", times the status codes
+            children = self._children[route, code] = (self.requests.labels(route, str(code)), self.seconds.labels(route))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

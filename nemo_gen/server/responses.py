@@ -160,6 +160,19 @@ def _choices(call: Call, results: Sequence[Any]) -> Iterator[tuple[int, Any, Any
             yield i * call.n + k, result, sample
 
 
+# A response of at most this many tokens, without logprobs, tool or reasoning parsing, is built on
+# the event loop (tens of microseconds); a thread hop per response (submit, wake-up, GIL hand-over)
+# cost more server CPU than the building. Larger or heavier ones are built off the loop.
+ON_LOOP_TOKENS = 4096
+
+
+def light(call: Call, results: Sequence[Any]) -> bool:
+    """Whether ``call``'s response from ``results`` is cheap enough to build on the event loop."""
+    if call.logprobs or call.prompt_logprobs is not None or call.turn is not None:
+        return False
+    return sum(len(s.token_ids) for r in results for s in samples_of(r)) <= ON_LOOP_TOKENS
+
+
 def completion_response(call: Call, model: str, results: Sequence[Any], detok: Detokenizer,
                         response_id: str | None = None) -> CompletionResponse:
     choices = []

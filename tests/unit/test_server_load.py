@@ -168,28 +168,40 @@ def test_malformed_and_oversized_requests_are_400s_naming_the_field(served, flee
 
 
 def test_tokenizing_and_building_responses_happen_off_the_servers_event_loop(served, fleet, monkeypatch):
-    """The loop that answers /health must never tokenize a prompt, render a chat template or
-    build a response body: each of those ran there, so one 4 MB prompt held /health for 7-16 s."""
+    """The loop that answers /health must never tokenize a long prompt, render a chat template or
+    build a heavy response body (logprobs, parsers, many tokens): each of those ran there, so one
+    4 MB prompt held /health for 7-16 s. A short prompt and a light response are made on the loop:
+    a thread hop costs more server CPU than they do (bench serve --fake)."""
+    from nemo_gen.fleet.requests import ON_LOOP_CHARS
     from nemo_gen.server import responses
 
-    seen: dict[str, set[int]] = {}
+    seen: dict[str, list[int]] = {}
     router = fleet.router
     real_requests = type(router).requests
     real_response = responses.completion_response
 
     def spy(name, fn):
         def wrapped(*a, **kw):
-            seen.setdefault(name, set()).add(threading.get_ident())
+            seen.setdefault(name, []).append(threading.get_ident())
             return fn(*a, **kw)
         return wrapped
 
     monkeypatch.setattr(type(router), "requests", spy("requests", real_requests))
     monkeypatch.setattr(responses, "completion_response", spy("response", real_response))
-    server_thread = next(t for t in threading.enumerate() if t.name == "nemo-gen-http")
-    answer = httpx.post(url(served, "/v1/completions"), json={"prompt": "hello there", "max_tokens": 2})
-    assert answer.status_code == 200
-    answer = httpx.post(url(served, "/v1/chat/completions"),
-                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert answer.status_code == 200
-    assert seen["requests"] and seen["response"]
-    assert server_thread.ident not in seen["requests"] | seen["response"]
+    server_thread = next(t for t in threading.enumerate() if t.name == "nemo-gen-http").ident
+
+    def threads(path, body):
+        seen.clear()
+        answer = httpx.post(url(served, path), json=body)
+        return answer, seen.get("requests", []), seen.get("response", [])
+
+    # long text (refused as too long for the context, after tokenizing it), chat, logprobs: off the loop
+    _, made, _ = threads("/v1/completions", {"prompt": "ab " * (ON_LOOP_CHARS // 3 + 1), "max_tokens": 2})
+    assert made and server_thread not in made
+    answer, made, _ = threads("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert answer.status_code == 200 and made and server_thread not in made
+    answer, _, built = threads("/v1/completions", {"prompt": "hello there", "max_tokens": 2, "logprobs": 0})
+    assert answer.status_code == 200 and built and server_thread not in built
+    # a short prompt's request and a light response: on the loop
+    answer, made, built = threads("/v1/completions", {"prompt": "hello there", "max_tokens": 2})
+    assert answer.status_code == 200 and made == [server_thread] and built == [server_thread]
