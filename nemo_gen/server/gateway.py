@@ -39,6 +39,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from vllm.utils import random_uuid
 
+from nemo_gen.chat.answers import message_record
 from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable
 from nemo_gen.core.trajectory import turn_bytes
 from nemo_gen.errors import ShardUnavailableError
@@ -129,7 +130,7 @@ class Gateway:
                 def on_results(results: list[Any]) -> None:
                     result = results[0]
                     if call.turn is not None:
-                        message = _message(call.turn.message(result.text or "", result.token_ids,
+                        message = message_record(call.turn.message(result.text or "", result.token_ids,
                                                              result.finish_reason)[0])
                     else:
                         message = {"role": "assistant", "content": result.text or ""}
@@ -142,7 +143,7 @@ class Gateway:
                 return response
             results = await api.generate(call, "messages")
             out = await asyncio.to_thread(responses.chat_response, call, api.model, results, api.detok, response_id)
-            turn = self._record(sid, session, prepared, body, results[0], _message(out.choices[0].message))
+            turn = self._record(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}
             return self.answer(results, out)
@@ -176,16 +177,6 @@ class Gateway:
             raise _api_error(exc) from None
         session.close()
         return {**session.trajectory().to_json(), "deleted": True}
-
-
-def _message(message: Any) -> dict[str, Any]:
-    """The answer's message as the agent will send it back (what the next turn's check compares)."""
-    out: dict[str, Any] = {"role": "assistant", "content": message.content}
-    if message.tool_calls:
-        out["tool_calls"] = [c.model_dump(exclude_none=True) for c in message.tool_calls]
-    if getattr(message, "reasoning", None):
-        out["reasoning"] = message.reasoning
-    return out
 
 
 def add_routes(app: Any, api: Any, settings: Any, route: Any, answer: Any) -> Gateway:

@@ -215,3 +215,63 @@ def test_a_session_lists_its_model_until_it_ends(served):
     with pytest.raises(openai.NotFoundError):
         _client(created).models.list()
     assert httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}").status_code == 404
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def _without_ids(message: dict) -> dict:
+    calls = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls") or []]
+    return {**message, "tool_calls": calls}
+
+
+def _same_turns(a: dict, b: dict) -> list:
+    keep = ("prompt_token_ids", "token_ids", "finish_reason", "segment", "new_segment_reason")
+    return [({k: t[k] for k in keep}, _without_ids(t["message"])) for t in a["turns"]] == \
+        [({k: t[k] for k in keep}, _without_ids(t["message"])) for t in b["turns"]]
+
+
+def test_a_tool_call_turn_answers_python_as_it_answers_http(served, monkeypatch):
+    """The engine samples a hermes tool call: ``fleet.session()`` gives the message (tool_calls
+    split out by the server's parser) and the trajectory the gateway's HTTP route gives."""
+    import json
+
+    from tests import fakes
+
+    fleet, handle, _ = served
+    ids = list(fleet.router.tokenizer(CALL, add_special_tokens=False)["input_ids"])
+    monkeypatch.setattr(fakes, "fake_token", lambda req, k, i: ids[i % len(ids)])
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    created = _open(handle.url)
+    client = _client(created)
+    http_msgs, py_msgs = list(ask), list(ask)
+    with fleet.session() as s:
+        for turn in range(2):
+            out = client.chat.completions.create(model="tiny", messages=http_msgs, tools=TOOLS, max_tokens=len(ids))
+            r = s.chat(py_msgs, tools=TOOLS, max_new_tokens=len(ids))
+            http = out.choices[0].message.model_dump(exclude_none=True)
+            (call,) = r.message["tool_calls"]
+            assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather",
+                                                                                              {"city": "Paris"})
+            # the HTTP answer's JSON omits a None content; every other field the same
+            assert _without_ids(r.message) == _without_ids({"content": None, **http})
+            assert r.chat_finish_reason == out.choices[0].finish_reason == "tool_calls"
+            assert r.text == CALL and r.finish_reason == "length"  # the engine's own, as fleet.generate gives them
+            tool = {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}
+            http_msgs += [out.choices[0].message.model_dump(exclude_none=True), tool]
+            py_msgs += [r.message, tool]
+        traj = s.trajectory().to_json()
+    over_http = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert len(traj["segments"]) == 1 and len(traj["turns"]) == 2  # the echoed call extends the record
+    assert _same_turns(traj, over_http) and traj["token_ids"] == over_http["token_ids"]
+    assert traj["loss_mask"] == over_http["loss_mask"] and _masked(traj) == ids + ids
+
+
+def test_a_forced_tool_choice_from_python_is_refused_naming_it(served):
+    fleet, _, _ = served
+    with fleet.session() as s:
+        with pytest.raises(Exception, match="tool_choice"):
+            s.chat([{"role": "user", "content": "q"}], tools=TOOLS, tool_choice="required", max_new_tokens=4)
+        assert s.trajectory().to_json()["turns"] == []
