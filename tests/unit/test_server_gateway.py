@@ -275,3 +275,29 @@ def test_a_forced_tool_choice_from_python_is_refused_naming_it(served):
         with pytest.raises(Exception, match="tool_choice"):
             s.chat([{"role": "user", "content": "q"}], tools=TOOLS, tool_choice="required", max_new_tokens=4)
         assert s.trajectory().to_json()["turns"] == []
+
+
+def test_an_idle_server_sweeps_expired_sessions_and_releases_their_shards(make_settings):
+    """No request after the sessions are opened: the gateway's sweep (every ttl/4 = 0.15 s here) takes them
+    out — their bytes and their shard pin — and then stops until the next session opens."""
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    fleet = fake_fleet(_settings(make_settings, "fake-gateway-sweep", server__session_ttl_s=0.6), driver)
+    handle = start_server(fleet)
+    try:
+        gateway = handle.server.config.app.app.state.gateway
+        for _ in range(2):
+            _open(handle.url)
+        assert len(gateway.table) == 2 and sorted(fleet.router.affinity.placement.counts().values()) == [1, 1]
+        deadline = time.monotonic() + 1.5  # ttl + a sweep interval, and slack for a loaded machine
+        while (len(gateway.table) or not gateway._sweeper.done()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # no request meanwhile: only the sweep can take them out
+        assert len(gateway.table) == 0 and fleet.router.affinity.placement.counts() == {}
+        assert gateway._sweeper.done()  # nothing open: the sweep ended
+        again = _open(handle.url)  # and the next session starts it again
+        assert not gateway._sweeper.done() and fleet.router.affinity.placement.slot_of(again["id"]) is not None
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()
