@@ -301,3 +301,33 @@ def test_an_idle_server_sweeps_expired_sessions_and_releases_their_shards(make_s
         handle.stop()
         fleet.shutdown()
         driver.close()
+
+
+def test_metrics_label_the_session_routes_by_template_never_by_id(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nemo_gen.server.metrics import ServerMetrics
+
+    _, handle, _ = served
+    sids = [_open(handle.url)["id"] for _ in range(2)]
+    for sid in sids:
+        _agent(_client({"url": f"{handle.url}/nemo_gen/sessions/{sid}/v1"}), 1)
+        httpx.get(f"{handle.url}/nemo_gen/sessions/{sid}/trajectory")
+        httpx.delete(f"{handle.url}/nemo_gen/sessions/{sid}")
+    text = httpx.get(f"{handle.url}/metrics").text
+    assert not any(sid in text for sid in sids)  # bounded: one series per route, not per session
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "nemo_gen_http_requests":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    counts[s.labels["route"], s.labels["code"]] = s.value
+    assert counts[("/nemo_gen/sessions", "200")] == 2
+    assert counts[("/nemo_gen/sessions/{id}/v1/chat/completions", "200")] == 2
+    assert counts[("/nemo_gen/sessions/{id}/trajectory", "200")] == 2
+    assert counts[("/nemo_gen/sessions/{id}", "200")] == 2
+    assert not any(route == "other" for route, _ in counts)
+    # a path that is none of the gateway's stays "other"
+    assert [ServerMetrics.route(p) for p in ("/nemo_gen/sessions/s/v1/models", "/nemo_gen/sessions/s/v1/x",
+                                             "/nemo_gen/sessions//trajectory", "/nemo_gen/sessionsX", "/tokenize")] == \
+        ["/nemo_gen/sessions/{id}/v1/models", "other", "other", "other", "/tokenize"]
