@@ -95,10 +95,13 @@ def chat_request(messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]]
     ``RequestError`` naming the field."""
     from pydantic import ValidationError
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
 
     body = {"messages": list(messages), "tools": tools or None, **{k: v for k, v in fields.items() if v is not None}}
     try:
         return ChatCompletionRequest.model_validate(body)
+    except VLLMValidationError as exc:
+        raise RequestError(f"{getattr(exc, 'parameter', None) or 'tools'}: {exc}") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "messages"

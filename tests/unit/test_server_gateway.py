@@ -274,6 +274,8 @@ def test_a_forced_tool_choice_from_python_is_refused_naming_it(served):
     with fleet.session() as s:
         with pytest.raises(Exception, match="tool_choice"):
             s.chat([{"role": "user", "content": "q"}], tools=TOOLS, tool_choice="required", max_new_tokens=4)
+        with pytest.raises(Exception, match="^parallel_tool_calls:"):  # vLLM's request model refuses it, named
+            s.chat([{"role": "user", "content": "q"}], tools=TOOLS, parallel_tool_calls="sometimes", max_new_tokens=4)
         assert s.trajectory().to_json()["turns"] == []
 
 
