@@ -29,8 +29,9 @@ class ChatParsers:
     """The parsers a chat's answers are read with (none set: an answer is its text)."""
 
     def __init__(self, tool_call_parser: str | None, reasoning_parser: str | None, tokenizer: Any,
-                 tool_strict_level: str = "auto"):
+                 tool_strict_level: str = "auto", whitespace: int | None = None):
         self.tokenizer = tokenizer
+        self.whitespace = whitespace  # the bound on a forced call's whitespace runs (nemo_gen.chat.constrain)
         self.tool_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.auto = tool_call_parser is not None  # vLLM's enable_auto_tools
@@ -46,7 +47,7 @@ class ChatParsers:
     def from_settings(cls, server_settings: Any, tokenizer: Any) -> "ChatParsers":
         """The parsers ``server.*`` names (the HTTP front's and a library session's alike)."""
         return cls(server_settings.tool_call_parser, server_settings.reasoning_parser, tokenizer,
-                   server_settings.tool_strict_level)
+                   server_settings.tool_strict_level, server_settings.tool_call_whitespace)
 
     def parser(self, tools: Any) -> Any:
         """A fresh vLLM ``Parser`` for one choice (they keep state) over the request's ``tools``."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from nemo_gen.chat.answers import ChatParsers, chat_request, message_record, parse_answer
+from nemo_gen.chat.constrain import adjusted, constraint
 from nemo_gen.chat.render import render_chat_text
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.core.trajectory import Plan, Trajectory, Turn, continuation_text
@@ -136,24 +137,20 @@ class FleetSession:
             raise RequestError("this session has no fleet to generate with (the gateway's sessions answer over HTTP)")
         if sampling.get("n", 1) != 1:
             raise RequestError("n: a session's turn has one sample (n=1); a trajectory is one conversation")
-        if tool_choice not in (None, "none", "auto"):
-            # a forced call is sampled under the parser's grammar, which only the HTTP route sets
-            raise RequestError(f"tool_choice: {tool_choice!r} is not taken from Python (a forced call needs the "
-                               "parser's grammar): use 'auto' or 'none', or the gateway over HTTP")
-        if tool_choice == "auto" and not self.parsers.auto:
-            raise RequestError('tool_choice: tool_choice="auto" needs a tool-call parser; set server.tool_call_parser '
-                               "(a vLLM ToolParserManager name, e.g. hermes)")
+        if tool_choice not in (None, "none") and not self.parsers.auto:
+            raise RequestError(f"tool_choice: tool_choice={tool_choice!r} needs a tool-call parser; set "
+                               "server.tool_call_parser (a vLLM ToolParserManager name, e.g. hermes)")
 
-    def _request(self, prepared: Prepared, chat: dict[str, Any]) -> Any:
-        """vLLM's request model for the turn, as the HTTP route adjusts it for its parsers (a
-        parser that would constrain the sampling is refused: only the HTTP route sets a grammar)."""
+    def _request(self, prepared: Prepared, chat: dict[str, Any], sampling: dict[str, Any]) -> Any:
+        """vLLM's request model for the turn, adjusted for the parsers as the HTTP route adjusts
+        it; a forced or strict call's grammar goes into ``sampling`` as the route sends it."""
         req = chat_request(prepared.messages, prepared.tools, **chat)
-        if self.parsers.reasoning_parser or req.tool_choice not in (None, "none"):
-            asked = req.structured_outputs
-            req = self.parsers.parser(req.tools).adjust_request(req)
-            if req.structured_outputs is not asked:
-                raise RequestError("tools: the parser constrains these tools' calls (strict tools, "
-                                   "server.tool_strict_level), which only the gateway over HTTP samples under")
+        try:
+            req, constrained = adjusted(self.parsers, req)
+        except ValueError as exc:  # vLLM's VLLMValidationError is one
+            raise RequestError(f"{getattr(exc, 'parameter', None) or 'tools'}: {exc}") from None
+        if constrained:
+            sampling["structured_outputs"] = constraint(req, True, self.parsers.whitespace)
         return req
 
     def _answered(self, prepared: Prepared, req: Any, result: GenerationResult, sampling: dict[str, Any],
@@ -174,11 +171,13 @@ class FleetSession:
         return SessionResult(**fields, message=message, chat_finish_reason=finish)
 
     def _turn(self, messages: Sequence[dict[str, Any]], tools: Any, sampling: dict[str, Any],
-              chat: dict[str, Any]) -> tuple[Prepared, Any]:
+              chat: dict[str, Any]) -> tuple[Prepared, Any, dict[str, Any]]:
+        """The turn's prompt, vLLM's request model (None: no parser set) and the fleet's keywords."""
         self._check(sampling, chat.get("tool_choice"))
         prepared = self.prepare(messages, tools)
-        req = self._request(prepared, chat) if self.parsers.parser_cls is not None else None
-        return prepared, req
+        kwargs = dict(sampling)
+        req = self._request(prepared, chat, kwargs) if self.parsers.parser_cls is not None else None
+        return prepared, req, kwargs
 
     def chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
              tool_choice: Any = None, parallel_tool_calls: bool | None = None, include_reasoning: bool | None = None,
@@ -187,11 +186,13 @@ class FleetSession:
         route answers (tool calls and reasoning split out by the ``server.*`` parsers: the same
         ``nemo_gen.chat.answers.parse_answer``), recorded when it succeeded (an error result is
         returned and not recorded). Send ``result.message`` back as the next turn's assistant
-        message. ``tool_choice``: ``auto`` or ``none`` (a forced call: the gateway over HTTP)."""
+        message. ``tool_choice`` (``auto``, ``none``, ``required``, a named function) and
+        ``parallel_tool_calls`` as on the chat route: a forced call is sampled under the parser's
+        grammar, as the route samples it (``nemo_gen.chat.constrain``)."""
         chat = {"tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
                 "include_reasoning": include_reasoning}
-        prepared, req = self._turn(messages, tools, sampling, chat)
-        (result,) = self.fleet.generate([prepared.prompt_ids], session_id=self.id, **sampling)
+        prepared, req, kwargs = self._turn(messages, tools, sampling, chat)
+        (result,) = self.fleet.generate([prepared.prompt_ids], session_id=self.id, **kwargs)
         return self._answered(prepared, req, result, sampling, chat)
 
     async def chat_async(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
@@ -199,8 +200,8 @@ class FleetSession:
                          include_reasoning: bool | None = None, **sampling: Any) -> "SessionResult":
         chat = {"tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
                 "include_reasoning": include_reasoning}
-        prepared, req = self._turn(messages, tools, sampling, chat)
-        result = await self.fleet.generate_async(prepared.prompt_ids, session_id=self.id, **sampling)
+        prepared, req, kwargs = self._turn(messages, tools, sampling, chat)
+        result = await self.fleet.generate_async(prepared.prompt_ids, session_id=self.id, **kwargs)
         return self._answered(prepared, req, result, sampling, chat)
 
     def close(self) -> None:

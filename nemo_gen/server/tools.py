@@ -8,7 +8,8 @@ What vLLM's chat server does, done the same way over the fleet:
 - a request is refused as vLLM's renderer refuses it: ``tool_choice`` ``auto`` / ``required`` /
   a named function without a tool-call parser is a 400 naming ``tool_choice``; vLLM's request
   model checks the rest (an unknown function name in ``tool_choice``, malformed ``tools``);
-- ``required`` and a named function are constrained by the parser's ``adjust_request``: the
+- ``required`` and a named function are constrained by the parser's ``adjust_request``
+  (``nemo_gen.chat.constrain``, which a library session constrains through too): the
   parser's structural tag (Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, the
   arguments pinned to the tool's schema when the tool is ``strict`` or ``server.tool_strict_level``
   says so), or for parsers without one a JSON schema from the tools
@@ -29,7 +30,6 @@ What vLLM's chat server does, done the same way over the fleet:
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -42,9 +42,10 @@ from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_
 from vllm.exceptions import VLLMValidationError
 
 from nemo_gen.chat.answers import ChatParsers, parse_answer
+from nemo_gen.chat.constrain import adjusted, constraint
 from nemo_gen.chat.render import render_chat_text
 from nemo_gen.errors import RequestError
-from nemo_gen.server.protocol import bad, structured_of
+from nemo_gen.server.protocol import bad
 
 
 class ChatTools(ChatParsers):
@@ -53,8 +54,7 @@ class ChatTools(ChatParsers):
 
     def __init__(self, server_settings: Any, tokenizer: Any):
         super().__init__(server_settings.tool_call_parser, server_settings.reasoning_parser, tokenizer,
-                         server_settings.tool_strict_level)
-        self.whitespace = server_settings.tool_call_whitespace
+                         server_settings.tool_strict_level, server_settings.tool_call_whitespace)
 
     def turn(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> "ChatTurn":
         """The request checked and adjusted as vLLM's renderer does it (400 naming the field)."""
@@ -64,14 +64,12 @@ class ChatTools(ChatParsers):
                 else f'"{choice}"'
             raise bad(f"tool_choice: tool_choice={what} needs a tool-call parser; set server.tool_call_parser "
                       "(a vLLM ToolParserManager name, e.g. hermes)", "tool_choice")
-        asked = req.structured_outputs
-        if self.parser_cls is not None and (self.reasoning_parser or choice not in (None, "none")):
-            try:
-                req = self.parser(req.tools).adjust_request(req)
-            except (VLLMValidationError, ValueError) as exc:
-                param = getattr(exc, "parameter", None) or "tools"
-                raise bad(f"{param}: {exc}", param) from None
-        return ChatTurn(self, req, messages, constrained=req.structured_outputs is not asked)
+        try:
+            req, constrained = adjusted(self, req)
+        except (VLLMValidationError, ValueError) as exc:
+            param = getattr(exc, "parameter", None) or "tools"
+            raise bad(f"{param}: {exc}", param) from None
+        return ChatTurn(self, req, messages, constrained=constrained)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None,
@@ -113,12 +111,7 @@ class ChatTurn:
 
     def structured_outputs(self) -> dict[str, Any] | None:
         """The fleet's ``structured_outputs`` keyword: the request's own, or the forced call's schema."""
-        out = structured_of(self.req)
-        if out and self.constrained and self.tools.whitespace is not None and "structural_tag" in out:
-            tag = json.loads(out["structural_tag"])
-            _bound_whitespace(tag, self.tools.whitespace)
-            out["structural_tag"] = json.dumps(tag)
-        return out
+        return constraint(self.req, self.constrained, self.tools.whitespace)
 
     def render(self) -> list[int]:
         """The prompt's token ids: the messages and tools through the tokenizer's chat template."""
@@ -130,19 +123,6 @@ class ChatTurn:
 
     def stream(self, prompt_token_ids: list[int] | None) -> "StreamedTurn":
         return StreamedTurn(self, prompt_token_ids)
-
-
-def _bound_whitespace(node: Any, most: int) -> None:
-    """Every JSON content of a structural tag with unbounded whitespace bounded to ``most``
-    consecutive characters (server.tool_call_whitespace)."""
-    if isinstance(node, dict):
-        if "max_whitespace_cnt" in node and node["max_whitespace_cnt"] is None:
-            node["max_whitespace_cnt"] = most
-        for value in node.values():
-            _bound_whitespace(value, most)
-    elif isinstance(node, list):
-        for value in node:
-            _bound_whitespace(value, most)
 
 
 class StreamedTurn:

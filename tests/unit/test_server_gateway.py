@@ -269,13 +269,38 @@ def test_a_tool_call_turn_answers_python_as_it_answers_http(served, monkeypatch)
     assert traj["loss_mask"] == over_http["loss_mask"] and _masked(traj) == ids + ids
 
 
-def test_a_forced_tool_choice_from_python_is_refused_naming_it(served):
-    fleet, _, _ = served
+def test_a_forced_tool_choice_reaches_the_fleet_as_the_same_grammar_from_python_and_http(served, monkeypatch):
+    fleet, handle, _ = served
+    seen = []
+    real, real_async = fleet.generate, fleet.generate_async
+
+    def spy(prompts, **kwargs):
+        seen.append(kwargs)
+        return real(prompts, **kwargs)
+
+    async def spy_async(prompt, **kwargs):
+        seen.append(kwargs)
+        return await real_async(prompt, **kwargs)
+
+    monkeypatch.setattr(fleet, "generate", spy)
+    monkeypatch.setattr(fleet, "generate_async", spy_async)
+    ask = [{"role": "user", "content": "q"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    created = _open(handle.url)
+    for choice in ("required", named):
+        seen.clear()
+        _client(created).chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice=choice,
+                                                 max_tokens=4)
+        with fleet.session() as s:
+            s.chat(ask, tools=TOOLS, tool_choice=choice, max_new_tokens=4)
+        over_http, from_python = (kw["structured_outputs"] for kw in seen)
+        assert from_python == over_http and "get_weather" in from_python["structural_tag"]
+        assert '"max_whitespace_cnt": 4' in from_python["structural_tag"]  # bounded, as the route's
     with fleet.session() as s:
-        with pytest.raises(Exception, match="tool_choice"):
-            s.chat([{"role": "user", "content": "q"}], tools=TOOLS, tool_choice="required", max_new_tokens=4)
         with pytest.raises(Exception, match="^parallel_tool_calls:"):  # vLLM's request model refuses it, named
-            s.chat([{"role": "user", "content": "q"}], tools=TOOLS, parallel_tool_calls="sometimes", max_new_tokens=4)
+            s.chat(ask, tools=TOOLS, parallel_tool_calls="sometimes", max_new_tokens=4)
+        with pytest.raises(Exception, match="^tool_choice:"):
+            s.chat(ask, tool_choice="required", max_new_tokens=4)  # no tools
         assert s.trajectory().to_json()["turns"] == []
 
 
