@@ -2,7 +2,9 @@
 
 - A session expires ``ttl_s`` after its last use (opening it, or a turn ending); a turn in
   flight keeps it alive. ``expire()`` takes the expired ones out (the caller releases their
-  shards); every ``open`` and lookup expires first, so an idle server needs no timer.
+  shards). Every ``open`` and lookup expires first, and the table's owner also calls it every
+  ``sweep_interval(ttl_s)`` while any session is open, so an idle server does not keep an
+  expired session (its bytes, its shard) for longer than that past its TTL.
 - At most ``max_sessions`` are open at once: one more is refused (``SessionError`` 429 naming
   ``server.max_sessions``) — never an older session dropped to make room.
 - Each session's record is at most ``max_bytes`` (``charge``): a turn that would take it past
@@ -23,6 +25,14 @@ from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
+
+# An expired session outlives its TTL by at most a quarter of it, and never by more than this.
+SWEEP_MOST_S = 30.0
+
+
+def sweep_interval(ttl_s: float) -> float:
+    """How often the table's owner sweeps out expired sessions: ``min(ttl_s / 4, 30 s)``."""
+    return max(min(ttl_s / 4.0, SWEEP_MOST_S), 0.0)
 
 
 class SessionError(Exception):

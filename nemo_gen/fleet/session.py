@@ -3,7 +3,7 @@
     with fleet.session() as s:
         r1 = s.chat([{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_new_tokens=64)
         ...                                           # the agent runs its tool, appends messages
-        r2 = s.chat(messages + [{"role": "assistant", "content": r1.text}, tool_result])
+        r2 = s.chat(messages + [r1.message, tool_result])  # r1.message: tool_calls, reasoning split out
         traj = s.trajectory()                        # nemo_gen.core.trajectory.Trajectory
         traj.to_json()["token_ids"], traj.to_json()["loss_mask"]
 
@@ -13,18 +13,22 @@ session's id — the router keeps it on the shard placement chose (``nemo_gen.co
 re-placed if that shard stops serving) — and records the answer. The HTTP gateway
 (``nemo_gen.server.gateway``) uses the same class, so both give the same ``Trajectory``.
 
-Chat rendering is vLLM's (``safe_apply_chat_template`` over the tokenizer's template, tool-call
-arguments made objects first), as the chat route renders a prompt with tools.
+Chat rendering and the reading of answers are the chat route's own (``nemo_gen.chat``: vLLM's
+template application; ``server.tool_call_parser`` / ``server.reasoning_parser`` through vLLM's
+parsers), so a library caller's ``result.message`` is the HTTP route's ``choices[0].message``.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from nemo_gen.chat.answers import ChatParsers, chat_request, message_record, parse_answer
+from nemo_gen.chat.constrain import adjusted, constraint
+from nemo_gen.chat.render import render_chat_text
 from nemo_gen.core.results import GenerationResult
 from nemo_gen.core.trajectory import Plan, Trajectory, Turn, continuation_text
 from nemo_gen.errors import RequestError
@@ -35,23 +39,14 @@ Render = Callable[[list[dict[str, Any]], Any, bool], str]
 NOT_A_PREFIX = "the chat template does not render the recorded conversation as a prefix of this turn's"
 
 
-def render_chat_text(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-    """A chat as the tokenizer's chat template writes it, through vLLM's template application
-    (tool-call arguments made objects first, as vLLM's renderer does). vLLM's
-    ``VLLMValidationError`` passes through; no template: ``RequestError``."""
-    from vllm.renderers.chat_utils import _postprocess_messages
-    from vllm.renderers.hf import safe_apply_chat_template
+@dataclass
+class SessionResult(GenerationResult):
+    """A library session's turn: the fleet's ``GenerationResult`` (``text``, ``finish_reason``
+    the engine's), plus ``message``, the assistant message the HTTP route answers with (None for
+    a failed turn), and ``chat_finish_reason``, its choice's (``tool_calls`` when vLLM's is)."""
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("messages: this prompt is a chat, but the tokenizer (model.tokenizer, or the model's own) "
-                           "has no chat template")
-    conversation = copy.deepcopy(list(messages))
-    _postprocess_messages(conversation)
-    return safe_apply_chat_template(None, tokenizer, conversation, tools=tools or None,
-                                    chat_template=tokenizer.chat_template, tokenize=False,
-                                    add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message)
+    message: dict[str, Any] | None = None
+    chat_finish_reason: str | None = None
 
 
 @dataclass
@@ -70,9 +65,12 @@ class FleetSession:
     ``chat`` / ``chat_async`` (a library caller's); ``trajectory()``; ``close()`` releases its shard."""
 
     def __init__(self, session_id: str, tokenizer: Any, render: Render | None = None,
-                 fleet: Any = None, on_close: Callable[[str], None] | None = None):
+                 fleet: Any = None, on_close: Callable[[str], None] | None = None,
+                 parsers: ChatParsers | None = None):
         self.id = session_id
         self.tokenizer = tokenizer
+        # how a library caller's answers are read (the gateway reads its own: the chat route's)
+        self.parsers = parsers or ChatParsers(None, None, tokenizer)
         self.render: Render = render or (lambda m, t, g: render_chat_text(tokenizer, m, t, g))
         self.fleet = fleet
         self._on_close = on_close
@@ -132,37 +130,79 @@ class FleetSession:
 
     # -- the library caller's path ----------------------------------------------------------------
 
-    def _check(self, sampling: dict[str, Any]) -> None:
+    def _check(self, sampling: dict[str, Any], tool_choice: Any) -> None:
         if self.closed:
             raise RequestError(f"session {self.id!r} is closed")
         if self.fleet is None:
             raise RequestError("this session has no fleet to generate with (the gateway's sessions answer over HTTP)")
         if sampling.get("n", 1) != 1:
             raise RequestError("n: a session's turn has one sample (n=1); a trajectory is one conversation")
+        if tool_choice not in (None, "none") and not self.parsers.auto:
+            raise RequestError(f"tool_choice: tool_choice={tool_choice!r} needs a tool-call parser; set "
+                               "server.tool_call_parser (a vLLM ToolParserManager name, e.g. hermes)")
 
-    def _answered(self, prepared: Prepared, result: GenerationResult, sampling: dict[str, Any]) -> GenerationResult:
-        if result.ok:
+    def _request(self, prepared: Prepared, chat: dict[str, Any], sampling: dict[str, Any]) -> Any:
+        """vLLM's request model for the turn, adjusted for the parsers as the HTTP route adjusts
+        it; a forced or strict call's grammar goes into ``sampling`` as the route sends it."""
+        req = chat_request(prepared.messages, prepared.tools, **chat)
+        try:
+            req, constrained = adjusted(self.parsers, req)
+        except ValueError as exc:  # vLLM's VLLMValidationError is one
+            raise RequestError(f"{getattr(exc, 'parameter', None) or 'tools'}: {exc}") from None
+        if constrained:
+            sampling["structured_outputs"] = constraint(req, True, self.parsers.whitespace)
+        return req
+
+    def _answered(self, prepared: Prepared, req: Any, result: GenerationResult, sampling: dict[str, Any],
+                  chat: dict[str, Any]) -> "SessionResult":
+        finish = result.finish_reason
+        if not result.ok:
+            message = None
+        elif req is None:
             message = {"role": "assistant", "content": result.text}
+        else:
+            parsed, finish = parse_answer(self.parsers, req, result.text or "", result.token_ids, result.finish_reason)
+            message = message_record(parsed)
+        if message is not None:
             self.record(prepared, result, message, {"messages": prepared.plan.new, "tools": prepared.tools,
+                                                    **{k: v for k, v in chat.items() if v is not None},
                                                     "sampling": sampling})
-        return result
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(GenerationResult)}
+        return SessionResult(**fields, message=message, chat_finish_reason=finish)
 
-    def chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-             **sampling: Any) -> GenerationResult:
-        """One turn: the fleet's ``GenerationResult`` for it, recorded when it succeeded (an error
-        result is returned and not recorded). The assistant message the record expects next is
-        ``{"role": "assistant", "content": result.text}``."""
-        self._check(sampling)
+    def _turn(self, messages: Sequence[dict[str, Any]], tools: Any, sampling: dict[str, Any],
+              chat: dict[str, Any]) -> tuple[Prepared, Any, dict[str, Any]]:
+        """The turn's prompt, vLLM's request model (None: no parser set) and the fleet's keywords."""
+        self._check(sampling, chat.get("tool_choice"))
         prepared = self.prepare(messages, tools)
-        (result,) = self.fleet.generate([prepared.prompt_ids], session_id=self.id, **sampling)
-        return self._answered(prepared, result, sampling)
+        kwargs = dict(sampling)
+        req = self._request(prepared, chat, kwargs) if self.parsers.parser_cls is not None else None
+        return prepared, req, kwargs
 
-    async def chat_async(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         **sampling: Any) -> GenerationResult:
-        self._check(sampling)
-        prepared = self.prepare(messages, tools)
-        result = await self.fleet.generate_async(prepared.prompt_ids, session_id=self.id, **sampling)
-        return self._answered(prepared, result, sampling)
+    def chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+             tool_choice: Any = None, parallel_tool_calls: bool | None = None, include_reasoning: bool | None = None,
+             **sampling: Any) -> "SessionResult":
+        """One turn: the fleet's result for it with ``message``, the assistant message the HTTP
+        route answers (tool calls and reasoning split out by the ``server.*`` parsers: the same
+        ``nemo_gen.chat.answers.parse_answer``), recorded when it succeeded (an error result is
+        returned and not recorded). Send ``result.message`` back as the next turn's assistant
+        message. ``tool_choice`` (``auto``, ``none``, ``required``, a named function) and
+        ``parallel_tool_calls`` as on the chat route: a forced call is sampled under the parser's
+        grammar, as the route samples it (``nemo_gen.chat.constrain``)."""
+        chat = {"tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                "include_reasoning": include_reasoning}
+        prepared, req, kwargs = self._turn(messages, tools, sampling, chat)
+        (result,) = self.fleet.generate([prepared.prompt_ids], session_id=self.id, **kwargs)
+        return self._answered(prepared, req, result, sampling, chat)
+
+    async def chat_async(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                         tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                         include_reasoning: bool | None = None, **sampling: Any) -> "SessionResult":
+        chat = {"tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                "include_reasoning": include_reasoning}
+        prepared, req, kwargs = self._turn(messages, tools, sampling, chat)
+        result = await self.fleet.generate_async(prepared.prompt_ids, session_id=self.id, **kwargs)
+        return self._answered(prepared, req, result, sampling, chat)
 
     def close(self) -> None:
         """End the session: its shard is released (idempotent); its trajectory stays readable."""
@@ -182,12 +222,17 @@ class SessionVerbs:
     """``GenerationFleet.session()``: a mixin, so the facade stays small."""
 
     router: Any
+    settings: Any
     _tokenizer: Any
+    _session_parsers: ChatParsers | None = None
 
     def session(self, session_id: str | None = None) -> FleetSession:
         """A new recorded session (``nemo_gen.fleet.session``), placed on the serving shard with the
         fewest open sessions; ``close()`` it (or use it as a context manager) to release the shard."""
         self.background.check_open()  # type: ignore[attr-defined]
         sid = session_id or f"sess-{secrets.token_hex(12)}"
+        if self._session_parsers is None:  # the server's parsers (server.*), built once per fleet
+            self._session_parsers = ChatParsers.from_settings(self.settings.server, self._tokenizer)
         self.router.open_session(sid)
-        return FleetSession(sid, self._tokenizer, fleet=self, on_close=self.router.close_session)
+        return FleetSession(sid, self._tokenizer, fleet=self, on_close=self.router.close_session,
+                            parsers=self._session_parsers)

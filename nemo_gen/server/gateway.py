@@ -20,7 +20,9 @@ Recorded per turn: the request (its body, ``messages`` cut to the new ones, ``fi
 index of the first of them), the engine's prompt and completion ids, logprobs, ``weight_versions``,
 finish reason, shard, the answer's message. A failed turn is not recorded.
 
-Limits (``server.*``): ``session_ttl_s`` after its last turn a session expires (404 after), at most
+Limits (``server.*``): ``session_ttl_s`` after its last turn a session expires (404 after; a sweep
+on the server's event loop, every ``sweep_interval(session_ttl_s)`` while any session is open,
+takes it out and releases its shard even when no request comes), at most
 ``max_sessions`` open (429), at most ``max_session_bytes`` recorded per session (413, the turn not
 recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``.
 
@@ -39,7 +41,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from vllm.utils import random_uuid
 
-from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable
+from nemo_gen.chat.answers import message_record
+from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable, sweep_interval
 from nemo_gen.core.trajectory import turn_bytes
 from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet.session import FleetSession
@@ -64,6 +67,7 @@ class Gateway:
         self.table: SessionTable[FleetSession] = SessionTable(
             SessionLimits(server.session_ttl_s, server.max_sessions, server.max_session_bytes))
         self.router = getattr(api.fleet, "router", None)  # places sessions (a fleet without one: none placed)
+        self._sweeper: asyncio.Task | None = None
 
     def _release(self, sid: str) -> None:
         if self.router is not None:
@@ -72,6 +76,19 @@ class Gateway:
     def expire(self) -> None:
         for _, session in self.table.expire():
             session.close()
+
+    def _sweep_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the sweep on the server's loop unless it runs (it ends when no session is open)."""
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Expire sessions every ``sweep_interval(ttl)`` while any is open, their shards released,
+        so an idle server keeps none past its TTL; the next ``create`` starts it again."""
+        interval = sweep_interval(self.table.limits.ttl_s)
+        while len(self.table):
+            await asyncio.sleep(interval)
+            self.expire()  # bookkeeping only (as every lookup's), no call to a shard
 
     def _session(self, sid: str, begin: bool = False) -> FleetSession:
         self.expire()
@@ -104,6 +121,10 @@ class Gateway:
             except ShardUnavailableError as exc:
                 self.table.close(sid)
                 raise ApiError(503, f"ShardUnavailableError: {exc}") from None
+        try:
+            self._sweep_on(asyncio.get_running_loop())
+        except RuntimeError:  # called off the loop (a test's direct call): lookups still expire
+            pass
         path = f"{PREFIX}/{sid}/v1"
         return {"id": sid, "object": "nemo_gen.session", "base_url": path, "url": base.rstrip("/") + path,
                 "shard": shard, "ttl_s": self.table.limits.ttl_s}
@@ -129,7 +150,7 @@ class Gateway:
                 def on_results(results: list[Any]) -> None:
                     result = results[0]
                     if call.turn is not None:
-                        message = _message(call.turn.message(result.text or "", result.token_ids,
+                        message = message_record(call.turn.message(result.text or "", result.token_ids,
                                                              result.finish_reason)[0])
                     else:
                         message = {"role": "assistant", "content": result.text or ""}
@@ -142,7 +163,7 @@ class Gateway:
                 return response
             results = await api.generate(call, "messages")
             out = await asyncio.to_thread(responses.chat_response, call, api.model, results, api.detok, response_id)
-            turn = self._record(sid, session, prepared, body, results[0], _message(out.choices[0].message))
+            turn = self._record(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}
             return self.answer(results, out)
@@ -178,20 +199,11 @@ class Gateway:
         return {**session.trajectory().to_json(), "deleted": True}
 
 
-def _message(message: Any) -> dict[str, Any]:
-    """The answer's message as the agent will send it back (what the next turn's check compares)."""
-    out: dict[str, Any] = {"role": "assistant", "content": message.content}
-    if message.tool_calls:
-        out["tool_calls"] = [c.model_dump(exclude_none=True) for c in message.tool_calls]
-    if getattr(message, "reasoning", None):
-        out["reasoning"] = message.reasoning
-    return out
-
-
 def add_routes(app: Any, api: Any, settings: Any, route: Any, answer: Any) -> Gateway:
     """The gateway's routes on ``app``, each wrapped by the server's ``route`` (errors, logging);
     ``answer(results, body)``: the chat route's response (its provenance headers)."""
     gateway = Gateway(api, settings, answer)
+    app.state.gateway = gateway  # its table, for whoever holds the app (tests, an operator's shell)
     max_bytes = settings.server.max_body_bytes
 
     async def create(request: Request):

@@ -20,7 +20,9 @@ the vLLM series the snapshot its monitor fetches on each probe round.
   true`` (`nemo-gen serve` turns it on), and the fleet fetches them only while its monitor runs
   (``health.enabled``; a fleet attached with ``watch=False`` has none).
 - HTTP series of this server: ``nemo_gen_http_requests_total{route,code}`` and
-  ``nemo_gen_http_request_duration_seconds{route}``.
+  ``nemo_gen_http_request_duration_seconds{route}``. ``route`` is a bounded set: the server's own
+  paths, the gateway's as templates (``/nemo_gen/sessions/{id}/v1/chat/completions``: never a
+  session's id, which would grow a series per session), anything else ``other``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/nemo_gen/refit")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+          "/nemo_gen/refit")
+# The trajectory gateway's routes (nemo_gen.server.gateway) by what follows a session's id.
+SESSIONS = "/nemo_gen/sessions"
+SESSION_ROUTES = {tail: SESSIONS + "/{id}" + tail for tail in ("", "/v1/chat/completions", "/v1/models", "/trajectory")}
 _KEY = re.compile(r"^(?P<name>[^{]+)(\{(?P<labels>.*)\})?$")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 
@@ -180,7 +186,14 @@ class ServerMetrics:
 
     @staticmethod
     def route(path: str) -> str:
-        return path if path in ROUTES else "other"
+        """The ``route`` label of a request path (a template for a session's: never its id)."""
+        if path in ROUTES or path == SESSIONS:
+            return path
+        if path.startswith(SESSIONS + "/"):
+            sid, slash, tail = path[len(SESSIONS) + 1:].partition("/")
+            template = SESSION_ROUTES.get(slash + tail) if sid else None
+            return template or "other"
+        return "other"
 
     def observe(self, route: str, code: int, seconds: float) -> None:
         children = self._children.get((route, code))

@@ -30,6 +30,8 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 
+from nemo_gen.chat.constrain import structured_of
+
 
 # OpenAI (and vLLM-extension) request fields -> the fleet's sampling keywords.
 SAMPLING = {
@@ -65,9 +67,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _MESSAGE_KEYS = {"role", "content", "name"}
 # Keys of a message in a tool-using conversation: the server renders such a chat itself (tools.py).
 _TOOL_MESSAGE_KEYS = {"tool_calls", "tool_call_id", "reasoning", "reasoning_content"}
-# StructuredOutputsParams fields the fleet's structured_outputs keyword carries (one of them is set).
-STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 class ApiError(Exception):
@@ -318,18 +317,6 @@ def _top_logprobs(req: Any, value: int, param: str) -> int:
         raise bad(f"{param}: alternatives per token are not streamed by nemo-gen serve; ask without stream, "
                   f"or with {param}=0", param)
     return value
-
-
-def structured_of(req: Any) -> dict[str, Any] | None:
-    """vLLM's request constraint (``structured_outputs``, ``response_format``) as the fleet's
-    ``structured_outputs`` keyword."""
-    so = req.extract_structured_outputs() if hasattr(req, "extract_structured_outputs") else req.structured_outputs
-    if so is None:
-        return None
-    out = {k: v for k in STRUCTURED if (v := getattr(so, k, None)) not in (None, False)}
-    if out:
-        out.update({k: v for k in STRUCTURED_OPTIONS if (v := getattr(so, k, None)) not in (None, False)})
-    return out or None
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ What vLLM's chat server does, done the same way over the fleet:
 - a request is refused as vLLM's renderer refuses it: ``tool_choice`` ``auto`` / ``required`` /
   a named function without a tool-call parser is a 400 naming ``tool_choice``; vLLM's request
   model checks the rest (an unknown function name in ``tool_choice``, malformed ``tools``);
-- ``required`` and a named function are constrained by the parser's ``adjust_request``: the
+- ``required`` and a named function are constrained by the parser's ``adjust_request``
+  (``nemo_gen.chat.constrain``, which a library session constrains through too): the
   parser's structural tag (Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, the
   arguments pinned to the tool's schema when the tool is ``strict`` or ``server.tool_strict_level``
   says so), or for parsers without one a JSON schema from the tools
@@ -20,18 +21,18 @@ What vLLM's chat server does, done the same way over the fleet:
   tokenizer's own chat template, the messages' tool-call arguments made objects first
   (``_postprocess_messages``), then tokenized as the fleet tokenizes a chat (the template wrote
   the special tokens);
-- answers are split by ``Parser.parse`` (whole) or ``Parser.parse_delta`` (streamed, one parser
-  per choice) into ``content``, ``reasoning`` (vLLM 0.32's field) and ``tool_calls``;
+- answers are split by ``Parser.parse`` (whole: ``nemo_gen.chat.answers.parse_answer``, which a
+  library session answers through too) or ``Parser.parse_delta`` (streamed, one parser per
+  choice) into ``content``, ``reasoning`` (vLLM 0.32's field) and ``tool_calls``;
   ``finish_reason`` is ``tool_calls`` when vLLM's would be, and ``parallel_tool_calls: false``
   keeps the first call only (``maybe_filter_parallel_tool_calls``).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
-from vllm.entrypoints.generate.base.protocol import DeltaMessage, ToolCall
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
@@ -39,29 +40,21 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
 from vllm.exceptions import VLLMValidationError
-from vllm.parser import ParserManager
-from vllm.renderers.chat_utils import make_tool_call_id
 
+from nemo_gen.chat.answers import ChatParsers, parse_answer
+from nemo_gen.chat.constrain import adjusted, constraint
+from nemo_gen.chat.render import render_chat_text
 from nemo_gen.errors import RequestError
-from nemo_gen.fleet.session import render_chat_text
-from nemo_gen.server.protocol import bad, structured_of
+from nemo_gen.server.protocol import bad
 
 
-
-class ChatTools:
-    """The server's parsers (from its settings) and the tokenizer they and the template run on."""
+class ChatTools(ChatParsers):
+    """The server's parsers (from its settings: ``nemo_gen.chat.answers.ChatParsers``), the
+    tokenizer they and the template run on, and the bound on a constrained call's whitespace."""
 
     def __init__(self, server_settings: Any, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.tool_parser = server_settings.tool_call_parser
-        self.reasoning_parser = server_settings.reasoning_parser
-        self.auto = self.tool_parser is not None
-        self.whitespace = server_settings.tool_call_whitespace
-        self.parser_cls = None
-        if self.tool_parser or self.reasoning_parser:
-            self.parser_cls = ParserManager.get_parser(
-                tool_parser_name=self.tool_parser, reasoning_parser_name=self.reasoning_parser,
-                enable_auto_tools=self.auto, tool_strict_level=server_settings.tool_strict_level, tokenizer=tokenizer)
+        super().__init__(server_settings.tool_call_parser, server_settings.reasoning_parser, tokenizer,
+                         server_settings.tool_strict_level, server_settings.tool_call_whitespace)
 
     def turn(self, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> "ChatTurn":
         """The request checked and adjusted as vLLM's renderer does it (400 naming the field)."""
@@ -71,21 +64,19 @@ class ChatTools:
                 else f'"{choice}"'
             raise bad(f"tool_choice: tool_choice={what} needs a tool-call parser; set server.tool_call_parser "
                       "(a vLLM ToolParserManager name, e.g. hermes)", "tool_choice")
-        asked = req.structured_outputs
-        if self.parser_cls is not None and (self.reasoning_parser or choice not in (None, "none")):
-            try:
-                req = self.parser_cls(self.tokenizer, req.tools).adjust_request(req)
-            except (VLLMValidationError, ValueError) as exc:
-                param = getattr(exc, "parameter", None) or "tools"
-                raise bad(f"{param}: {exc}", param) from None
-        return ChatTurn(self, req, messages, constrained=req.structured_outputs is not asked)
+        try:
+            req, constrained = adjusted(self, req)
+        except (VLLMValidationError, ValueError) as exc:
+            param = getattr(exc, "parameter", None) or "tools"
+            raise bad(f"{param}: {exc}", param) from None
+        return ChatTurn(self, req, messages, constrained=constrained)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 add_special_tokens: bool = False) -> list[int]:
     """A chat's token ids as the chat route makes them: vLLM's template application over the
-    tokenizer's chat template (``nemo_gen.fleet.session.render_chat_text``), then tokenized as the
+    tokenizer's chat template (``nemo_gen.chat.render.render_chat_text``), then tokenized as the
     fleet tokenizes a chat (the template wrote the special tokens)."""
     text = render_text(tokenizer, messages, [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                        add_generation_prompt, continue_final_message)
@@ -120,12 +111,7 @@ class ChatTurn:
 
     def structured_outputs(self) -> dict[str, Any] | None:
         """The fleet's ``structured_outputs`` keyword: the request's own, or the forced call's schema."""
-        out = structured_of(self.req)
-        if out and self.constrained and self.tools.whitespace is not None and "structural_tag" in out:
-            tag = json.loads(out["structural_tag"])
-            _bound_whitespace(tag, self.tools.whitespace)
-            out["structural_tag"] = json.dumps(tag)
-        return out
+        return constraint(self.req, self.constrained, self.tools.whitespace)
 
     def render(self) -> list[int]:
         """The prompt's token ids: the messages and tools through the tokenizer's chat template."""
@@ -133,38 +119,10 @@ class ChatTurn:
 
     def message(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> tuple[ChatMessage, str | None]:
         """An answer as the assistant's message and its finish reason, as vLLM's full generator makes them."""
-        if not self.parses:
-            return ChatMessage(role="assistant", content=text), finish_reason
-        parser = self.tools.parser_cls(self.tools.tokenizer, self.req.tools)
-        reasoning, content, calls = parser.parse(text, self.req, enable_auto_tools=self.tools.auto,
-                                                 model_output_token_ids=list(token_ids))
-        if not self.req.include_reasoning:
-            reasoning = None
-        forced = self.named or self.req.tool_choice == "required"
-        calls = maybe_filter_parallel_tool_calls(list(calls or []), self.req)
-        tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls]
-        message = ChatMessage(role="assistant", reasoning=reasoning,
-                              content=(content or "") if forced else content, tool_calls=tool_calls)
-        auto_called = bool(tool_calls) and not forced and self.req.tool_choice in ("auto", None)
-        if auto_called or (self.req.tool_choice == "required" and finish_reason == "stop"):
-            finish_reason = "tool_calls"
-        return message, finish_reason
+        return parse_answer(self.tools, self.req, text, token_ids, finish_reason)
 
     def stream(self, prompt_token_ids: list[int] | None) -> "StreamedTurn":
         return StreamedTurn(self, prompt_token_ids)
-
-
-def _bound_whitespace(node: Any, most: int) -> None:
-    """Every JSON content of a structural tag with unbounded whitespace bounded to ``most``
-    consecutive characters (server.tool_call_whitespace)."""
-    if isinstance(node, dict):
-        if "max_whitespace_cnt" in node and node["max_whitespace_cnt"] is None:
-            node["max_whitespace_cnt"] = most
-        for value in node.values():
-            _bound_whitespace(value, most)
-    elif isinstance(node, list):
-        for value in node:
-            _bound_whitespace(value, most)
 
 
 class StreamedTurn:
@@ -173,7 +131,7 @@ class StreamedTurn:
     def __init__(self, turn: ChatTurn, prompt_token_ids: list[int] | None):
         self.turn = turn
         self.prompt_token_ids = prompt_token_ids
-        self.parser = turn.tools.parser_cls(turn.tools.tokenizer, turn.req.tools) if turn.parses else None
+        self.parser = turn.tools.parser(turn.req.tools) if turn.parses else None
         self.called = False
 
     def delta(self, text: str, token_ids: Sequence[int], finish_reason: str | None) -> tuple[DeltaMessage | None, str | None]:

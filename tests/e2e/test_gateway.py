@@ -7,6 +7,8 @@ fleet of two vLLM engines (the tiny random-weight model with room for rendered t
   the trajectory's masked tokens are the sampled ids turn by turn, the mask's sum is the
   completion tokens, each turn's prompt starts with the previous turns' ids — though the chat
   template re-serialises each tool call (keys sorted) unlike what the engine sampled;
+- the same agent from Python (``fleet.session()``): its answers carry the parsed calls, as the
+  route's do, and its trajectory holds the sampled ids;
 - the session's shard SIGKILLed (its actor, by PID) between two turns: the session goes on on the
   other shard, prefilled from the full token prompt, and its trajectory is complete.
 
@@ -171,3 +173,35 @@ def test_a_session_survives_its_shard_sigkilled_mid_session(served):
     _check(traj, outs)
     assert [t["shard"] for t in traj["turns"]] == [home, 1 - home, 1 - home]
     assert fleet.router.affinity.placement.slot_of(created["id"]) == 1 - home
+
+
+def test_a_python_session_gets_the_tool_calls_the_route_gives(served):
+    """``fleet.session()`` (no HTTP): the same agent, its calls forced; each answer's message
+    carries the parsed call (its arguments valid against the schema), sent back as is, and the
+    trajectory holds the sampled ids turn by turn as the gateway's does."""
+    fleet, _, _ = served
+    messages = [{"role": "user", "content": "Weather in Paris, then Oslo?"}]
+    results = []
+    with fleet.session() as s:
+        for choice in ("required", "required", "none"):
+            r = s.chat(messages, tools=[TOOLS[0]], tool_choice=choice, parallel_tool_calls=False, max_new_tokens=120,
+                       temperature=0.7, seed=5)
+            assert r.ok, r.error
+            results.append(r)
+            messages.append(r.message)
+            if choice == "required":
+                (call,) = r.message["tool_calls"]
+                args = json.loads(call["function"]["arguments"])
+                jsonschema.validate(args, WEATHER)
+                assert r.chat_finish_reason == "tool_calls"
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": get_weather(**args)})
+            else:
+                assert "tool_calls" not in r.message
+        traj = s.trajectory().to_json()
+    assert len(traj["segments"]) == 1 and [t["new_segment_reason"] for t in traj["turns"]] == [None] * 3
+    masked = [t for t, m in zip(traj["token_ids"], traj["loss_mask"]) if m]
+    assert masked == [t for r in results for t in r.token_ids]
+    for prev, turn in zip(traj["turns"], traj["turns"][1:]):
+        before = prev["prompt_token_ids"] + prev["token_ids"]
+        assert turn["prompt_token_ids"][:len(before)] == before
+    assert fleet.router.affinity.placement.slot_of(s.id) is None  # closed: released

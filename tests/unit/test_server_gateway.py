@@ -215,3 +215,146 @@ def test_a_session_lists_its_model_until_it_ends(served):
     with pytest.raises(openai.NotFoundError):
         _client(created).models.list()
     assert httpx.delete(f"{handle.url}/nemo_gen/sessions/{created['id']}").status_code == 404
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def _without_ids(message: dict) -> dict:
+    calls = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls") or []]
+    return {**message, "tool_calls": calls}
+
+
+def _same_turns(a: dict, b: dict) -> list:
+    keep = ("prompt_token_ids", "token_ids", "finish_reason", "segment", "new_segment_reason")
+    return [({k: t[k] for k in keep}, _without_ids(t["message"])) for t in a["turns"]] == \
+        [({k: t[k] for k in keep}, _without_ids(t["message"])) for t in b["turns"]]
+
+
+def test_a_tool_call_turn_answers_python_as_it_answers_http(served, monkeypatch):
+    """The engine samples a hermes tool call: ``fleet.session()`` gives the message (tool_calls
+    split out by the server's parser) and the trajectory the gateway's HTTP route gives."""
+    import json
+
+    from tests import fakes
+
+    fleet, handle, _ = served
+    ids = list(fleet.router.tokenizer(CALL, add_special_tokens=False)["input_ids"])
+    monkeypatch.setattr(fakes, "fake_token", lambda req, k, i: ids[i % len(ids)])
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    created = _open(handle.url)
+    client = _client(created)
+    http_msgs, py_msgs = list(ask), list(ask)
+    with fleet.session() as s:
+        for turn in range(2):
+            out = client.chat.completions.create(model="tiny", messages=http_msgs, tools=TOOLS, max_tokens=len(ids))
+            r = s.chat(py_msgs, tools=TOOLS, max_new_tokens=len(ids))
+            http = out.choices[0].message.model_dump(exclude_none=True)
+            (call,) = r.message["tool_calls"]
+            assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_weather",
+                                                                                              {"city": "Paris"})
+            # the HTTP answer's JSON omits a None content; every other field the same
+            assert _without_ids(r.message) == _without_ids({"content": None, **http})
+            assert r.chat_finish_reason == out.choices[0].finish_reason == "tool_calls"
+            assert r.text == CALL and r.finish_reason == "length"  # the engine's own, as fleet.generate gives them
+            tool = {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}
+            http_msgs += [out.choices[0].message.model_dump(exclude_none=True), tool]
+            py_msgs += [r.message, tool]
+        traj = s.trajectory().to_json()
+    over_http = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert len(traj["segments"]) == 1 and len(traj["turns"]) == 2  # the echoed call extends the record
+    assert _same_turns(traj, over_http) and traj["token_ids"] == over_http["token_ids"]
+    assert traj["loss_mask"] == over_http["loss_mask"] and _masked(traj) == ids + ids
+
+
+def test_a_forced_tool_choice_reaches_the_fleet_as_the_same_grammar_from_python_and_http(served, monkeypatch):
+    fleet, handle, _ = served
+    seen = []
+    real, real_async = fleet.generate, fleet.generate_async
+
+    def spy(prompts, **kwargs):
+        seen.append(kwargs)
+        return real(prompts, **kwargs)
+
+    async def spy_async(prompt, **kwargs):
+        seen.append(kwargs)
+        return await real_async(prompt, **kwargs)
+
+    monkeypatch.setattr(fleet, "generate", spy)
+    monkeypatch.setattr(fleet, "generate_async", spy_async)
+    ask = [{"role": "user", "content": "q"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    created = _open(handle.url)
+    for choice in ("required", named):
+        seen.clear()
+        _client(created).chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice=choice,
+                                                 max_tokens=4)
+        with fleet.session() as s:
+            s.chat(ask, tools=TOOLS, tool_choice=choice, max_new_tokens=4)
+        over_http, from_python = (kw["structured_outputs"] for kw in seen)
+        assert from_python == over_http and "get_weather" in from_python["structural_tag"]
+        assert '"max_whitespace_cnt": 4' in from_python["structural_tag"]  # bounded, as the route's
+    with fleet.session() as s:
+        with pytest.raises(Exception, match="^parallel_tool_calls:"):  # vLLM's request model refuses it, named
+            s.chat(ask, tools=TOOLS, parallel_tool_calls="sometimes", max_new_tokens=4)
+        with pytest.raises(Exception, match="^tool_choice:"):
+            s.chat(ask, tool_choice="required", max_new_tokens=4)  # no tools
+        assert s.trajectory().to_json()["turns"] == []
+
+
+def test_an_idle_server_sweeps_expired_sessions_and_releases_their_shards(make_settings):
+    """No request after the sessions are opened: the gateway's sweep (every ttl/4 = 0.15 s here) takes them
+    out — their bytes and their shard pin — and then stops until the next session opens."""
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    fleet = fake_fleet(_settings(make_settings, "fake-gateway-sweep", server__session_ttl_s=0.6), driver)
+    handle = start_server(fleet)
+    try:
+        gateway = handle.server.config.app.app.state.gateway
+        for _ in range(2):
+            _open(handle.url)
+        assert len(gateway.table) == 2 and sorted(fleet.router.affinity.placement.counts().values()) == [1, 1]
+        deadline = time.monotonic() + 1.5  # ttl + a sweep interval, and slack for a loaded machine
+        while (len(gateway.table) or not gateway._sweeper.done()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # no request meanwhile: only the sweep can take them out
+        assert len(gateway.table) == 0 and fleet.router.affinity.placement.counts() == {}
+        assert gateway._sweeper.done()  # nothing open: the sweep ended
+        again = _open(handle.url)  # and the next session starts it again
+        assert not gateway._sweeper.done() and fleet.router.affinity.placement.slot_of(again["id"]) is not None
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()
+
+
+def test_metrics_label_the_session_routes_by_template_never_by_id(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nemo_gen.server.metrics import ServerMetrics
+
+    _, handle, _ = served
+    sids = [_open(handle.url)["id"] for _ in range(2)]
+    for sid in sids:
+        _agent(_client({"url": f"{handle.url}/nemo_gen/sessions/{sid}/v1"}), 1)
+        httpx.get(f"{handle.url}/nemo_gen/sessions/{sid}/trajectory")
+        httpx.delete(f"{handle.url}/nemo_gen/sessions/{sid}")
+    text = httpx.get(f"{handle.url}/metrics").text
+    assert not any(sid in text for sid in sids)  # bounded: one series per route, not per session
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "nemo_gen_http_requests":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    counts[s.labels["route"], s.labels["code"]] = s.value
+    assert counts[("/nemo_gen/sessions", "200")] == 2
+    assert counts[("/nemo_gen/sessions/{id}/v1/chat/completions", "200")] == 2
+    assert counts[("/nemo_gen/sessions/{id}/trajectory", "200")] == 2
+    assert counts[("/nemo_gen/sessions/{id}", "200")] == 2
+    assert not any(route == "other" for route, _ in counts)
+    # a path that is none of the gateway's stays "other"
+    assert [ServerMetrics.route(p) for p in ("/nemo_gen/sessions/s/v1/models", "/nemo_gen/sessions/s/v1/x",
+                                             "/nemo_gen/sessions//trajectory", "/nemo_gen/sessionsX", "/tokenize")] == \
+        ["/nemo_gen/sessions/{id}/v1/models", "other", "other", "other", "/tokenize"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_gen.core.session_placement import SessionPlacement
-from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable
+from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable, sweep_interval
 from nemo_gen.core.trajectory import Plan, Trajectory, continuation_text, extension, same_message, turn_bytes
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -156,6 +156,11 @@ def test_sessions_expire_after_their_ttl_but_not_while_a_turn_runs():
     with pytest.raises(SessionError, match="session_ttl_s"):
         table.get(b)
     assert table.expire() == [(b, "B")] and len(table) == 0
+
+
+def test_the_sweep_runs_a_quarter_ttl_apart_and_never_more_than_30_s():
+    assert sweep_interval(600) == 30.0 and sweep_interval(60) == 15.0 and sweep_interval(0.4) == 0.1
+    assert sweep_interval(0) == 0.0
 
 
 def test_the_table_bounds_sessions_bytes_and_concurrent_turns():
