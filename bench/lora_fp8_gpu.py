@@ -44,6 +44,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.gpu_bench import make_model
 from bench.lib.result import make as make_result
 from bench.lib.setup import quiet_environment, token_prompts
 from bench.lib.stats import check, verdict
@@ -109,32 +110,6 @@ def step(name: str, out: Path, args, need_s: float):
         return RESULT["steps"][name]
 
     return run
-
-
-def make_model(path: Path, layers: int, mlp: int, tiny: Path):
-    """A random bf16 Llama of ``layers`` x (hidden 4096, MLP ``mlp``) on the GPU with the tiny
-    model's tokenizer, saved as a checkpoint at ``path``; returns the GPU module."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tiny_cfg = json.loads((tiny / "config.json").read_text())
-    config = LlamaConfig(
-        vocab_size=tiny_cfg["vocab_size"], hidden_size=4096, intermediate_size=mlp, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=tiny_cfg.get("bos_token_id"), eos_token_id=tiny_cfg.get("eos_token_id"),
-        pad_token_id=tiny_cfg.get("pad_token_id"), torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # HF's own init (normal(0, 0.02), norms 1), on the GPU: seconds
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="50GB")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (tiny / f).exists():
-            shutil.copy(tiny / f, path / f)
-    torch.cuda.synchronize()
-    return model
 
 
 def adapter(model_dir: Path, rank: int, seed: int) -> dict:
@@ -211,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     def _():
         if gpu:
             model_dir = work / f"llama-{args.layers}l-{args.mlp}"
-            policy = make_model(model_dir, args.layers, args.mlp, tiny)
+            policy = make_model(model_dir, args.layers, tiny, mlp=args.mlp, kv_heads=8)
             note = f"random Llama, {args.layers} layers x (4096, {args.mlp}), bf16, made on the GPU (HF init, seed 0)"
         else:
             from transformers import AutoModelForCausalLM
