@@ -132,8 +132,9 @@ class Gateway:
     async def chat(self, sid: str, body: Any, timeout: str | None) -> Response:
         api = self.api
         api.inflight.check_room()
-        api.check_model(body)
+        adapter = api.check_model(body)
         call = protocol.parse_chat(body, None, timeout)
+        call.adapter = adapter  # a LoRA adapter named by ``model``, as on the chat route
         if call.n != 1:
             raise bad(f"n: a session's turn has one sample (a trajectory is one conversation), got n={call.n}", "n")
         session = self._session(sid, begin=True)
@@ -151,18 +152,19 @@ class Gateway:
                     result = results[0]
                     if call.turn is not None:
                         message = message_record(call.turn.message(result.text or "", result.token_ids,
-                                                             result.finish_reason)[0])
+                                                                   result.finish_reason)[0])
                     else:
                         message = {"role": "assistant", "content": result.text or ""}
                     self._record(sid, session, prepared, body, result, message)
 
-                fmt = responses.StreamFormat(call, api.model, api.detok, response_id, chat=True)
+                fmt = responses.StreamFormat(call, call.adapter or api.model, api.detok, response_id, chat=True)
                 response = await api.stream_response(call, "messages", fmt, on_results=on_results,
                                                      on_close=lambda: self.table.end(sid))
                 streaming = True  # the turn ends with the stream
                 return response
             results = await api.generate(call, "messages")
-            out = await asyncio.to_thread(responses.chat_response, call, api.model, results, api.detok, response_id)
+            out = await asyncio.to_thread(responses.chat_response, call, call.adapter or api.model, results, api.detok,
+                                          response_id)
             turn = self._record(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}

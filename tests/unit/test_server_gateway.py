@@ -162,6 +162,25 @@ def test_refusals_name_the_field_or_the_limit(served):
     assert traj["turns"] == []  # refused turns are not recorded
 
 
+def test_a_session_turn_takes_the_lora_adapter_its_model_names(served, monkeypatch):
+    """``model`` naming an adapter reaches the fleet as ``adapter=`` on a session as on the chat
+    route (this fake fleet started without LoRA, so the fleet refuses it by name), streamed or
+    not; an unknown name is a 404 naming it; nothing is recorded."""
+    fleet, handle, _ = served
+    created = _open(handle.url)
+    client = _client(created)
+    ask = [{"role": "user", "content": "q"}]
+    monkeypatch.setattr(fleet, "adapter_versions", lambda: {"policy-a": 3}, raising=False)
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError, match="started without LoRA") as info:
+            client.chat.completions.create(model="policy-a", messages=ask, max_tokens=4, stream=stream)
+        assert info.value.status_code == 400
+    with pytest.raises(openai.NotFoundError, match="'policy-b' does not exist"):
+        client.chat.completions.create(model="policy-b", messages=ask, max_tokens=4)
+    traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+    assert traj["turns"] == []
+
+
 def test_limits_sessions_bytes_and_ttl(make_settings):
     from nemo_gen.server import start_server
 
