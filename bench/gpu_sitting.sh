@@ -14,8 +14,8 @@
 #                                               and $OUT/gpu.csv (the card's utilization, sampled); RL_MPS=1: under a CUDA
 #                                               MPS daemon started for the run and stopped after it -> $OUT/mps.log
 #   bash .gpu-src/bench/gpu_sitting.sh lorafp8  install, run python -m bench lora_fp8_gpu (adapter vs full refit, FP8 refit
-#                                               from bf16 online and trainer-side, FP8 / bf16 throughput; an 11-layer random
-#                                               Llama, 4.5 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags)
+#                                               from bf16 online and trainer-side, FP8 / bf16 throughput by batch; a 32-layer
+#                                               random Llama, 14 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags)
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD

@@ -18,17 +18,21 @@ such, never a number):
    on the wire (quantized in the engine) and once quantized by the trainer (fp8 + a scale per
    fused layer, ``nemo_gen.vllm_ext.fp8.Fp8Source``: the bytes are counted); then a checkpoint
    refit of the same weights.
-2. ``fp8_throughput``: rollout tokens/s of ``--prompts`` x ``--tokens`` (greedy, ignore_eos).
-3. ``bf16``: a bf16 fleet of the same model and memory share: its throughput (the FP8 ratio's
-   denominator) and full refits: ``nemo_gen_ipc`` from the policy and a checkpoint refit.
-4. ``lora``: a bf16 fleet with LoRA enabled (eager: launch time only; a refit does not run the
+2. ``bf16``: a bf16 fleet of the same model, beside the FP8 one (each a half-GPU bundle,
+   ``fleet.shards_per_gpu: 2``): full refits, ``nemo_gen_ipc`` from the policy and a checkpoint refit.
+3. ``throughput``: rollout tokens/s of both fleets, FP8 and bf16 alternately (the order swapped
+   every round), at each batch of ``--batches`` prompts x ``--tokens`` tokens (greedy,
+   ignore_eos), ``--sweep-rounds`` rounds: the FP8 / bf16 ratio per batch, the median over rounds.
+   Both engines get the same KV cache (``--kv-gib``, vLLM's ``kv_cache_memory_bytes``), enough
+   for the largest batch, so neither queues or preempts where the other does not.
+4. ``lora``: (both fleets down) a bf16 fleet with LoRA enabled (eager: launch time only; a refit does not run the
    model): an adapter of rank ``--rank`` on every linear layer of every layer, refit from live
    tensors ``--rounds`` times (a new version each) and once from a PEFT directory; the adapter
    changes greedy tokens and each result names the version that made it.
 
 Verdicts: ``fp8_tokens`` (refits back to the checkpoint's weights give the fresh FP8 engine's
-tokens, online and trainer-side: FAIL otherwise), ``fp8_speedup`` (FP8 / bf16 tokens/s >= 1.3,
-MISS otherwise), ``adapter_bytes`` (an adapter refit moves <= 1/10 of a full refit's bytes),
+tokens, online and trainer-side: FAIL otherwise), ``fp8_speedup_bN`` (FP8 / bf16 tokens/s at
+batch N >= 1.3, MISS otherwise), ``adapter_bytes`` (an adapter refit moves <= 1/10 of a full refit's bytes),
 ``adapter_faster`` (an adapter refit takes less time than a full nemo_gen_ipc refit). Results:
 ``DIR/lora_fp8_gpu.json`` (bench/lib/result.py's schema), progress on stdout.
 """
@@ -66,11 +70,12 @@ def verdicts() -> dict:
     if fp8.get("ok"):
         out["fp8_tokens"] = check(all(fp8[m]["tokens_equal_fresh_engine"] for m in ("online", "trainer"))
                                   and fp8["checkpoint"]["tokens_equal_fresh_engine"])
-    tps8 = s.get("fp8_throughput", {}).get("tokens_per_s")
-    tps16 = bf16.get("throughput", {}).get("tokens_per_s")
-    if tps8 and tps16:
-        RESULT["fp8_over_bf16_tokens_per_s"] = tps8 / tps16
-        out["fp8_speedup"] = verdict(tps8 / tps16, 1.3, higher_is_better=True)
+    ratios = {row["batch"]: row["fp8_over_bf16"] for row in s.get("throughput", {}).get("batches", [])
+              if row.get("fp8_over_bf16") is not None}
+    if ratios:
+        RESULT["fp8_over_bf16_tokens_per_s"] = ratios
+        for batch, ratio in ratios.items():
+            out[f"fp8_speedup_b{batch}"] = verdict(ratio, 1.3, higher_is_better=True)
     full = bf16.get("full_refit_ipc") or bf16.get("full_refit_live")
     if lora.get("ok") and full:
         RESULT["adapter_vs_full"] = {"bytes": lora["live"]["bytes"] / full["bytes"],
@@ -146,15 +151,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=32, help="layers of the random Llama (32 x MLP 14336, 8 KV heads: "
                     "Llama-3-8B's shape, 15 GB in bf16 with the tiny vocabulary)")
     ap.add_argument("--mlp", type=int, default=14336, help="the random Llama's MLP width")
-    ap.add_argument("--util", type=float, default=0.35, help="gpu_memory_utilization of every fleet (one at a time)")
-    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--util", type=float, default=0.35,
+                    help="gpu_memory_utilization of each fleet (the FP8 and the bf16 fleet share the GPU)")
+    ap.add_argument("--kv-gib", type=float, default=12.0,
+                    help="KV cache of each fleet, GiB (the same for both: enough for the largest batch)")
+    ap.add_argument("--batches", default="64,128,256,512", help="rollout batches of the throughput sweep")
+    ap.add_argument("--sweep-rounds", type=int, default=3, help="timed rounds per batch and fleet")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="timed refits per kind (the first, which sets up, not in the median)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--deadline-s", type=float, default=510)
     ap.add_argument("--work", default="/tmp/nemo-gen-lora-fp8")
-    ap.add_argument("--skip", default="", help="steps not to run, comma-separated: fp8_refit,fp8_throughput,bf16,lora")
+    ap.add_argument("--skip", default="", help="steps not to run, comma-separated: fp8_refit,bf16,throughput,lora")
     args = ap.parse_args(argv)
+    args.batches = [int(b) for b in str(args.batches).split(",") if b]
     args.skip = {s for s in args.skip.split(",") if s}
     ARGS.update({**vars(args), "skip": sorted(args.skip)})
     out, work = Path(args.out), Path(args.work)
@@ -200,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "policy" not in state:
         return make_result(NAME, ARGS, RESULT, verdicts())
     policy, model_dir, nbytes = state["policy"], state["model_dir"], state["nbytes"]
-    prompts = token_prompts(args.prompts)
+    prompts = token_prompts(max(args.batches))
     probe = prompts[:4]
     backend = "nemo_gen_ipc" if gpu else "nemo_gen_shm"
 
@@ -210,8 +220,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "generation.vllm_cfg.max_model_len": 512, "refit.backend": backend, "health.probe_interval_s": 60.0,
                 "health.probe_timeout_s": 60.0, "ray.namespace": "nemo_gen_lora_fp8"}
         if gpu:
-            base.update({"generation.vllm_cfg.gpu_memory_utilization": args.util,
-                         "generation.vllm_cfg.enforce_eager": False, "generation.vllm_cfg.precision": "bfloat16"})
+            base.update({"generation.vllm_cfg.gpu_memory_utilization": args.util, "fleet.shards_per_gpu": 2,
+                         "generation.vllm_cfg.enforce_eager": False, "generation.vllm_cfg.precision": "bfloat16",
+                         "generation.vllm_kwargs": {"kv_cache_memory_bytes": int(args.kv_gib * 2**30)}})
         return NemoGenSettings.load(overrides={**base, **over})
 
     def greedy(fleet, **kw):  # one prompt at a time: a fixed batch shape (see bench/gpu_bench.py)
@@ -238,20 +249,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 raise RuntimeError(f"refit failed: {engine.client.report.to_json()}")
         return {"refit_s": statistics.median(times[1:] or times), "first_refit_s": times[0], "rounds_s": times}
 
-    def throughput(fleet) -> dict:
-        fleet.generate(prompts[:8], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)  # warm
-        best = None
-        for _ in range(2):
-            t = time.perf_counter()
-            results = fleet.generate(prompts, temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
-            s = time.perf_counter() - t
-            n = sum(len(r.token_ids) for r in results)
-            best = (s, n) if best is None or s < best[0] else best
-        say(f"throughput: {best[1]} tokens in {best[0]:.2f}s")
-        return {"seconds": best[0], "tokens": best[1], "tokens_per_s": best[1] / best[0]}
+    def rollout(fleet, batch: int) -> tuple[float, int]:
+        t = time.perf_counter()
+        results = fleet.generate(prompts[:batch], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
+        return time.perf_counter() - t, sum(len(r.token_ids) for r in results)
 
     if not gpu:
-        for name in ("fp8_refit", "fp8_throughput"):
+        for name in ("fp8_refit",):
             RESULT["steps"][name] = {"skipped": "fp8 runs on GPU fleets only (vLLM's CPU FP8 kernels need AMX)"}
     else:
         @step("fp8_refit", out, args, 240)
@@ -287,31 +291,50 @@ def main(argv: Sequence[str] | None = None) -> dict:
             res["trainer_over_online_bytes"] = res["trainer"]["bytes"] / res["online"]["bytes"]
             return res
 
-        @step("fp8_throughput", out, args, 60)
-        def _():
-            if state.get("fp8") is None:
-                raise RuntimeError("no FP8 fleet: fp8_refit did not launch one")
-            return throughput(state["fp8"])
-
-        if state.get("fp8") is not None:
-            state.pop("fp8").shutdown()
-
     @step("bf16", out, args, 200)
     def _():
         t = time.monotonic()
-        with GenerationFleet.launch(settings("bf16")) as fleet:
-            res: dict = {"launch_s": time.monotonic() - t, "throughput": throughput(fleet)}
-            before = [r.token_ids for r in greedy(fleet)]
-            engine = trainer(fleet)
-            try:
-                res["full_refit_live"] = {**timed_refits(engine), "bytes": nbytes, "backend": backend}
-            finally:
-                engine.shutdown()
-            t = time.perf_counter()
-            report = fleet.refit(str(model_dir))
-            res["full_refit_checkpoint"] = {"ok": report.ok, "refit_s": time.perf_counter() - t, "bytes": report.bytes}
-            res["tokens_unchanged_by_refits_of_the_same_weights"] = [r.token_ids for r in greedy(fleet)] == before
+        state["bf16"] = fleet = GenerationFleet.launch(settings("bf16"))
+        res: dict = {"launch_s": time.monotonic() - t}
+        before = [r.token_ids for r in greedy(fleet)]
+        engine = trainer(fleet)
+        try:
+            res["full_refit_live"] = {**timed_refits(engine), "bytes": nbytes, "backend": backend}
+        finally:
+            engine.shutdown()
+        t = time.perf_counter()
+        report = fleet.refit(str(model_dir))
+        res["full_refit_checkpoint"] = {"ok": report.ok, "refit_s": time.perf_counter() - t, "bytes": report.bytes}
+        res["tokens_unchanged_by_refits_of_the_same_weights"] = [r.token_ids for r in greedy(fleet)] == before
         return res
+
+    @step("throughput", out, args, 30 + 4 * args.sweep_rounds * len(args.batches))
+    def _():
+        fleets = {k: state[k] for k in ("fp8", "bf16") if state.get(k) is not None}
+        if not fleets:
+            raise RuntimeError("no fleet to time: fp8_refit and bf16 launched none")
+        for fleet in fleets.values():  # warm: first requests of a size pay for lazy set-up
+            rollout(fleet, 8)
+        rows = []
+        for batch in args.batches:
+            times: dict[str, list[float]] = {k: [] for k in fleets}
+            tokens: dict[str, int] = {}
+            for r in range(args.sweep_rounds):
+                for k in (list(fleets) if r % 2 == 0 else list(fleets)[::-1]):
+                    seconds, tokens[k] = rollout(fleets[k], batch)
+                    times[k].append(seconds)
+            row = {"batch": batch, "tokens": tokens, "seconds": times,
+                   "tokens_per_s": {k: tokens[k] / statistics.median(v) for k, v in times.items()}}
+            if len(fleets) == 2:
+                row["fp8_over_bf16"] = statistics.median(times["bf16"]) / statistics.median(times["fp8"])
+                row["round_ratios"] = [b / f for f, b in zip(times["fp8"], times["bf16"])]
+            say(f"throughput b={batch}: {json.dumps(row)}")
+            rows.append(row)
+        return {"batches": rows, "kv_gib": args.kv_gib, "tokens_per_request": args.tokens}
+
+    for k in ("fp8", "bf16"):
+        if state.get(k) is not None:
+            state.pop(k).shutdown()
 
     @step("lora", out, args, 150)
     def _():

@@ -2,7 +2,10 @@
 itself loads them (``LoRARequest``): the reference for what a fleet's adapter refit must
 generate. Run as ``python -m tests.engine.lora_reference SPEC.json OUT.json`` — its own process,
 so the engine is gone when it exits. SPEC: model, max_rank, prompts (token ids), max_tokens,
-adapters (name -> directory). OUT: "base" and each adapter's name -> greedy token ids per prompt."""
+adapters (name -> directory); optional: dtype (default float32), gpu_memory_utilization (a CUDA
+engine's share), one_by_one (each prompt its own batch: the shape a GPU comparison needs, where
+bf16 tokens may depend on what else is in the batch). OUT: "base" and each adapter's name ->
+greedy token ids per prompt."""
 
 from __future__ import annotations
 
@@ -16,13 +19,17 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=256, enable_lora=True,
-              max_lora_rank=spec["max_rank"], max_loras=1, max_cpu_loras=len(spec["adapters"]) + 1)
+    extra = {"gpu_memory_utilization": spec["gpu_memory_utilization"]} if "gpu_memory_utilization" in spec else {}
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=256,
+              enable_lora=True, max_lora_rank=spec["max_rank"], max_loras=1, max_cpu_loras=len(spec["adapters"]) + 1,
+              **extra)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 
     def greedy(lora=None):
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, lora_request=lora, use_tqdm=False)]
+        batches = [[p] for p in prompts] if spec.get("one_by_one") else [prompts]
+        return [list(o.outputs[0].token_ids) for batch in batches
+                for o in llm.generate(batch, params, lora_request=lora, use_tqdm=False)]
 
     out = {"base": greedy()}
     for i, (name, path) in enumerate(sorted(spec["adapters"].items()), start=1):
