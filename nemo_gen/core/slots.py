@@ -197,6 +197,11 @@ class SlotTable(Generic[H]):
             self._losses.clear()
             return out
 
+    def has_losses(self) -> bool:
+        """Is a loss queued that recovery has not drained yet?"""
+        with self._lock:
+            return bool(self._losses)
+
     def wait_losses(self, timeout_s: float) -> bool:
         """Block until a loss is queued (True), the table is closed or ``timeout_s`` passes."""
         with self._lock:

@@ -9,9 +9,10 @@ an actor that has since been replaced is recognised as old.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.members import Member
@@ -46,6 +47,10 @@ class Membership:
             spares=[(h.name, h, h.info.weight_version) for h in spares])
         self._slot_locks: dict[int, threading.Lock] = {}
         self._recovering: set[int] = set()
+        self._draining = 0  # recovery is reading the loss queue now (``draining``)
+        # A thread of this process acts on each loss as it is queued (``Recovery.start_watching``):
+        # a loss not drained yet is a recovery about to begin.
+        self.healer = False
         self._spares_starting = 0
         seqs = [int(h.name.rsplit("-", 1)[1]) for h in spares if h.name.rsplit("-", 1)[1].isdigit()]
         self._spare_seq = max([first_spare_seq, *[s + 1 for s in seqs]])
@@ -113,10 +118,25 @@ class Membership:
             self._recovering.add(slot)
             return True
 
-    def recovering(self) -> bool:
-        """Is a background recovery under way for any slot?"""
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[None]:
+        """Recovery takes losses off the queue and starts what they need: while it does, the
+        losses are neither queued nor their recoveries begun, and ``recovering`` still says so."""
         with self._lock:
-            return bool(self._recovering)
+            self._draining += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._draining -= 1
+
+    def recovering(self) -> bool:
+        """Is a background recovery under way for any slot, or about to begin (a loss queued
+        for this process's healer, or being drained)? A request with no shard to serve it waits
+        while this holds: a re-route right after its shard died must not find the slot empty and
+        give up before the warm spare is promoted."""
+        with self._lock:
+            return bool(self._recovering) or self._draining > 0 or (self.healer and self.table.has_losses())
 
     def end_recovery(self, slot: int) -> None:
         with self._lock:

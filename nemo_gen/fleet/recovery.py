@@ -166,22 +166,24 @@ class Recovery:
         """Act on every queued ``ShardLost``: a lost spare is replaced; a slot still held by the
         lost actor goes DEAD (its requests are re-routed) and, with ``health.auto_recover`` in a
         fleet that watches itself, is restarted in the background. Old news is dropped."""
-        for lost in self.members.table.drain_losses():
-            member = lost.member
-            if member.is_spare:
-                self.spares.drop(member.name, lost.reason)
-                continue
-            if self.background.closed or not self.members.is_current(member):
-                continue
-            self.health.mark_dead(member.slot, lost.reason)  # (a status read only queued it)
-            # Only a fleet that watches itself heals itself; an attached one (a flow's) leaves
-            # recovery to the heal flow and its retry policy.
-            if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
-                self.recover_in_background(member.slot)
+        with self.members.draining():
+            for lost in self.members.table.drain_losses():
+                member = lost.member
+                if member.is_spare:
+                    self.spares.drop(member.name, lost.reason)
+                    continue
+                if self.background.closed or not self.members.is_current(member):
+                    continue
+                self.health.mark_dead(member.slot, lost.reason)  # (a status read only queued it)
+                # Only a fleet that watches itself heals itself; an attached one (a flow's) leaves
+                # recovery to the heal flow and its retry policy.
+                if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
+                    self.recover_in_background(member.slot)
 
     def start_watching(self) -> None:
         """This process heals its own fleet: losses are drained as they are queued."""
         self.watching = True
+        self.members.healer = True
 
         def loop() -> None:
             while not self.background.closed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -125,6 +126,33 @@ def test_a_request_waits_for_a_spare_taking_the_only_slot(settings, driver):
         wait_until(lambda: fleet.health.serving_shards() == [], what="slot 0 condemned")
         results = fleet.generate(PROMPTS[:2])
         assert all(r.ok for r in results) and fleet.handle(0).name == spare
+
+
+def test_a_request_on_the_only_shard_when_it_dies_waits_for_the_spare(settings, driver):
+    """The re-route comes right after the death, before recovery has taken the loss off its
+    queue (its thread is held back here, as a loaded host holds it): the request must see a
+    recovery about to begin and wait for the spare, not fail with FleetExhausted."""
+    with fake_fleet(settings(fleet__num_shards=1, fleet__spares=1), driver) as fleet:
+        victim, spare = fleet.handle(0).name, fleet.members.spares()[0].name
+        drain, held_back = fleet.recovery.drain, threading.Event()
+
+        def slow_to_drain():
+            if fleet.members.table.has_losses():
+                held_back.set()
+                time.sleep(0.5)
+            drain()
+
+        fleet.recovery.drain = slow_to_drain
+        driver.set_slow(victim, 10)  # the batch is certainly on it when it dies
+        results: list = []
+        running = threading.Thread(target=lambda: results.extend(fleet.generate(PROMPTS[:4])))
+        running.start()
+        wait_until(lambda: fleet.router.selector.inflight(0) > 0, what="requests on shard 0")
+        driver.set_dead(victim)
+        running.join(10)
+        assert held_back.is_set() and not running.is_alive()
+        assert [r.index for r in results] == [0, 1, 2, 3] and all(r.ok for r in results), results
+        assert {r.shard for r in results} == {0} and fleet.handle(0).name == spare
 
 
 def test_losing_every_shard_raises_fleet_exhausted(settings, driver):
