@@ -507,8 +507,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                 "back_s": steps.ended["apply_weight_update"] - shard["left_at"],
                                 "sender_before_apply_s": steps.started["apply_weight_update"] - t_send}
                     rounds.append({**legs, "wall_s": wall, "report_s": client.report.load_seconds, "engine_load_s": stats.seconds,
-                                   "loaders_s": stats.get("load_s"), "transfer_s": stats.get("transfer_s"),
-                                   "prepare_s": stats.get("prepare_s"), "plan": stats.get("plan"), "steps_s": steps.seconds,
+                                   "loaders_s": stats.load_s, "transfer_s": stats.transfer_s,
+                                   "prepare_s": stats.prepare_s, "plan": stats.plan, "steps_s": steps.seconds,
                                    "path": stats.path, "ok": client.report.ok, "sender_s": sender_s,
                                    "sender_source_s": source_s, "sender_sync_s": sync_s,
                                    # one-call only: seconds in the shard actor / its RPC into the engine / the worker
