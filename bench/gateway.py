@@ -11,7 +11,8 @@ of tokens. The gateway arm opens a session per conversation (``POST /nemo_gen/se
 turns there and reads its trajectory at the end (checked: one segment, the mask's sum the
 completion tokens); the direct arm sends the same requests to ``/v1/chat/completions``. What
 differs is the gateway's own work: the prefix check, rendering the continuation and tokenizing
-it instead of the whole chat, recording the turn. Each arm and round has conversations of its
+it instead of the whole chat, recording the turn (``prompt_tokens``, the server's count of an
+arm's prompt tokens, shows how alike the arms' prompts were). Each arm and round has conversations of its
 own (distinct text: no arm hits another's cached prefixes); the arms alternate over ``--rounds``
 rounds; the ratios are taken within each round and their medians printed. The client (httpx) runs in
 this process's main thread for both arms alike; the server (``start_server``) and the router run in
@@ -68,12 +69,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return at_least_one(p, args, ("shards", "sessions", "turns", "concurrency", "max_new_tokens", "rounds"))
 
 
-async def conversation(http, base: str, model: str, tag: str, args: argparse.Namespace) -> tuple[int, float]:
+async def conversation(http, base: str, model: str, tag: str,
+                       args: argparse.Namespace) -> tuple[int, float, int]:
     """One conversation's turns in order at ``base`` (``/v1``, or a session's ``url``): the tokens
-    generated, and the seconds its turns took."""
+    generated, the seconds its turns took, and its prompts' tokens (the server's count)."""
     rng = random.Random(tag)
     messages = [{"role": "system", "content": f"{SYSTEM} Session {tag}."}]
-    tokens, turn_s = 0, 0.0
+    tokens, turn_s, prompt_tokens = 0, 0.0, 0
     for _ in range(args.turns):
         messages.append({"role": "user", "content": user_message(rng, args.words)})
         t0 = time.perf_counter()
@@ -84,8 +86,9 @@ async def conversation(http, base: str, model: str, tag: str, args: argparse.Nam
         out = r.json()
         turn_s += time.perf_counter() - t0
         tokens += out["usage"]["completion_tokens"]
+        prompt_tokens += out["usage"]["prompt_tokens"]
         messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
-    return tokens, turn_s
+    return tokens, turn_s, prompt_tokens
 
 
 def run_arm(url: str, model: str, arm: str, round_: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -121,16 +124,17 @@ def run_arm(url: str, model: str, arm: str, round_: int, args: argparse.Namespac
             done = await asyncio.gather(*(one(i, c) for i, c in enumerate(sessions)))
             cpu.append((time.process_time(), time.thread_time()))
             if gateway:
-                await asyncio.gather(*(read(c, t) for c, (t, _) in zip(sessions, done)))
+                await asyncio.gather(*(read(c, t) for c, (t, _, _) in zip(sessions, done)))
             return done
 
     t0 = time.perf_counter()
     done = asyncio.run(main())
     wall = time.perf_counter() - t0
-    tokens = sum(t for t, _ in done)
+    tokens = sum(t for t, _, _ in done)
     turns = len(done) * args.turns
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-            "turn_ms": sum(s for _, s in done) / turns * 1e3, "cpu_us_per_turn": (cpu[1][0] - cpu[0][0]) / turns * 1e6,
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "prompt_tokens": sum(p for _, _, p in done),
+            "turn_ms": sum(s for _, s, _ in done) / turns * 1e3,
+            "cpu_us_per_turn": (cpu[1][0] - cpu[0][0]) / turns * 1e6,
             "server_cpu_us_per_turn": ((cpu[1][0] - cpu[0][0]) - (cpu[1][1] - cpu[0][1])) / turns * 1e6}
 
 
@@ -187,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out = run_arm(handle.url, model, arm, r, args)
                 out["others"] = ForeignCpu.share(foreign.cpu_s() - cpu0, time.perf_counter() - t0)
                 row[arm] = out
-                print(f"  round {r} {arm:8s}: {out['tokens']} tokens in {out['wall_s']:.2f} s, {out['tok_s']:.0f} tok/s, "
+                print(f"  round {r} {arm:8s}: {out['tokens']} tokens ({out['prompt_tokens']} prompt) in "
+                      f"{out['wall_s']:.2f} s, {out['tok_s']:.0f} tok/s, "
                       f"{out['turn_ms']:.1f} ms per turn, CPU per turn {out['cpu_us_per_turn']:.0f} us "
                       f"(server's {out['server_cpu_us_per_turn']:.0f} us), "
                       f"others {out['others']:.0%}{' NOISY' if out['others'] > NOISY_SHARE else ''}", flush=True)
