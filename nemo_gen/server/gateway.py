@@ -30,6 +30,11 @@ recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``
 results (its message parsed whole, as the unstreamed answer's) before the final chunk, and a
 turn that cannot be recorded (the byte bound) ends the stream with an error event naming it. The
 session's turn lasts until the stream ends.
+
+A turn costs what a chat-route request costs (``python -m bench gateway``): a plain chat (no tools
+or parsers) of at most ``ON_LOOP_CHARS`` characters is prepared on the event loop — two renders of
+a short chat and its continuation's tokens cost less than a thread hop — and a light response is
+built there (``responses.built``); anything heavier takes one hop.
 """
 
 from __future__ import annotations
