@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import statistics
 import time
@@ -44,7 +43,7 @@ from typing import Any, Sequence
 
 from bench.lib.noise import NOISY_SHARE, ForeignCpu
 from bench.lib.result import write_result
-from bench.lib.setup import HOME, at_least_one, load, quiet_environment
+from bench.lib.setup import HOME, at_least_one, fake_overrides, fleet_of, load, quiet_environment
 from bench.lib.stats import verdict
 from bench.sessions import SYSTEM, user_message
 
@@ -138,26 +137,6 @@ def run_arm(url: str, model: str, arm: str, round_: int, args: argparse.Namespac
             "server_cpu_us_per_turn": ((cpu[1][0] - cpu[0][0]) - (cpu[1][1] - cpu[0][1])) / turns * 1e6}
 
 
-@contextlib.contextmanager
-def _fleet(settings: Any, args: argparse.Namespace):
-    """The fleet of the run: engines (``GenerationFleet.launch``), or fake shards with ``--fake``."""
-    if not args.fake:
-        from nemo_gen.fleet.fleet import GenerationFleet
-
-        with GenerationFleet.launch(settings) as fleet:
-            yield fleet
-        return
-    from tests.fakes import FakeDriver, fake_fleet
-
-    driver = FakeDriver()
-    fleet = fake_fleet(settings, driver)
-    try:
-        yield fleet
-    finally:
-        fleet.shutdown()
-        driver.close()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_environment()
@@ -169,17 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fleet.device": "cpu", "generation.vllm_cfg.max_model_len": 512, "generation.vllm_cfg.async_engine": True,
         "ray.namespace": NAMESPACE, "ray.log_to_driver": False, "server.port": 0,
     }
-    if args.fake:  # the tiny model's tokenizer and template; the router decodes the fake shards' tokens
-        from nemo_gen.tiny_model import make_tiny_model
-
-        overrides.update({"model.path": str(make_tiny_model(args.home / "fake-gateway-model")),
-                          "generation.vllm_cfg.skip_tokenizer_init": True, "health.auto_recover": False})
+    if args.fake:
+        overrides.update(fake_overrides(args.home, "fake-gateway-model"))
     settings = NemoGenSettings.load(overrides=overrides)
     print(f"bench gateway{' (fake shards)' if args.fake else ''}: {args.shards} shard(s), {args.sessions} "
           f"conversations x {args.turns} turns, {args.concurrency} at once, {args.max_new_tokens}-token answers, "
           f"{args.rounds} rounds; {load()}", flush=True)
     rounds: list[dict[str, Any]] = []
-    with _fleet(settings, args) as fleet, start_server(fleet) as handle, ForeignCpu() as foreign:
+    with fleet_of(settings, args.fake) as fleet, start_server(fleet) as handle, ForeignCpu() as foreign:
         model = settings.model_name()
         warm = argparse.Namespace(**{**vars(args), "sessions": 2, "turns": 2})
         for arm in ARMS:
