@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import statistics
 import subprocess
@@ -45,7 +44,7 @@ from typing import Any, Sequence
 
 from bench.lib.result import write_result
 from bench.lib.noise import NOISY_SHARE, ForeignCpu
-from bench.lib.setup import HOME, at_least_one, load, make_prompts, quiet_environment
+from bench.lib.setup import HOME, at_least_one, fake_overrides, fleet_of, load, make_prompts, quiet_environment
 from bench.lib.stats import spread, verdict
 
 TARGET = 0.9  # http / library tokens per second: at least
@@ -161,26 +160,6 @@ def _children_cpu_s() -> float:
     return used
 
 
-@contextlib.contextmanager
-def _fleet(settings: Any, args: argparse.Namespace):
-    """The fleet of the run: engines (``GenerationFleet.launch``), or fake shards with ``--fake``."""
-    if not args.fake:
-        from nemo_gen.fleet.fleet import GenerationFleet
-
-        with GenerationFleet.launch(settings) as fleet:
-            yield fleet
-        return
-    from tests.fakes import FakeDriver, fake_fleet
-
-    driver = FakeDriver()
-    fleet = fake_fleet(settings, driver)
-    try:
-        yield fleet
-    finally:
-        fleet.shutdown()
-        driver.close()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_environment()
@@ -192,16 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generation.vllm_cfg.max_model_len": 512, "generation.vllm_cfg.async_engine": True,
         "ray.namespace": NAMESPACE, "ray.log_to_driver": False, "server.port": 0,
     }
-    if args.fake:  # the tiny model's tokenizer; the router decodes the fake shards' tokens
-        from nemo_gen.tiny_model import make_tiny_model
-
-        overrides.update({"model.path": str(make_tiny_model(args.home / "fake-serve-model")),
-                          "generation.vllm_cfg.skip_tokenizer_init": True, "health.auto_recover": False})
+    if args.fake:
+        overrides.update(fake_overrides(args.home, "fake-serve-model"))
     settings = NemoGenSettings.load(overrides=overrides)
     print(f"bench serve{' (fake shards)' if args.fake else ''}: {args.shards} shards, {args.requests} requests x {args.max_new_tokens} tokens, "
           f"concurrency {args.concurrency}, {args.rounds} rounds; {load()}", flush=True)
     rounds: list[dict[str, Any]] = []
-    with _fleet(settings, args) as fleet, start_server(fleet) as server, ForeignCpu() as foreign:
+    with fleet_of(settings, args.fake) as fleet, start_server(fleet) as server, ForeignCpu() as foreign:
         model = settings.model_name()
         warm = make_prompts(min(args.requests, args.concurrency))
         library_arm(fleet, warm, args.concurrency, args.max_new_tokens)

@@ -7,6 +7,7 @@ repository root and default working directory, the machine's load, argument chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -29,6 +30,36 @@ def quiet_environment(vllm_log: str = "WARNING") -> None:
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+def fake_overrides(home: Path, model_dir: str) -> dict[str, Any]:
+    """Settings for a fleet of fake shards (``--fake``): the tiny model (made under ``home`` /
+    ``model_dir``) for its tokenizer and chat template; the router decodes the fake shards' tokens."""
+    from nemo_gen.tiny_model import make_tiny_model
+
+    return {"model.path": str(make_tiny_model(home / model_dir)), "generation.vllm_cfg.skip_tokenizer_init": True,
+            "health.auto_recover": False}
+
+
+@contextlib.contextmanager
+def fleet_of(settings: Any, fake: bool):
+    """A run's fleet: engines (``GenerationFleet.launch``), or with ``fake`` shards of tests/fakes.py
+    (no Ray, no engines, tokens made at once: what is left is the driver's and server's CPU)."""
+    if not fake:
+        from nemo_gen.fleet.fleet import GenerationFleet
+
+        with GenerationFleet.launch(settings) as fleet:
+            yield fleet
+        return
+    from tests.fakes import FakeDriver, fake_fleet
+
+    driver = FakeDriver()
+    fleet = fake_fleet(settings, driver)
+    try:
+        yield fleet
+    finally:
+        fleet.shutdown()
+        driver.close()
 
 
 def at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> argparse.Namespace:

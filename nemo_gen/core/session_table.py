@@ -62,7 +62,7 @@ class SessionTable(Generic[T]):
     def __init__(self, limits: SessionLimits, clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self.clock = clock
-        self._entries: dict[str, _Entry[T]] = {}
+        self._entries: dict[str, _Entry[T]] = {}  # in order of last use (``_touch``)
         self._lock = threading.Lock()
 
     def open(self, value: T, session_id: str | None = None) -> tuple[str, list[tuple[str, T]]]:
@@ -90,14 +90,16 @@ class SessionTable(Generic[T]):
             entry = self._live(sid)
             if entry.busy:
                 raise SessionError(409, f"session {sid!r} has a turn in flight; send its turns one at a time", "id")
-            entry.busy, entry.last_used = True, self.clock()
+            entry.busy = True
+            self._touch(sid, entry)
             return entry.value
 
     def end(self, sid: str) -> None:
         with self._lock:
             entry = self._entries.get(sid)
             if entry is not None:
-                entry.busy, entry.last_used = False, self.clock()
+                entry.busy = False
+                self._touch(sid, entry)
 
     def charge(self, sid: str, nbytes: int) -> None:
         """Count ``nbytes`` more of the session's record, or refuse them (413) if that passes the bound."""
@@ -123,12 +125,24 @@ class SessionTable(Generic[T]):
         """Take out the sessions idle past ``ttl_s`` (none with a turn in flight)."""
         now = self.clock()
         with self._lock:
-            gone = [sid for sid, e in self._entries.items() if not e.busy and now - e.last_used > self.limits.ttl_s]
+            gone = []
+            for sid, e in self._entries.items():  # in order of last use: the expired ones first
+                if now - e.last_used <= self.limits.ttl_s:
+                    break  # every later one was used later
+                if not e.busy:
+                    gone.append(sid)
             return [(sid, self._entries.pop(sid).value) for sid in gone]
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def _touch(self, sid: str, entry: _Entry[T]) -> None:
+        """``entry`` used now (the lock held): it moves to the end, so the entries stay in order of
+        last use and ``expire`` — run on every lookup — reads only the expired ones and those with
+        a turn in flight, not every open session."""
+        entry.last_used = self.clock()
+        self._entries[sid] = self._entries.pop(sid)
 
     def _live(self, sid: str) -> _Entry[T]:
         entry = self._entries.get(sid)

@@ -98,7 +98,9 @@ class FleetSession:
             cont = continuation_text(record.prompt_text or "", answered, text, self._decoded(last.token_ids),
                                      *self._end(last))
             if cont is not None:
-                return Prepared(plan, messages, tools, text, record.last_ids() + self.tokenize(cont))
+                ids = record.last_ids()  # a copy: extended in place
+                ids += self.tokenize(cont)
+                return Prepared(plan, messages, tools, text, ids)
             plan = Plan(extend=False, new=messages, reason=NOT_A_PREFIX)
         return Prepared(plan, messages, tools, text, self.tokenize(text))
 

@@ -129,7 +129,7 @@ class FleetApi:
         ``server.max_prompt_chars`` (before tokenizing it), ``max_tokens`` past the context, and
         a request asking for more samples than ``server.max_in_flight`` could ever hold."""
         for prompt in call.prompts:
-            chars = _chars(prompt)
+            chars = protocol.prompt_chars(prompt)
             if chars > self.max_prompt_chars:
                 raise protocol.bad(f"{prompt_field}: the prompt has {chars} characters, more than "
                                    f"server.max_prompt_chars={self.max_prompt_chars}", prompt_field)
@@ -173,8 +173,8 @@ class FleetApi:
             fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=False)
             return await self.stream_response(call, "prompt", fmt)
         results = await self.generate(call, "prompt")
-        return _answer(results, await _built(responses.completion_response, call, call.adapter or self.model, results,
-                                             self.detok, response_id))
+        return _answer(results, await responses.built(responses.completion_response, call, call.adapter or self.model,
+                                                      results, self.detok, response_id))
 
     async def chat(self, body: Any, session: str | None, timeout: str | None = None) -> Response:
         self.inflight.check_room()
@@ -189,8 +189,8 @@ class FleetApi:
             fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=True)
             return await self.stream_response(call, "messages", fmt)
         results = await self.generate(call, "messages")
-        return _answer(results, await _built(responses.chat_response, call, call.adapter or self.model, results,
-                                             self.detok, response_id))
+        return _answer(results, await responses.built(responses.chat_response, call, call.adapter or self.model,
+                                                      results, self.detok, response_id))
 
     def with_tools(self, call: Call, render: bool = True) -> None:
         """A chat with tools, tool messages or a parser set: checked and constrained as vLLM's
@@ -276,22 +276,6 @@ class FleetApi:
             param = "in_flight" if "in_flight" in str(exc) else "version" if "version" in str(exc) else "checkpoint"
             raise protocol.bad(str(exc), param) from None
         return {**report.to_json(), "nemo_gen": self._current()}
-
-
-def _chars(prompt: Any) -> int:
-    """A prompt's characters: a string's, or a chat's messages' content together (token ids: 0)."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if prompt and isinstance(prompt[0], dict):
-        return sum(len(m.get("content") or "") for m in prompt)
-    return 0
-
-
-async def _built(build: Callable[..., Any], call: Call, model: str, results: list[Any], *args: Any) -> Any:
-    """``build``'s response: on the loop when light (``responses.light``), else off it."""
-    if responses.light(call, results):
-        return build(call, model, results, *args)
-    return await asyncio.to_thread(build, call, model, results, *args)
 
 
 def _answer(results: list[Any], body: Any) -> Response:

@@ -30,6 +30,11 @@ recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``
 results (its message parsed whole, as the unstreamed answer's) before the final chunk, and a
 turn that cannot be recorded (the byte bound) ends the stream with an error event naming it. The
 session's turn lasts until the stream ends.
+
+A turn costs what a chat-route request costs (``python -m bench gateway``): a plain chat (no tools
+or parsers) of at most ``ON_LOOP_CHARS`` characters is prepared on the event loop — two renders of
+a short chat and its continuation's tokens cost less than a thread hop — and a light response is
+built there (``responses.built``); anything heavier takes one hop.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from nemo_gen.chat.answers import message_record
 from nemo_gen.core.session_table import SessionError, SessionLimits, SessionTable, sweep_interval
 from nemo_gen.core.trajectory import turn_bytes
 from nemo_gen.errors import ShardUnavailableError
+from nemo_gen.fleet.requests import ON_LOOP_CHARS
 from nemo_gen.fleet.session import FleetSession
 from nemo_gen.server import protocol, responses
 from nemo_gen.server.http import TIMEOUT_HEADER, cancelled_on_disconnect, read_json
@@ -141,10 +147,7 @@ class Gateway:
         streaming = False
         try:
             api.check_call(call, "messages")
-            if call.tooled or api.tools.parser_cls is not None:
-                await asyncio.to_thread(api.with_tools, call, False)
-            tools = [t.model_dump(exclude_none=True) for t in call.request.tools] if call.request.tools else None
-            prepared = await asyncio.to_thread(session.prepare, call.prompts[0], tools)
+            prepared = await self._prepare(call, session)
             call.prompts, call.session_id = [prepared.prompt_ids], sid
             response_id = call.request_id or f"chatcmpl-{random_uuid()}"
             if call.stream:
@@ -163,8 +166,8 @@ class Gateway:
                 streaming = True  # the turn ends with the stream
                 return response
             results = await api.generate(call, "messages")
-            out = await asyncio.to_thread(responses.chat_response, call, call.adapter or api.model, results, api.detok,
-                                          response_id)
+            out = await responses.built(responses.chat_response, call, call.adapter or api.model, results, api.detok,
+                                        response_id)
             turn = self._record(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}
@@ -172,6 +175,25 @@ class Gateway:
         finally:
             if not streaming:
                 self.table.end(sid)
+
+    async def _prepare(self, call: Any, session: FleetSession) -> Any:
+        """The turn's prompt (``FleetSession.prepare``), after the request is checked and
+        constrained for tools and parsers (``FleetApi.with_tools``, no render: the session renders).
+        A plain chat of at most ``ON_LOOP_CHARS`` characters is prepared on the event loop, as the
+        router makes a short prompt into its request there: two renders of a short chat and the
+        tokens of its continuation cost less than a thread hop does; the rest in one hop."""
+        api = self.api
+        tooled = call.tooled or api.tools.parser_cls is not None
+        tools = [t.model_dump(exclude_none=True) for t in call.request.tools] if call.request.tools else None
+
+        def prepare() -> Any:
+            if tooled:
+                api.with_tools(call, False)
+            return session.prepare(call.prompts[0], tools)
+
+        if not tooled and protocol.prompt_chars(call.prompts[0]) <= ON_LOOP_CHARS:
+            return prepare()
+        return await asyncio.to_thread(prepare)
 
     def _record(self, sid: str, session: FleetSession, prepared: Any, body: dict[str, Any], result: Any,
                 message: dict[str, Any]) -> Any:

@@ -325,6 +325,15 @@ def _top_logprobs(req: Any, value: int, param: str) -> int:
 _REQUEST_FIELD = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
 
 
+def prompt_chars(prompt: Any) -> int:
+    """A prompt's characters: a string's, or a chat's messages' content together (token ids: 0)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(m.get("content") or "") for m in prompt)
+    return 0
+
+
 def field_for(message: str, call: Call, prompt_field: str) -> str | None:
     """The request field a fleet ``RequestError`` message is about (its first word is the
     sampling keyword, or it is about the prompt)."""

@@ -6,9 +6,10 @@ ids, and the ``nemo_gen`` provenance object every body and every choice carries 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -171,6 +172,13 @@ def light(call: Call, results: Sequence[Any]) -> bool:
     if call.logprobs or call.prompt_logprobs is not None or call.turn is not None:
         return False
     return sum(len(s.token_ids) for r in results for s in samples_of(r)) <= ON_LOOP_TOKENS
+
+
+async def built(build: Callable[..., Any], call: Call, model: str, results: list[Any], *args: Any) -> Any:
+    """``build``'s response: on the loop when light (``light``), else off it."""
+    if light(call, results):
+        return build(call, model, results, *args)
+    return await asyncio.to_thread(build, call, model, results, *args)
 
 
 def completion_response(call: Call, model: str, results: Sequence[Any], detok: Detokenizer,

@@ -377,3 +377,47 @@ def test_metrics_label_the_session_routes_by_template_never_by_id(served):
     assert [ServerMetrics.route(p) for p in ("/nemo_gen/sessions/s/v1/models", "/nemo_gen/sessions/s/v1/x",
                                              "/nemo_gen/sessions//trajectory", "/nemo_gen/sessionsX", "/tokenize")] == \
         ["/nemo_gen/sessions/{id}/v1/models", "other", "other", "other", "/tokenize"]
+
+
+def test_a_short_plain_chat_is_prepared_on_the_loop_a_long_one_in_one_hop(make_settings, monkeypatch):
+    """Without parsers, a turn whose chat is at most ON_LOOP_CHARS characters is prepared on the
+    server's event loop (no thread hop), a longer one in one hop; both extend the one segment on
+    the sampled ids."""
+    from nemo_gen.server import gateway as gw, start_server
+
+    hops = []
+    to_thread = gw.asyncio.to_thread
+
+    async def counted(fn, *args, **kwargs):
+        hops.append(getattr(fn, "__qualname__", ""))
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(gw.asyncio, "to_thread", counted)
+    monkeypatch.setattr(gw, "ON_LOOP_CHARS", 60)
+    driver = FakeDriver()
+    fleet = fake_fleet(make_settings(fleet__name="fake-gateway-loop", fleet__num_shards=1, health__probe_interval_s=60,
+                                     health__auto_recover=False, server__port=0, generation__max_new_tokens=5,
+                                     generation__vllm_cfg__skip_tokenizer_init=True,
+                                     generation__vllm_cfg__max_model_len=1024), driver)
+    handle = start_server(fleet)
+    try:
+        created = _open(handle.url)
+        client = _client(created)
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                               extra_body={"return_token_ids": True})
+        assert [h for h in hops if "prepare" in h] == []  # 17 characters: on the loop
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And in Lyon, Marseille, Toulouse and Bordeaux tomorrow?"}]
+        second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                                extra_body={"return_token_ids": True})
+        assert [h for h in hops if "prepare" in h] == ["Gateway._prepare.<locals>.prepare"]  # past 60: one hop
+        traj = httpx.get(f"{handle.url}/nemo_gen/sessions/{created['id']}/trajectory").json()
+        assert len(traj["segments"]) == 1 and traj["turns"][1]["new_segment_reason"] is None
+        assert _masked(traj) == first.choices[0].token_ids + second.choices[0].token_ids
+        assert second.prompt_token_ids[:len(first.prompt_token_ids) + len(first.choices[0].token_ids)] == \
+            first.prompt_token_ids + first.choices[0].token_ids
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()

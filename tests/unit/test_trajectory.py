@@ -158,6 +158,28 @@ def test_sessions_expire_after_their_ttl_but_not_while_a_turn_runs():
     assert table.expire() == [(b, "B")] and len(table) == 0
 
 
+def test_expiry_follows_last_use_not_the_order_sessions_were_opened_in():
+    clock = Clock()
+    table = SessionTable(SessionLimits(ttl_s=10, max_sessions=8, max_bytes=1000), clock)
+    a, _ = table.open("A")
+    b, _ = table.open("B")
+    c, _ = table.open("C")
+    clock.t = 5
+    table.begin(a)
+    table.end(a)  # A used last
+    table.begin(b)  # B holds a turn
+    clock.t = 11
+    assert table.expire() == [(c, "C")]  # A used 6 s ago; B busy
+    clock.t = 14
+    table.end(b)
+    clock.t = 15.5
+    assert table.expire() == [(a, "A")]
+    clock.t = 23.5
+    assert table.expire() == [] and table.get(b) == "B"  # used at 14, when its turn ended
+    clock.t = 24.5
+    assert table.expire() == [(b, "B")] and len(table) == 0
+
+
 def test_the_sweep_runs_a_quarter_ttl_apart_and_never_more_than_30_s():
     assert sweep_interval(600) == 30.0 and sweep_interval(60) == 15.0 and sweep_interval(0.4) == 0.1
     assert sweep_interval(0) == 0.0
