@@ -98,16 +98,19 @@ def step(name: str, out: Path, deadline_s: float, need_s: float):
     return run
 
 
-def make_model(path: Path, layers: int, tiny: Path, mlp: int = 11008, kv_heads: int = 32):
+def make_model(path: Path, layers: int, tiny: Path, mlp: int = 11008, kv_heads: int = 32, vocab: int | None = None):
     """A random bf16 Llama of ``layers`` x (hidden 4096, MLP ``mlp``, ``kv_heads`` KV heads) made
     on the GPU with HF's own init and the tiny model's tokenizer, saved as a checkpoint at
-    ``path``; returns the GPU module (the trainer's policy of a GPU benchmark)."""
+    ``path``; returns the GPU module (the trainer's policy of a GPU benchmark). ``vocab``: the
+    embedding and output rows (default the tiny tokenizer's 512; a real model's, e.g. Llama-3's
+    128256, puts its output layer and sampler on the GPU's step as a real model does — the
+    engines run on token ids, without the tokenizer, so ids past the tokenizer's are fine)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tiny_cfg = json.loads((tiny / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=tiny_cfg["vocab_size"], hidden_size=4096, intermediate_size=mlp, num_hidden_layers=layers,
+        vocab_size=vocab or tiny_cfg["vocab_size"], hidden_size=4096, intermediate_size=mlp, num_hidden_layers=layers,
         num_attention_heads=32, num_key_value_heads=kv_heads, max_position_embeddings=1024, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=tiny_cfg.get("bos_token_id"), eos_token_id=tiny_cfg.get("eos_token_id"),
         pad_token_id=tiny_cfg.get("pad_token_id"),

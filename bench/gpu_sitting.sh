@@ -15,7 +15,8 @@
 #                                               MPS daemon started for the run and stopped after it -> $OUT/mps.log
 #   bash .gpu-src/bench/gpu_sitting.sh lorafp8  install, run python -m bench lora_fp8_gpu (adapter vs full refit, FP8 refit
 #                                               from bf16 online and trainer-side, FP8 / bf16 throughput by batch; a 32-layer
-#                                               random Llama, 14 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags)
+#                                               random Llama, 14 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags,
+#                                               e.g. "--vocab 128256": Llama-3's output layer and sampler)
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD

@@ -151,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=32, help="layers of the random Llama (32 x MLP 14336, 8 KV heads: "
                     "Llama-3-8B's shape, 15 GB in bf16 with the tiny vocabulary)")
     ap.add_argument("--mlp", type=int, default=14336, help="the random Llama's MLP width")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="its vocabulary (default the tiny tokenizer's 512; 128256: Llama-3's output layer and sampler)")
     ap.add_argument("--util", type=float, default=0.35,
                     help="gpu_memory_utilization of each fleet (the FP8 and the bf16 fleet share the GPU)")
     ap.add_argument("--kv-gib", type=float, default=12.0,
@@ -195,9 +197,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     @step("model", out, args, 90)
     def _():
         if gpu:
-            model_dir = work / f"llama-{args.layers}l-{args.mlp}"
-            policy = make_model(model_dir, args.layers, tiny, mlp=args.mlp, kv_heads=8)
-            note = f"random Llama, {args.layers} layers x (4096, {args.mlp}), bf16, made on the GPU (HF init, seed 0)"
+            model_dir = work / (f"llama-{args.layers}l-{args.mlp}" + (f"-v{args.vocab}" if args.vocab else ""))
+            policy = make_model(model_dir, args.layers, tiny, mlp=args.mlp, kv_heads=8, vocab=args.vocab)
+            note = (f"random Llama, {args.layers} layers x (4096, {args.mlp}), vocabulary {policy.config.vocab_size}, "
+                    "bf16, made on the GPU (HF init, seed 0)")
         else:
             from transformers import AutoModelForCausalLM
 
