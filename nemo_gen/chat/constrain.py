@@ -16,10 +16,7 @@ import json
 from typing import Any
 
 from nemo_gen.chat.answers import ChatParsers
-
-# StructuredOutputsParams fields the fleet's structured_outputs keyword carries (one of them is set).
-STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+from nemo_gen.core.sampling import STRUCTURED, STRUCTURED_OPTIONS
 
 
 def structured_of(req: Any) -> dict[str, Any] | None:

@@ -31,8 +31,10 @@ SAMPLING_KEYS = (
     "logprobs",
     "prompt_logprobs",
 )
-_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+# vLLM StructuredOutputsParams fields the structured_outputs keyword carries: exactly one of
+# STRUCTURED, and any of STRUCTURED_OPTIONS (also what nemo_gen.chat.constrain reads off a request).
+STRUCTURED = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def resolve_sampling(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,9 +106,9 @@ def _check(s: dict[str, Any]) -> None:
         if s[key] is not None and (not _int(s[key]) or s[key] < 0):
             raise RequestError(f"{key} must be null or an integer >= 0, got {s[key]!r}")
     so = s["structured_outputs"]
-    if so is not None and (not isinstance(so, dict) or sum(so.get(k) is not None for k in _STRUCTURED) != 1
-                           or set(so) - set(_STRUCTURED) - set(_STRUCTURED_OPTIONS)):
-        raise RequestError(f"structured_outputs must be null or a dict with exactly one of {list(_STRUCTURED)} "
-                           f"(and options {list(_STRUCTURED_OPTIONS)}), got {so!r}")
+    if so is not None and (not isinstance(so, dict) or sum(so.get(k) is not None for k in STRUCTURED) != 1
+                           or set(so) - set(STRUCTURED) - set(STRUCTURED_OPTIONS)):
+        raise RequestError(f"structured_outputs must be null or a dict with exactly one of {list(STRUCTURED)} "
+                           f"(and options {list(STRUCTURED_OPTIONS)}), got {so!r}")
     if s["ignore_eos"] is not None and not isinstance(s["ignore_eos"], bool):
         raise RequestError(f"ignore_eos must be true, false or null, got {s['ignore_eos']!r}")
