@@ -151,7 +151,6 @@ class Recovery:
         self.backoff = backoff
         self._auto_recover = auto_recover
         self.watches = watches  # every member it installs is watched
-        self.watching = False  # a monitor runs: this process heals its own fleet
         self.orphans: list[dict[str, Any]] = []  # processes left by dead shards (cleanup disabled)
         self._drainer: threading.Thread | None = None
 
@@ -180,9 +179,14 @@ class Recovery:
                 if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
                     self.recover_in_background(member.slot)
 
+    @property
+    def watching(self) -> bool:
+        """A monitor runs: this process heals its own fleet (``Membership.healer`` holds it, so
+        that a request with no shard to serve it knows a recovery is about to begin)."""
+        return self.members.healer
+
     def start_watching(self) -> None:
         """This process heals its own fleet: losses are drained as they are queued."""
-        self.watching = True
         self.members.healer = True
 
         def loop() -> None:
