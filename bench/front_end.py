@@ -16,6 +16,10 @@ Used by ``gpu_bare_vllm.py`` and ``gpu_bench.py`` (GPU) and, as a CPU benchmark,
 ``main``: a one-shard CPU fleet and a plain process on the fleet shard's own engine arguments,
 their batches interleaved; the plain process (``gpu_bare_vllm.py``'s ``serve``) runs first as vLLM
 leaves it, then with its heap frozen as the shard actor's is (``nemo_gen.shard.vllm_compat.freeze_heap``).
+A third phase runs the same batch through ``fleet.generate``, the clock on the shard's engine: as
+the fleet runs a batch (``fleet``: the engine decodes no text, the router decodes each sample
+once) against the same batch with a stop string no sample contains (``fleet_engine_text``: vLLM's
+front end decodes every token and every logprob entry's token, as it did for every batch before).
 
 Run: ``python -m bench front_end [--prompts 512] [--tokens 64] [--rounds 3] [--json out.json]``.
 """
@@ -36,7 +40,8 @@ from bench.lib import stats
 from bench.lib.result import write_result
 from bench.lib.setup import one_shard_tiny, quiet_environment, token_prompts
 
-KEYS = ("wall_s", "proc_s", "wait_s", "gc_s", "gc_full", "steps", "frozen")
+KEYS = ("wall_s", "proc_s", "wait_s", "gc_s", "gc_full", "steps", "frozen", "call_s")
+NEVER = "\x00\x01never\x01\x00"  # a stop string no sample contains: the engine decodes every token
 
 
 class FrontEndClock:
@@ -198,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     prompts = token_prompts(args.prompts)
     fleet = GenerationFleet.launch(settings)
     plain = None
-    runs: dict[str, list[dict]] = {"actor": [], "plain": [], "plain_frozen": []}
+    runs: dict[str, list[dict]] = {"actor": [], "plain": [], "plain_frozen": [], "fleet": [], "fleet_engine_text": []}
     try:
         plain = PlainEngine(fleet.resolved.shards[0], prompts, args.tokens, work)
         in_actor_batch(fleet.shards[0], prompts[:8], args.tokens)  # warm
@@ -209,6 +214,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 for arm in (("actor", phase) if i % 2 == 0 else (phase, "actor")):
                     runs[arm].append(in_actor_batch(fleet.shards[0], prompts, args.tokens) if arm == "actor"
                                      else plain.ask("run"))
+        for i in range(args.rounds):
+            for arm in (("fleet", "fleet_engine_text") if i % 2 == 0 else ("fleet_engine_text", "fleet")):
+                actor_clock(fleet.shards[0], reset=True)
+                t = time.perf_counter()
+                fleet.generate(prompts, temperature=0, max_new_tokens=args.tokens, ignore_eos=True, logprobs=0,
+                               **({"stop_strings": [NEVER]} if arm == "fleet_engine_text" else {}))
+                runs[arm].append({**actor_clock(fleet.shards[0], reset=False), "call_s": time.perf_counter() - t})
     finally:
         if plain is not None:
             plain.close()
@@ -217,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"{'median of ' + str(args.rounds):<22}" + "".join(f"{k:>10}" for k in KEYS))
     for arm, m in summary.items():
         print(f"{arm:<22}" + "".join(f"{m.get(k, float('nan')):>10.3g}" for k in KEYS))
+    f, e = summary["fleet"], summary["fleet_engine_text"]
+    print(f"fleet.generate: front-end work (proc_s) with the router's text / the engine's: {f['proc_s'] / e['proc_s']:.2f}; "
+          f"the call's time: {f['call_s'] / e['call_s']:.2f}")
     a, b = summary["actor"], summary["plain"]
     print(f"\nGC's share of a batch: shard actor (heap frozen) {a['gc_s'] / a['wall_s']:.1%}, plain process "
           f"{b['gc_s'] / b['wall_s']:.1%}; front-end work (proc_s) actor / plain: {a['proc_s'] / b['proc_s']:.2f}; "

@@ -24,7 +24,11 @@ such, never a number):
    every round), at each batch of ``--batches`` prompts x ``--tokens`` tokens (greedy,
    ignore_eos), ``--sweep-rounds`` rounds: the FP8 / bf16 ratio per batch, the median over rounds.
    Both engines get the same KV cache (``--kv-gib``, vLLM's ``kv_cache_memory_bytes``), enough
-   for the largest batch, so neither queues or preempts where the other does not.
+   for the largest batch, so neither queues or preempts where the other does not. Then, at
+   ``--text-batch`` prompts, each fleet's batch as it runs (its text decoded once per sample by
+   the router) against the same batch with a stop string that never matches (vLLM's front end
+   decodes every token and logprob entry in the shard's process, as every batch did before):
+   the time ratio per fleet, alternated the same way.
 4. ``lora``: (both fleets down) a bf16 fleet with LoRA enabled (eager: launch time only; a refit does not run the
    model): an adapter of rank ``--rank`` on every linear layer of every layer, refit from live
    tensors ``--rounds`` times (a new version each) and once from a PEFT directory; the adapter
@@ -48,6 +52,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.front_end import NEVER
 from bench.gpu_bench import make_model
 from bench.lib.result import make as make_result
 from bench.lib.setup import quiet_environment, token_prompts
@@ -159,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     help="KV cache of each fleet, GiB (the same for both: enough for the largest batch)")
     ap.add_argument("--batches", default="64,128,256,512", help="rollout batches of the throughput sweep")
     ap.add_argument("--sweep-rounds", type=int, default=3, help="timed rounds per batch and fleet")
+    ap.add_argument("--text-batch", type=int, default=512,
+                    help="prompts of the engine-text comparison (0: none); see step 3")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5, help="timed refits per kind (the first, which sets up, not in the median)")
     ap.add_argument("--rank", type=int, default=16)
@@ -252,9 +259,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 raise RuntimeError(f"refit failed: {engine.client.report.to_json()}")
         return {"refit_s": statistics.median(times[1:] or times), "first_refit_s": times[0], "rounds_s": times}
 
-    def rollout(fleet, batch: int) -> tuple[float, int]:
+    def rollout(fleet, batch: int, **kw) -> tuple[float, int]:
         t = time.perf_counter()
-        results = fleet.generate(prompts[:batch], temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
+        results = fleet.generate(prompts[:batch], temperature=0, max_new_tokens=args.tokens, ignore_eos=True, **kw)
         return time.perf_counter() - t, sum(len(r.token_ids) for r in results)
 
     if not gpu:
@@ -311,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         res["tokens_unchanged_by_refits_of_the_same_weights"] = [r.token_ids for r in greedy(fleet)] == before
         return res
 
-    @step("throughput", out, args, 30 + 4 * args.sweep_rounds * len(args.batches))
+    @step("throughput", out, args, 30 + 4 * args.sweep_rounds * (len(args.batches) + 2 * bool(args.text_batch)))
     def _():
         fleets = {k: state[k] for k in ("fp8", "bf16") if state.get(k) is not None}
         if not fleets:
@@ -333,7 +340,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 row["round_ratios"] = [b / f for f, b in zip(times["fp8"], times["bf16"])]
             say(f"throughput b={batch}: {json.dumps(row)}")
             rows.append(row)
-        return {"batches": rows, "kv_gib": args.kv_gib, "tokens_per_request": args.tokens}
+        res = {"batches": rows, "kv_gib": args.kv_gib, "tokens_per_request": args.tokens}
+        if args.text_batch:
+            res["engine_text"] = text = {"batch": args.text_batch, "stop_strings": [NEVER]}
+            for k, fleet in fleets.items():
+                arms: dict[str, list[float]] = {"router_text": [], "engine_text": []}
+                for r in range(args.sweep_rounds):
+                    for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                        kw = {"stop_strings": [NEVER]} if arm == "engine_text" else {}
+                        arms[arm].append(rollout(fleet, args.text_batch, **kw)[0])
+                text[k] = {"seconds": arms, "engine_over_router_time": statistics.median(arms["engine_text"])
+                           / statistics.median(arms["router_text"])}
+                say(f"engine text {k}: {json.dumps(text[k])}")
+        return res
 
     for k in ("fp8", "bf16"):
         if state.get(k) is not None:

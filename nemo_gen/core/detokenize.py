@@ -31,3 +31,26 @@ class IncrementalText:
             return ""
         self._prefix, self._read = self._read, len(ids)
         return upto[len(before):]
+
+
+#: Prompt tokens decoded before a completion as its context (vLLM's incremental detokenizer
+#: starts from the prompt's last few tokens the same way): a SentencePiece tokenizer drops the
+#: space that begins a text, not one that follows other tokens.
+CONTEXT_TOKENS = 5
+
+
+def completion_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """A finished completion's text as vLLM's engine decodes it token by token, in two whole
+    decodes: after the prompt's last tokens as context, and without the tokens at the end whose
+    text is not complete (a partial UTF-8 character, U+FFFD), which the engine never hands out."""
+    ctx, ids = list(prompt_ids[-CONTEXT_TOKENS:]), list(ids)
+    before = tokenizer.decode(ctx, skip_special_tokens=True) if ctx else ""
+    end = len(ids)
+    whole = tokenizer.decode(ctx + ids, skip_special_tokens=True)
+    while end and whole.endswith("\ufffd"):
+        end -= 1
+        whole = tokenizer.decode(ctx + ids[:end], skip_special_tokens=True)
+    if whole.startswith(before):
+        return whole[len(before):]
+    # The context's own last character was completed by the completion: decode it alone.
+    return tokenizer.decode(ids[:end], skip_special_tokens=True)

@@ -1,8 +1,10 @@
 """Shard replies out as the caller's objects: a ``GenerationResult`` from a shard's answer, and a
 stream's ``Delta``s from its ``StreamDeltas`` items.
 
-Owns the output side of the router: each sample's text (the engine's own, or — engines without
-a tokenizer — decoded here), its weight-version spans (a reply without them was sampled wholly
+Owns the output side of the router: each sample's text (the engine's own, or decoded here: a
+batch's samples always — the shards leave their text to the router, whose process decodes each
+sample once instead of the engine's every token — and a stream's where the engines have no
+tokenizer), its weight-version spans (a reply without them was sampled wholly
 under the version the shard reported), and a stream's text piece by piece so the pieces add up
 to the text its final result carries. Which shard answers is ``router.py``'s business.
 """
@@ -11,20 +13,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gen.core.detokenize import IncrementalText
+from nemo_gen.core.detokenize import IncrementalText, completion_text
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample
 from nemo_gen.core.wire import RequestResult, SampleDelta, SampleResult, TokenLogprobs
 
 
 def decode_result(req: GenerationRequest, raw: RequestResult, shard: int, version: int | None,
-                  tokenizer: Any | None) -> GenerationResult:
-    """The result of ``req`` from its shard's answer ``raw``; ``tokenizer``: decode text here
-    (engines without a tokenizer), else None."""
+                  tokenizer: Any | None, engines_decode: bool = True) -> GenerationResult:
+    """The result of ``req`` from its shard's answer ``raw``; ``tokenizer`` decodes the text of
+    each sample the engine did not decode (its text is None), or of every sample where the
+    engines have no tokenizer (``engines_decode`` False)."""
     if raw.error:
         return GenerationResult.failed(req, raw.error, shard=shard)
     if not raw.samples:
         return GenerationResult.failed(req, "RuntimeError: the shard answered no sample", shard=shard)
-    samples = [decode_sample(s, version, tokenizer) for s in raw.samples]
+    samples = [decode_sample(s, version, tokenizer, engines_decode, req.prompt_token_ids) for s in raw.samples]
     first = samples[0]
     return GenerationResult(
         index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids), text=first.text,
@@ -41,10 +44,11 @@ def as_dict(entry: TokenLogprobs) -> dict[int, float]:
     return dict(entry)
 
 
-def decode_sample(raw: SampleResult, version: int | None, tokenizer: Any | None) -> Sample:
+def decode_sample(raw: SampleResult, version: int | None, tokenizer: Any | None,
+                  engines_decode: bool = True, prompt_ids: list[int] = ()) -> Sample:
     text = raw.text
-    if not text and raw.token_ids and tokenizer is not None:
-        text = tokenizer.decode(raw.token_ids, skip_special_tokens=True)
+    if (text is None or not engines_decode) and raw.token_ids and tokenizer is not None:
+        text = completion_text(tokenizer, prompt_ids, raw.token_ids)
     spans = [(v, n) for v, n in raw.weight_versions or [(version, len(raw.token_ids))]]
     top = None if raw.top_logprobs is None else [as_dict(entry) for entry in raw.top_logprobs]
     return Sample(text=text or "", token_ids=list(raw.token_ids), logprobs=list(raw.logprobs),

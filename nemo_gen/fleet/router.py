@@ -66,7 +66,7 @@ class Router:
         self.driver = driver
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._decode_text = decode_text  # engines without a tokenizer: text is decoded here
+        self._decode_text = decode_text  # engines without a tokenizer: streams' text is decoded here
         self.request_timeout_s = limits.timeout_s
         self.tries = limits.tries
         self.admission = Admission(limits.max_pending, limits.tries.retry_after_s)
@@ -98,10 +98,10 @@ class Router:
         return await asyncio.to_thread(self.requests, prompts)
 
     def result(self, req: GenerationRequest, raw: RequestResult, shard: int, version: int | None) -> GenerationResult:
-        return decode_result(req, raw, shard, version, self._text_tokenizer())
+        return decode_result(req, raw, shard, version, self.tokenizer, engines_decode=not self._decode_text)
 
     def _text_tokenizer(self) -> Any | None:
-        """The tokenizer to decode text with here: engines without one send none."""
+        """The tokenizer to decode a stream's text with here: engines without one send none."""
         return self.tokenizer if self._decode_text else None
 
     # -- routing ---------------------------------------------------------------------------------

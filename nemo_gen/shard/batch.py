@@ -91,6 +91,7 @@ class SampleTrack:
     spans: list[list[Any]] = field(default_factory=list)
     finish_reason: str | None = None
     top: list[dict[int, float]] | None = None  # each token's alternatives, when the request asked for them
+    decoded: bool = True  # the engine decodes its text; else the result's text is None (the caller decodes)
 
     def add(self, piece: Piece) -> None:
         for version, count in piece.spans:
@@ -105,7 +106,7 @@ class SampleTrack:
             self.finish_reason = piece.finish_reason
 
     def as_result(self) -> SampleResult:
-        return SampleResult(self.tokens, self.logprobs, self.text, self.finish_reason,
+        return SampleResult(self.tokens, self.logprobs, self.text if self.decoded else None, self.finish_reason,
                             tuple((v, n) for v, n in self.spans),
                             None if self.top is None else tuple(pairs(t) for t in self.top))
 
@@ -129,8 +130,9 @@ class Track:
     def start(cls, req: GenerationRequest, params: Any, rid: str, internal_id: str,
               final_only: bool = False) -> "Track":
         n = max(1, int(getattr(params, "n", 1) or 1))
-        top = bool(getattr(params, "logprobs", 0))
-        return cls(req, params, params.max_tokens, [SampleTrack(top=[] if top else None) for _ in range(n)],
+        top, decoded = bool(getattr(params, "logprobs", 0)), bool(getattr(params, "detokenize", True))
+        return cls(req, params, params.max_tokens,
+                   [SampleTrack(top=[] if top else None, decoded=decoded) for _ in range(n)],
                    {rid: (internal_id, None)}, final_only=final_only)
 
     def observe(self, rid: str, out: Any, spans_of: Callable[[Any], list[tuple[Any, int]]]) -> bool:

@@ -87,7 +87,8 @@ class AsyncEngine(BaseEngine):
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
         top = bool(params.logprobs)
-        samples = tuple(vllm_compat.sample_result(latest[i], self._version_spans(latest[i]), top) for i in sorted(latest))
+        samples = tuple(vllm_compat.sample_result(latest[i], self._version_spans(latest[i]), top, params.detokenize)
+                        for i in sorted(latest))
         prompt = prompt_result(prompt_entries(prompt_lps)) if params.prompt_logprobs is not None else None
         return RequestResult(req.index, samples, None, prompt)
 

@@ -149,8 +149,10 @@ class BaseEngine(abc.ABC):
 
     async def generate(self, requests: list[GenerationRequest], sampling: Sampling) -> list[RequestResult]:
         """One result per request, in order. A request vLLM rejects gets an ``error`` result;
-        the others still run."""
-        params = vllm_compat.sampling_params(sampling)
+        the others still run. Their text is left to the caller (``nemo_gen.fleet.decode``): a
+        batch's results are read whole, so decoding each once there costs a fraction of
+        decoding every token here as it comes."""
+        params = vllm_compat.sampling_params(sampling, text=False)
         async with self.gate.serving():
             return await self._generate(requests, params)
 

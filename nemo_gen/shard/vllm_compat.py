@@ -23,8 +23,12 @@ from nemo_gen.vllm_ext.lora import EXTRA_KEY
 VersionOf = Callable[[Any], "int | None"]  # an output label -> the weight version it stands for
 
 
-def sampling_params(s: Sampling):
-    """vLLM ``SamplingParams`` from the wire's ``Sampling`` (resolved by ``nemo_gen.core.sampling``)."""
+def sampling_params(s: Sampling, text: bool = True):
+    """vLLM ``SamplingParams`` from the wire's ``Sampling`` (resolved by ``nemo_gen.core.sampling``).
+    ``text``: the engine decodes each sample's text as it goes; False leaves that to the caller
+    (``nemo_gen.fleet.decode``), unless stop strings need it. vLLM's front end turns every step's
+    outputs into request state in the shard's process; decoding each token, and with logprobs each
+    logprob entry's token, is most of that work (bench/results/2026-12-06/cpu-front-end-text.md)."""
     from vllm import SamplingParams
 
     structured = None
@@ -43,6 +47,7 @@ def sampling_params(s: Sampling):
         bad_words=list(s.bad_words) if s.bad_words else None,
         seed=s.seed,
         ignore_eos=s.ignore_eos,
+        detokenize=text or bool(s.stop_strings),  # vLLM matches stop strings on the decoded text
         # logprobs=0: the logprob of the sampled token only, which is what RL losses need.
         logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs,
@@ -174,12 +179,14 @@ def state_spans(state: Any, version_of: VersionOf) -> list[tuple[int | None, int
     return [(version_of(label), end - start) for (label, start), end in zip(starts, ends)]
 
 
-def sample_result(comp: Any, spans: list[tuple[int | None, int]], top: bool = False) -> SampleResult:
+def sample_result(comp: Any, spans: list[tuple[int | None, int]], top: bool = False,
+                  decoded: bool = True) -> SampleResult:
     """One finished (cumulative) completion output as a sample of a result; ``spans``: its
-    tokens by the version that sampled them; ``top``: with each token's alternatives."""
+    tokens by the version that sampled them; ``top``: with each token's alternatives;
+    ``decoded``: the engine decoded its text (else the text is None: the caller decodes it)."""
     token_ids = list(comp.token_ids)
     logprobs = [float(lp[tok].logprob) for tok, lp in zip(token_ids, comp.logprobs)] if comp.logprobs else []
-    return SampleResult(token_ids, logprobs, comp.text if comp.text is not None else None, comp.finish_reason,
+    return SampleResult(token_ids, logprobs, comp.text if decoded else None, comp.finish_reason,
                         tuple((v, n) for v, n in spans),
                         tuple(pairs(t) for t in top_entries(comp.logprobs)) if top else None)
 

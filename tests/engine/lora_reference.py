@@ -2,7 +2,8 @@
 itself loads them (``LoRARequest``): the reference for what a fleet's adapter refit must
 generate. Run as ``python -m tests.engine.lora_reference SPEC.json OUT.json`` — its own process,
 so the engine is gone when it exits. SPEC: model, max_rank, prompts (token ids), max_tokens,
-adapters (name -> directory); optional: dtype (default float32), gpu_memory_utilization (a CUDA
+adapters (name -> directory); optional: dtype (default float32), quantization (vLLM's, e.g.
+``fp8_per_tensor``: what a fleet at ``precision: fp8`` runs), gpu_memory_utilization (a CUDA
 engine's share), one_by_one (each prompt its own batch: the shape a GPU comparison needs, where
 bf16 tokens may depend on what else is in the batch). OUT: "base" and each adapter's name ->
 greedy token ids per prompt."""
@@ -19,7 +20,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    extra = {"gpu_memory_utilization": spec["gpu_memory_utilization"]} if "gpu_memory_utilization" in spec else {}
+    extra = {k: spec[k] for k in ("gpu_memory_utilization", "quantization") if k in spec}
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=256,
               enable_lora=True, max_lora_rank=spec["max_rank"], max_loras=1, max_cpu_loras=len(spec["adapters"]) + 1,
               **extra)

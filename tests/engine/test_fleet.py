@@ -15,6 +15,7 @@ import torch
 
 from nemo_gen import GenerationFleet
 from nemo_gen.core.fleet_health import ShardState
+from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.errors import RequestError
 from tests.helpers import alive, wait_gone, wait_until
 
@@ -114,6 +115,25 @@ def test_stop_strings_and_sampling_overrides(fleet):
     cut = fleet.generate(["The quick brown fox"], temperature=0, max_new_tokens=16, stop_strings=[stop])[0]
     assert cut.finish_reason == "stop"
     assert stop not in cut.text and len(cut.token_ids) < 16
+
+
+def test_a_batchs_text_decoded_by_the_router_is_the_engines_own(fleet):
+    # A batch's samples come back undecoded and the router decodes each once; a request with a
+    # stop string (one that never matches) is decoded by vLLM's own incremental detokenizer.
+    prompts = PROMPTS + ["Numbers: 1, 2, 3,", "\u00e9t\u00e9 \u00e0 Paris \u2014 caf\u00e9"]
+    ours = fleet.generate(prompts, temperature=0, max_new_tokens=32, logprobs=2)
+    engines = fleet.generate(prompts, temperature=0, max_new_tokens=32, logprobs=2, stop_strings=["\x00never\x00"])
+    for a, b in zip(ours, engines):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+        assert a.text == b.text and a.text
+    for prompt, batch in zip(prompts[-2:], ours[-2:]):  # a stream's text is the engine's, as it comes
+        pieces, final = asyncio.run(_streamed(fleet, prompt))
+        assert "".join(pieces) == final.text == batch.text and final.token_ids == batch.token_ids
+
+
+async def _streamed(fleet, prompt: str) -> tuple[list[str], GenerationResult]:
+    items = [item async for item in fleet.generate_stream(prompt, temperature=0, max_new_tokens=32)]
+    return [d.text for d in items if isinstance(d, Delta)], items[-1]
 
 
 def test_generate_async_serves_concurrent_requests(fleet):

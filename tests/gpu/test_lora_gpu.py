@@ -1,4 +1,5 @@
-"""LoRA adapters on a CUDA fleet (bf16, one shard), against a fresh vLLM CUDA engine that loads the
+"""LoRA adapters on a CUDA fleet (one shard; bf16, and at ``precision: fp8``: the adapters over
+vLLM's online FP8 base weights), against a fresh vLLM CUDA engine of the same precision that loads the
 same PEFT directories itself (``tests/engine/lora_reference.py``, its own process, run to the end
 before the fleet starts: engines that share a GPU start one at a time).
 
@@ -26,6 +27,15 @@ TOKENS = 16
 MAX_RANK = 8
 
 
+# precision -> what the fresh engine gets: a fleet at precision fp8 runs vLLM's fp8_per_tensor
+PRECISIONS = {"bfloat16": {}, "fp8": {"quantization": "fp8_per_tensor"}}
+
+
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def precision(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from nemo_gen.tiny_model import make_tiny_model
@@ -42,12 +52,12 @@ def adapters(tmp_path_factory, model):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, model, adapters):
+def reference(tmp_path_factory, model, adapters, precision):
     work = tmp_path_factory.mktemp("lora-gpu-ref")
     spec, out = work / "spec.json", work / "out.json"
     spec.write_text(json.dumps({"model": str(model), "max_rank": MAX_RANK, "prompts": PROMPTS, "max_tokens": TOKENS,
                                 "adapters": {k: str(v) for k, v in adapters.items()}, "dtype": "bfloat16",
-                                "gpu_memory_utilization": 0.15, "one_by_one": True}))
+                                "gpu_memory_utilization": 0.15, "one_by_one": True, **PRECISIONS[precision]}))
     done = subprocess.run([sys.executable, "-m", "tests.engine.lora_reference", str(spec), str(out)],
                           env=dict(os.environ), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -55,14 +65,14 @@ def reference(tmp_path_factory, model, adapters):
 
 
 @pytest.fixture(scope="module")
-def fleet(model, reference, tmp_path_factory):
+def fleet(model, reference, precision, tmp_path_factory):
     from nemo_gen import GenerationFleet
     from nemo_gen.settings import NemoGenSettings
 
     f = GenerationFleet.launch(NemoGenSettings.load(overrides={
         "home": str(tmp_path_factory.mktemp("lora-gpu-home")), "model.path": str(model), "fleet.name": "lora-gpu",
         "fleet.device": "gpu", "fleet.num_shards": 1, "fleet.engine_start_timeout_s": 400,
-        "ray.namespace": "nemo_gen_lora_gpu", "generation.vllm_cfg.precision": "bfloat16",
+        "ray.namespace": "nemo_gen_lora_gpu", "generation.vllm_cfg.precision": precision,
         "generation.vllm_cfg.enforce_eager": True, "generation.vllm_cfg.max_model_len": 256,
         "generation.vllm_cfg.gpu_memory_utilization": 0.2, "refit.backend": "nemo_gen_ipc",
         "generation.vllm_cfg.lora.enabled": True, "generation.vllm_cfg.lora.max_rank": MAX_RANK,
