@@ -28,7 +28,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("refit_inflight", "cpu", "tokens/s kept under refits every few seconds, per in-flight mode (drain, keep, abort)"),
     Benchmark("rl_step", "cpu", "an async GRPO step takes less wall time than a sync one (examples/grpo.py's loop)"),
     Benchmark("step_loop", "cpu", "the shard's batch step loop / vLLM's LLM.generate <= 1.05"),
-    Benchmark("front_end", "cpu", "the shard actor's front-end work per batch close to a plain process's"),
+    Benchmark("front_end", "cpu", "the shard actor's front-end work per batch close to a plain process's; a fleet batch's, text decoded by the router, below the engine's own text"),
     Benchmark("engine_start", "cpu", "engine launch: forkserver against spawn, same tokens, time per launch"),
     Benchmark("gpu_bench", "gpu", "refit >= 0.5 of copy bandwidth, launch and throughput near a bare vLLM, restart after SIGKILL"),
     Benchmark("gpu_recovery", "gpu", "SIGKILL -> full strength with a warm spare; no orphaned GPU memory"),
