@@ -1,10 +1,9 @@
 """Front-end CPU per output token of a plain vLLM `LLM` (the tiny model, CPU): text decoding and logprobs on and off.
 
-Run from the project root: VLLM_CPU_KVCACHE_SPACE=4 .venv/bin/python bench/results/2026-12-06/vllm-front-end-arms.py
+Run from the project root: VLLM_CPU_KVCACHE_SPACE=4 PYTHONPATH=$PWD .venv/bin/python bench/results/2026-12-06/vllm-front-end-arms.py
 (B prompts x T tokens, R rounds; PROF=ARM profiles one arm)."""
 import os, sys, time, json, gc, cProfile, pstats, io
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-sys.path.insert(0, os.getcwd())  # run from the project root
 from nemo_gen.tiny_model import make_tiny_model
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
