@@ -293,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                  "tokens": {"other": other, "back": back, "after_rounds": again}}
                 finally:
                     engine.shutdown()
+                    # the trainer-side FP8 copy stays in this process's CUDA cache otherwise: vLLM
+                    # then finds too little free memory to start the bf16 fleet beside this one
+                    del engine
+                    torch.cuda.empty_cache()
                 say(f"fp8 {mode}: {json.dumps({k: v for k, v in res[mode].items() if k != 'tokens'})}")
             t = time.perf_counter()
             report = fleet.refit(str(model_dir))
@@ -304,8 +308,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     @step("bf16", out, args, 200)
     def _():
         t = time.monotonic()
+        free, total = torch.cuda.mem_get_info() if gpu else (0, 0)
         state["bf16"] = fleet = GenerationFleet.launch(settings("bf16"))
         res: dict = {"launch_s": time.monotonic() - t}
+        if gpu:  # what vLLM's start-up check compares gpu_memory_utilization x total against
+            res["gpu_free_gib_before_launch"] = free / 2**30
         before = [r.token_ids for r in greedy(fleet)]
         engine = trainer(fleet)
         try:
