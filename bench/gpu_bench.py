@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 from bench.lib.result import make as make_result
 from bench.lib.setup import quiet_environment, token_prompts
 from bench.lib.stats import check
+from bench.lib.wide_tokenizer import widen
 
 T0 = time.monotonic()
 RESULT: dict = {"steps": {}}
@@ -103,8 +103,9 @@ def make_model(path: Path, layers: int, tiny: Path, mlp: int = 11008, kv_heads: 
     on the GPU with HF's own init and the tiny model's tokenizer, saved as a checkpoint at
     ``path``; returns the GPU module (the trainer's policy of a GPU benchmark). ``vocab``: the
     embedding and output rows (default the tiny tokenizer's 512; a real model's, e.g. Llama-3's
-    128256, puts its output layer and sampler on the GPU's step as a real model does — the
-    engines run on token ids, without the tokenizer, so ids past the tokenizer's are fine)."""
+    128256, puts its output layer and sampler on the GPU's step as a real model does), with the
+    tokenizer widened to as many tokens (``bench.lib.wide_tokenizer``), so that every sampled id
+    decodes to text as a real model's do."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -122,9 +123,7 @@ def make_model(path: Path, layers: int, tiny: Path, mlp: int = 11008, kv_heads: 
     model.eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path), safe_serialization=True, max_shard_size="50GB")
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        if (tiny / f).exists():
-            shutil.copy(tiny / f, path / f)
+    widen(tiny, path, config.vocab_size)  # the tiny tokenizer's files; as wide as the model's rows
     torch.cuda.synchronize()
     return model
 

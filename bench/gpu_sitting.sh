@@ -16,7 +16,8 @@
 #   bash .gpu-src/bench/gpu_sitting.sh lorafp8  install, run python -m bench lora_fp8_gpu (adapter vs full refit, FP8 refit
 #                                               from bf16 online and trainer-side, FP8 / bf16 throughput by batch; a 32-layer
 #                                               random Llama, 14 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags,
-#                                               e.g. "--vocab 128256": Llama-3's output layer and sampler)
+#                                               e.g. "--vocab 128256 --kv-gib 10.5 --util 0.3": Llama-3's
+#                                               output layer, sampler and tokenizer width; 16 GB)
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD

@@ -157,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "Llama-3-8B's shape, 15 GB in bf16 with the tiny vocabulary)")
     ap.add_argument("--mlp", type=int, default=14336, help="the random Llama's MLP width")
     ap.add_argument("--vocab", type=int, default=None,
-                    help="its vocabulary (default the tiny tokenizer's 512; 128256: Llama-3's output layer and sampler)")
+                    help="its vocabulary (default the tiny tokenizer's 512; 128256: Llama-3's output layer and sampler, "
+                    "the tokenizer widened to match: bench.lib.wide_tokenizer)")
     ap.add_argument("--util", type=float, default=0.35,
                     help="gpu_memory_utilization of each fleet (the FP8 and the bf16 fleet share the GPU)")
     ap.add_argument("--kv-gib", type=float, default=12.0,
