@@ -24,7 +24,9 @@ such, never a number):
    every round), at each batch of ``--batches`` prompts x ``--tokens`` tokens (greedy,
    ignore_eos), ``--sweep-rounds`` rounds: the FP8 / bf16 ratio per batch, the median over rounds.
    Both engines get the same KV cache (``--kv-gib``, vLLM's ``kv_cache_memory_bytes``), enough
-   for the largest batch, so neither queues or preempts where the other does not. Then, at
+   for the largest batch, so neither queues or preempts where the other does not. With each
+   batch, the GPU's busy share while it ran (``gpu_busy``, NVML): near 1, the GPU bounds it;
+   well below, the processes feeding it do. Then, at
    ``--text-batch`` prompts, each fleet's batch as it runs (its text decoded once per sample by
    the router) against the same batch with a stop string that never matches (vLLM's front end
    decodes every token and logprob entry in the shard's process, as every batch did before):
@@ -47,6 +49,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -120,6 +123,37 @@ def step(name: str, out: Path, args, need_s: float):
         return RESULT["steps"][name]
 
     return run
+
+
+class GpuBusy:
+    """The GPU's busy share while a block runs: NVML's utilization (the share of its last sample
+    period in which a kernel ran), sampled every 50 ms on a thread, averaged; ``share`` None where
+    there is no GPU or no NVML."""
+
+    def __init__(self, gpu: bool):
+        self.gpu, self.samples, self.share = gpu, [], None
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        import torch
+
+        try:
+            while not self._stop.wait(0.05):
+                self.samples.append(torch.cuda.utilization(0) / 100)
+        except Exception:  # no NVML binding here: no figure, the batch still counts
+            self.samples = []
+
+    def __enter__(self) -> "GpuBusy":
+        if self.gpu:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.gpu:
+            self._stop.set()
+            self._thread.join()
+            self.share = statistics.fmean(self.samples) if self.samples else None
 
 
 def adapter(model_dir: Path, rank: int, seed: int) -> dict:
@@ -337,12 +371,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for batch in args.batches:
             times: dict[str, list[float]] = {k: [] for k in fleets}
             tokens: dict[str, int] = {}
+            busy: dict[str, list[float]] = {k: [] for k in fleets}
             for r in range(args.sweep_rounds):
                 for k in (list(fleets) if r % 2 == 0 else list(fleets)[::-1]):
-                    seconds, tokens[k] = rollout(fleets[k], batch)
+                    with GpuBusy(gpu) as meter:
+                        seconds, tokens[k] = rollout(fleets[k], batch)
                     times[k].append(seconds)
+                    if meter.share is not None:
+                        busy[k].append(meter.share)
             row = {"batch": batch, "tokens": tokens, "seconds": times,
                    "tokens_per_s": {k: tokens[k] / statistics.median(v) for k, v in times.items()}}
+            if all(busy.values()):  # is the GPU the bound? (NVML's kernel-busy share while the batch ran)
+                row["gpu_busy"] = {k: statistics.median(v) for k, v in busy.items()}
             if len(fleets) == 2:
                 row["fp8_over_bf16"] = statistics.median(times["bf16"]) / statistics.median(times["fp8"])
                 row["round_ratios"] = [b / f for f, b in zip(times["fp8"], times["bf16"])]
