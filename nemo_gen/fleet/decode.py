@@ -11,6 +11,7 @@ to the text its final result carries. Which shard answers is ``router.py``'s bus
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from nemo_gen.core.detokenize import IncrementalText, completion_text
@@ -45,7 +46,7 @@ def as_dict(entry: TokenLogprobs) -> dict[int, float]:
 
 
 def decode_sample(raw: SampleResult, version: int | None, tokenizer: Any | None,
-                  engines_decode: bool = True, prompt_ids: list[int] = ()) -> Sample:
+                  engines_decode: bool = True, prompt_ids: Sequence[int] = ()) -> Sample:
     text = raw.text
     if (text is None or not engines_decode) and raw.token_ids and tokenizer is not None:
         text = completion_text(tokenizer, prompt_ids, raw.token_ids)

@@ -26,9 +26,9 @@ VersionOf = Callable[[Any], "int | None"]  # an output label -> the weight versi
 def sampling_params(s: Sampling, text: bool = True):
     """vLLM ``SamplingParams`` from the wire's ``Sampling`` (resolved by ``nemo_gen.core.sampling``).
     ``text``: the engine decodes each sample's text as it goes; False leaves that to the caller
-    (``nemo_gen.fleet.decode``), unless stop strings need it. vLLM's front end turns every step's
-    outputs into request state in the shard's process; decoding each token, and with logprobs each
-    logprob entry's token, is most of that work (bench/results/2026-12-06/cpu-front-end-text.md)."""
+    (``nemo_gen.fleet.decode``), unless stop strings need it. Where the engine decodes, vLLM's
+    front end does it per token in the shard's process (with logprobs, each logprob entry's token
+    too); the router decodes a finished sample once (measured: bench/results/2026-12-06/cpu-front-end-text.md)."""
     from vllm import SamplingParams
 
     structured = None
