@@ -19,7 +19,8 @@ engine) outlived it by ``GONE_S`` but Ray's own agents (``RAY_AGENTS``: they hol
 device, and exit on their own once they have told the dead cluster's GCS that their raylet died,
 which waits out Ray's GCS request timeout, as long as ``GONE_S`` by default); none is left running
 ``ORPHAN_S`` after, the agents included (an orphan, not a slow exit on a loaded machine: each
-leftover is listed with its command and when it was gone).
+leftover is listed with its command and when it was gone). The next run does not wait for the
+agents: they are watched while it runs, and the verdicts wait for the last of them.
 
 Each line is its own request with one in flight (``run.batch_size=1``) and vLLM's prefix cache
 off: a line's tokens and logprobs then come from the same computation whichever lines ran before
@@ -51,7 +52,7 @@ from typing import Any, Sequence
 from bench.lib.result import write_result
 from bench.lib.setup import REPO, quiet_environment
 from bench.lib.stats import check
-from tests.helpers import marked, wait_gone  # processes by their marker
+from tests.helpers import alive, marked  # processes by their marker
 
 EVAL = REPO / "examples" / "eval.yaml"
 GONE_S = 60.0  # a killed run's Ray cluster and engines must be gone within this
@@ -110,13 +111,12 @@ class Generate:
         out, _ = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out
 
-    def kill(self) -> list[dict[str, Any]]:
-        """SIGKILL the nemo-gen process; its processes still alive ``GONE_S`` later (each with its
-        command and how long after the kill it was gone, None: still running ``ORPHAN_S`` later)."""
+    def kill(self) -> float:
+        """SIGKILL the nemo-gen process (its own processes must go with it); when it was killed."""
         self.proc.kill()
         killed = time.monotonic()
         self.proc.communicate(timeout=60)
-        return _outlived(wait_gone(marked(self.marker), GONE_S), killed)
+        return killed
 
     def reap(self) -> None:
         """Kill whatever of this run is left (only when something failed: nothing should be)."""
@@ -131,22 +131,70 @@ ORPHAN_S = 180.0  # one still running this long after the kill is an orphan, not
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # bound by ORPHAN_S only (see above)
 
 
-def _outlived(pids: list[int], since: float) -> list[dict[str, Any]]:
-    """``pids`` (alive ``GONE_S`` after ``since``) with their commands, and when each was gone."""
+def _command(pid: int) -> str | None:
+    """``pid``'s command line (None once it is gone)."""
     import psutil
 
-    left = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            left.append({"pid": pid, "cmd": " ".join(psutil.Process(pid).cmdline())[:100]})
-    for entry in left:
-        still = wait_gone([entry["pid"]], max(0.0, since + ORPHAN_S - time.monotonic()))
-        entry["gone_after_s"] = None if still else round(time.monotonic() - since, 1)
-    return left
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:100]
+    except psutil.Error:
+        return None
+
+
+class Leftovers:
+    """What each killed or finished run left running, watched until it is gone.
+
+    ``after(marker, since)`` waits up to ``GONE_S`` for the run's processes, but no longer than
+    only Ray's agents are left (they are bound by ``ORPHAN_S`` alone, and waiting them out after
+    every kill would make each one cost up to a minute of nothing): the next run starts while they
+    wind down. A thread notes when each leftover is gone; ``settle()`` waits until every one is
+    gone or ``ORPHAN_S`` past its run's end (then it is an orphan: ``gone_after_s`` None)."""
+
+    def __init__(self):
+        import threading
+
+        self._entries: list[tuple[dict[str, Any], float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="crash-resume-leftovers", daemon=True)
+        self._thread.start()
+
+    def after(self, marker: str, since: float) -> list[dict[str, Any]]:
+        """The run's processes still alive once only agents are left or ``GONE_S`` passed, each
+        with its command; their ``gone_after_s`` is filled in as they go."""
+        deadline = since + GONE_S
+        while True:
+            alive = {pid: cmd for pid in marked(marker) if (cmd := _command(pid)) is not None}
+            if all(cmd.startswith(RAY_AGENTS) for cmd in alive.values()) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        entries = [{"pid": pid, "cmd": cmd, "gone_after_s": None} for pid, cmd in alive.items()]
+        with self._lock:
+            self._entries += [(entry, since) for entry in entries]
+        return entries
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            with self._lock:
+                waiting = [(e, since) for e, since in self._entries if e["gone_after_s"] is None]
+            for entry, since in waiting:
+                if time.monotonic() - since <= ORPHAN_S and not alive([entry["pid"]]):
+                    entry["gone_after_s"] = round(time.monotonic() - since, 1)
+
+    def settle(self) -> None:
+        """Wait until every leftover is gone or has run ``ORPHAN_S`` past its run's end."""
+        while True:
+            with self._lock:
+                waiting = [since for e, since in self._entries if e["gone_after_s"] is None]
+            if not waiting or time.monotonic() > max(waiting) + ORPHAN_S + 0.5:
+                break
+            time.sleep(0.2)
+        self._stop.set()
+        self._thread.join()
 
 
 def _kill_at(run: Generate, out: Path, mode: str, rng: random.Random, total: int, reference_s: float,
-             timeout: float = 600) -> dict[str, Any]:
+             leftovers: Leftovers, timeout: float = 600) -> dict[str, Any]:
     """Wait for the moment ``mode`` picks, then SIGKILL ``run``: what the kill found and left."""
     before = finished(out)
     left = total - before
@@ -158,8 +206,7 @@ def _kill_at(run: Generate, out: Path, mode: str, rng: random.Random, total: int
     while True:
         if run.proc.poll() is not None:  # ended on its own: a refusal, a failure, or done first
             return {"mode": mode, "exited": run.proc.returncode, "stderr": run.stderr(), "before": before,
-                    "after": finished(out), "leftover": _outlived(wait_gone(marked(run.marker), GONE_S),
-                                                                  time.monotonic() - GONE_S)}
+                    "after": finished(out), "leftover": leftovers.after(run.marker, time.monotonic())}
         now = time.monotonic()
         if (target is not None and finished(out) >= target) or (at_s is not None and now - run.started >= at_s):
             break
@@ -169,7 +216,7 @@ def _kill_at(run: Generate, out: Path, mode: str, rng: random.Random, total: int
     if mode == "mid":
         time.sleep(rng.uniform(0, 0.03))
     seconds = time.monotonic() - run.started
-    leftover = run.kill()
+    leftover = leftovers.after(run.marker, run.kill())
     data = out.read_bytes() if out.exists() else b""
     return {"mode": mode, "exited": None, "at_s": round(seconds, 2), "before": before, "after": finished(out),
             "cut_row": bool(data) and not data.endswith(b"\n"),
@@ -183,6 +230,7 @@ def crash_resume(work: Path, model: Path, kills: int, lines: int = 48, max_new_t
     inp = write_input(work / "prompts.jsonl", lines)
     ref, out = work / "reference.jsonl", work / "samples.jsonl"
     runs: list[Generate] = []
+    leftovers = Leftovers()
 
     def start(output: Path, extra: Sequence[str]) -> Generate:
         runs.append(Generate(work, model, inp, output, extra, max_new_tokens))
@@ -199,20 +247,23 @@ def crash_resume(work: Path, model: Path, kills: int, lines: int = 48, max_new_t
         events = []
         for i in range(kills):
             mode = "any" if i % 3 == 2 else "mid"
-            event = _kill_at(start(out, ["--resume"] if i else []), out, mode, rng, lines, reference_s)
+            event = _kill_at(start(out, ["--resume"] if i else []), out, mode, rng, lines, reference_s,
+                             leftovers)
             events.append(event)
             log(f"kill {i + 1}/{kills}: {event['mode']:3} " + (
                 f"at {event['at_s']:6.2f} s, finished lines {event['before']:3} -> {event['after']:3}"
                 f"{', a cut row at the end' if event['cut_row'] else ''}"
                 f"{', during the final rewrite' if event['temp_left'] else ''}" if event["exited"] is None else
                 f"EXITED {event['exited']} before the kill: {event['stderr'][-300:]}")
-                + (f", LEFT RUNNING {event['leftover']}" if event["leftover"] else ""))
+                + (f", still running: {', '.join(x['cmd'].split()[0] for x in event['leftover'])}"
+                   if event["leftover"] else ""))
         last = start(out, ["--resume"])
         code, stdout = last.finish()
         summary = json.loads(stdout) if code == 0 else None
         log(f"last resume: exit {code}" + (f", {summary['resumed']} lines resumed, {lines - summary['resumed']} "
                                            f"generated" if summary else f": {last.stderr()}"))
-        leftover = _outlived(wait_gone(marked(last.marker), GONE_S), time.monotonic() - GONE_S)
+        leftover = leftovers.after(last.marker, time.monotonic())
+        leftovers.settle()
     finally:
         for run in runs:
             run.reap()

@@ -24,10 +24,15 @@ def _bench():
     return module
 
 
+LINES = 24  # x ~0.1 s each (32 tokens) on an idle machine: a 'mid' kill aims 1-4 lines in, and
+# only a poller stalled for ~20 lines' time overshoots to the end
+
+
 def test_killed_three_times_at_random_moments_then_resumed_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
-    result = _bench().crash_resume(tmp_path, tiny_model_dir, kills=3, lines=16, max_new_tokens=16, seed=3)
+    result = _bench().crash_resume(tmp_path, tiny_model_dir, kills=3, lines=LINES, max_new_tokens=32, seed=3)
     events = result["events"]
-    assert [e["mode"] for e in events][:2] == ["mid", "mid"], events  # two aimed mid-generation
-    assert events[0]["exited"] is None and events[0]["after"] > 0, events  # killed while writing lines
+    assert events[0]["mode"] == "mid", events
+    # At least one kill landed while lines were being written (the subject of the 'mid' kills).
+    assert any(e["exited"] is None and e["before"] < e["after"] < LINES for e in events), events
     assert result["verdicts"] == {name: True for name in result["verdicts"]}, result
-    assert result["summary"]["completed"] == 16 and result["summary"]["failed"] == 0
+    assert result["summary"]["completed"] == LINES and result["summary"]["failed"] == 0
