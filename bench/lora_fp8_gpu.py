@@ -26,7 +26,9 @@ such, never a number):
    Both engines get the same KV cache (``--kv-gib``, vLLM's ``kv_cache_memory_bytes``), enough
    for the largest batch, so neither queues or preempts where the other does not. With each
    batch, the GPU's busy share while it ran (``gpu_busy``, NVML): near 1, the GPU bounds it;
-   well below, the processes feeding it do. Then, at
+   well below, the processes feeding it do. And vLLM's own counters over the batch (its last
+   round: ``engine``): engine steps, tokens a step carried, ms a step, preemptions, the KV
+   cache's size in tokens. Then, at
    ``--text-batch`` prompts, each fleet's batch as it runs (its text decoded once per sample by
    the router) against the same batch with a stop string that never matches (vLLM's front end
    decodes every token and logprob entry in the shard's process, as every batch did before):
@@ -156,6 +158,34 @@ class GpuBusy:
             self.share = statistics.fmean(self.samples) if self.samples else None
 
 
+def engine_counters(fleet) -> dict:
+    """vLLM's own running totals over the fleet's engines (``enable_vllm_metrics_logger``): engine
+    steps and the tokens they scheduled (``iteration_tokens_total``), preemptions, and the KV
+    cache's size (``cache_config_info``). Two of them around a batch say what bounded it: the
+    steps it took, the tokens a step carried, whether the KV cache forced preemptions."""
+    total = {"steps": 0.0, "step_tokens": 0.0, "preemptions": 0.0, "kv_tokens": 0.0}
+    for rows in fleet.vllm_metrics().values():
+        for row in rows:
+            name = row["name"].removesuffix("_total")
+            if name == "vllm:iteration_tokens" and row["kind"] == "histogram":
+                total["steps"] += row["count"]
+                total["step_tokens"] += row["sum"]
+            elif name == "vllm:num_preemptions" and row["kind"] == "counter":
+                total["preemptions"] += row["value"]
+            elif name == "vllm:cache_config_info":
+                labels = row["labels"]
+                total["kv_tokens"] += int(labels.get("num_gpu_blocks") or 0) * int(labels.get("block_size") or 0)
+    return total
+
+
+def batch_engine_figures(before: dict, after: dict, seconds: float) -> dict:
+    """What the engines did during one batch, from ``engine_counters`` before and after it."""
+    steps = after["steps"] - before["steps"]
+    return {"engine_steps": steps, "tokens_per_step": (after["step_tokens"] - before["step_tokens"]) / steps
+            if steps else None, "ms_per_step": 1e3 * seconds / steps if steps else None,
+            "preemptions": after["preemptions"] - before["preemptions"], "kv_cache_tokens": after["kv_tokens"]}
+
+
 def adapter(model_dir: Path, rank: int, seed: int) -> dict:
     """A PEFT LoRA adapter (live form: config + tensors, on the CPU) of rank ``rank`` on every
     linear layer of the model in ``model_dir``; B nonzero, so it changes greedy tokens."""
@@ -263,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         base = {"home": str(work / "home"), "model.path": str(model_dir), "fleet.name": f"lora-fp8-{name}",
                 "fleet.device": args.device, "fleet.num_shards": 1, "fleet.engine_start_timeout_s": 500,
                 "generation.vllm_cfg.max_model_len": 512, "refit.backend": backend, "health.probe_interval_s": 60.0,
-                "health.probe_timeout_s": 60.0, "ray.namespace": "nemo_gen_lora_fp8"}
+                "health.probe_timeout_s": 60.0, "ray.namespace": "nemo_gen_lora_fp8",
+                "generation.vllm_cfg.enable_vllm_metrics_logger": True}  # engine_counters
         if gpu:
             base.update({"generation.vllm_cfg.gpu_memory_utilization": args.util, "fleet.shards_per_gpu": 2,
                          "generation.vllm_cfg.enforce_eager": False, "generation.vllm_cfg.precision": "bfloat16",
@@ -372,15 +403,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
             times: dict[str, list[float]] = {k: [] for k in fleets}
             tokens: dict[str, int] = {}
             busy: dict[str, list[float]] = {k: [] for k in fleets}
+            engine: dict[str, dict] = {}
             for r in range(args.sweep_rounds):
                 for k in (list(fleets) if r % 2 == 0 else list(fleets)[::-1]):
+                    counted = engine_counters(fleets[k])
                     with GpuBusy(gpu) as meter:
                         seconds, tokens[k] = rollout(fleets[k], batch)
                     times[k].append(seconds)
+                    engine[k] = batch_engine_figures(counted, engine_counters(fleets[k]), seconds)  # the last round's
                     if meter.share is not None:
                         busy[k].append(meter.share)
             row = {"batch": batch, "tokens": tokens, "seconds": times,
-                   "tokens_per_s": {k: tokens[k] / statistics.median(v) for k, v in times.items()}}
+                   "tokens_per_s": {k: tokens[k] / statistics.median(v) for k, v in times.items()}, "engine": engine}
             if all(busy.values()):  # is the GPU the bound? (NVML's kernel-busy share while the batch ran)
                 row["gpu_busy"] = {k: statistics.median(v) for k, v in busy.items()}
             if len(fleets) == 2:
