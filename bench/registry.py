@@ -34,6 +34,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gpu_recovery", "gpu", "SIGKILL -> full strength with a warm spare; no orphaned GPU memory"),
     Benchmark("cuda_ipc_refit", "gpu", "CUDA-IPC bucketed refit bandwidth as a fraction of device copy"),
     Benchmark("lora_fp8_gpu", "gpu", "an adapter refit moves <= 1/10 of a full refit's bytes, faster; FP8 refit from bf16 gives a fresh FP8 engine's tokens; FP8 / bf16 tokens/s >= 1.3 at each rollout batch, both fleets up side by side"),
+    Benchmark("fp8_gemm_gpu", "gpu", "the most FP8 can give over bf16 for a decode step's matrix multiplies, by batch (Llama-3-8B's shapes): step ratio >= 1.3 where lora_fp8_gpu's target is reachable"),
     Benchmark("mps_overlap", "gpu", "a trainer and a generator process on one GPU: the slowdown each costs the other, with and without CUDA MPS"),
 )
 
