@@ -164,11 +164,11 @@ class Leftovers:
         with its command; their ``gone_after_s`` is filled in as they go."""
         deadline = since + GONE_S
         while True:
-            alive = {pid: cmd for pid in marked(marker) if (cmd := _command(pid)) is not None}
-            if all(cmd.startswith(RAY_AGENTS) for cmd in alive.values()) or time.monotonic() >= deadline:
+            running = {pid: cmd for pid in marked(marker) if (cmd := _command(pid)) is not None}
+            if all(cmd.startswith(RAY_AGENTS) for cmd in running.values()) or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-        entries = [{"pid": pid, "cmd": cmd, "gone_after_s": None} for pid, cmd in alive.items()]
+        entries = [{"pid": pid, "cmd": cmd, "gone_after_s": None} for pid, cmd in running.items()]
         with self._lock:
             self._entries += [(entry, since) for entry in entries]
         return entries
