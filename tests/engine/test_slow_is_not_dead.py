@@ -82,15 +82,20 @@ def test_a_request_past_its_deadline_fails_alone_and_its_shard_serves_on(fleets)
             await fleet.generate_async("A fleet of engines", timeout_s=took / 3, **LONG)
         failed_in = time.monotonic() - t
         mine = caught.value.shard
-        # aborted on its engine within a second: no request of more than 64 tokens is left there
+        # Aborted on its engine: no request of more than 64 tokens is left there well before it
+        # could have finished. At its deadline it had made at most a third of its tokens, so
+        # generating on it would hold it ~2/3 of `took` longer; gone within a third of `took`, it
+        # was stopped. (A bound with its reason, not a latency target: every poll here is a Ray
+        # call, which a loaded machine can hold for over a second; the 1 s of cancellation is
+        # the next test's.)
         t = time.monotonic()
-        await asyncio.to_thread(wait_until, lambda: not any(n > 64 for n in held(fleet)[mine].values()), 1.0,
-                                "the long request aborted")
+        await asyncio.to_thread(wait_until, lambda: not any(n > 64 for n in held(fleet)[mine].values()),
+                                took / 3, "the long request aborted")
         return failed_in, mine, time.monotonic() - t, await asyncio.gather(*others)
 
     failed_in, shard, aborted_in, others = asyncio.run(run())
     assert took / 3 <= failed_in < took / 3 + 2.0, (failed_in, took)
-    assert aborted_in < 1.0
+    assert aborted_in < took / 3, (aborted_in, took)
     assert all(r.ok and len(r.token_ids) == 64 for r in others)
     assert untouched(fleet) and fleet.handle(shard) is not None
     settled(fleet)
