@@ -163,8 +163,9 @@ class Leftovers:
         """The run's processes still alive once only agents are left or ``GONE_S`` passed, each
         with its command; their ``gone_after_s`` is filled in as they go."""
         deadline = since + GONE_S
+        pids = marked(marker)  # one scan of every process's environment: an ended run starts no more
         while True:
-            running = {pid: cmd for pid in marked(marker) if (cmd := _command(pid)) is not None}
+            running = {pid: cmd for pid in pids if (cmd := _command(pid)) is not None}
             if all(cmd.startswith(RAY_AGENTS) for cmd in running.values()) or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
