@@ -2,7 +2,8 @@
 server (the test harness's) with a real process worker (the reliability review's finding 5).
 
 - ``nemo-gen deploy``'s pool declares only ``flows.trust.JOB_VARIABLES``: the server refuses a
-  deployment's run whose ``job_variables`` set ``command``, ``env`` or ``working_dir``, naming it.
+  deployment's run whose ``job_variables`` set ``command``, ``env`` or ``working_dir``, naming it
+  (Prefect's ``POST /flow_runs/`` does not check them: hence the check at the flow's start).
 - A pool left with Prefect's default template (an older ``nemo-gen deploy``) let such a run be
   created; deploying again updates the template, after which the job configuration the worker
   builds for that run holds the worker's command, environment and directory, not the run's, and
@@ -16,6 +17,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -82,6 +84,13 @@ def test_the_server_refuses_a_run_that_sets_command_env_or_working_dir(prefect_h
     run = _run(lambda c: c.create_flow_run_from_deployment(dep.id, parameters={"input": "in.jsonl"},
                                                            job_variables={"stream_output": False}))
     _run(lambda c: c.delete_flow_run(run.id))
+    # Prefect's other route to a flow run does not check them: why the flow checks at its start
+    from prefect.settings import PREFECT_API_URL
+
+    created = httpx.post(f"{PREFECT_API_URL.value()}/flow_runs/", timeout=30, json={
+        "flow_id": str(dep.flow_id), "deployment_id": str(dep.id), "job_variables": {"command": "sh -c 'id'"}})
+    assert created.status_code == 201, created.text
+    _run(lambda c: c.delete_flow_run(uuid.UUID(created.json()["id"])))
 
 
 def test_a_run_the_default_template_let_through_is_refused_at_its_start(prefect_harness, tmp_path):
