@@ -80,10 +80,8 @@ def test_the_listed_job_variables_pass(job_variables):
 
 
 def test_the_template_declares_only_the_listed_variables_and_no_other():
-    from prefect.server.schemas.actions import validate_base_job_template
-
+    # (that the server accepts it: tests/flows/test_job_variables.py creates the pool with it)
     template = base_job_template()
-    validate_base_job_template(template)  # what the server checks when the pool is created
     assert set(template["variables"]["properties"]) == set(JOB_VARIABLES)
     assert template["variables"]["additionalProperties"] is False
     config = template["job_configuration"]
