@@ -1,11 +1,13 @@
 """Register ``deployments/prefect.yaml`` with a Prefect API (what ``nemo-gen deploy`` does):
-check the file, create the process work pool if missing, hand each deployment to Prefect's own
-deploy (what ``prefect deploy`` runs), and install the automation that re-runs crashed flow runs.
+check the file, create the process work pool or correct its template (``flows.pool``), hand
+each deployment to Prefect's own deploy (what ``prefect deploy`` runs), and install the
+automation that re-runs crashed flow runs.
 
 Checked before anything is registered: every key of the file is one Prefect's deployment model
 holds (Prefect's own loader ignores a misspelt key; here it is an error naming it), schedules and
-triggers validate as Prefect's, and every parameter the file sets is valid and inside the
-allowed paths, and its ``overrides`` set only keys a deployment run may override
+triggers validate as Prefect's, ``work_pool.job_variables`` sets only what nemo-gen's pool lets
+a run set (``flows.trust.JOB_VARIABLES``), and every parameter the file sets is valid and inside
+the allowed paths, and its ``overrides`` set only keys a deployment run may override
 (``flows.trust``). Then every field reaches the API as written — name, version, version_type,
 description, tags, parameters, schedules (cron / interval / rrule, timezone, anchor, active,
 their parameters, slug), paused, concurrency_limit (with collision_strategy), enforce_parameter_
@@ -36,7 +38,8 @@ from uuid import UUID
 import yaml
 
 from flows.params import PARAMS, check_allowed_paths, validate_params
-from flows.trust import check_overrides
+from flows.pool import PoolChange, ensure_work_pool
+from flows.trust import check_overrides, job_variable_problems
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
 
@@ -54,6 +57,12 @@ class Registered:
     deployment: str                  # flow/deployment, or the entrypoint when it did not load
     id: UUID | None = None
     error: str | None = None
+
+
+@dataclass
+class Deployed:
+    pool: PoolChange                 # what became of the work pool (flows.pool)
+    deployments: list[Registered]
 
 
 def load_file(path: Path = SPEC) -> dict[str, Any]:
@@ -103,6 +112,11 @@ def check_file(data: dict[str, Any], path: Path = SPEC) -> None:
         unknown(entry, DeploymentConfig, where)
         if isinstance(entry.get("work_pool"), dict):
             unknown(entry["work_pool"], WorkPoolConfig, f"{where}.work_pool")
+            # nemo-gen's pool would ignore them (or its server refuse them): refused here, by name
+            for key, why in job_variable_problems(entry["work_pool"].get("job_variables")):
+                field = f"{where}.work_pool.job_variables.{key}"
+                raise ConfigError(f"{path}: {field}: nemo-gen's work pool does not let a deployment set it: {why}",
+                                  field=field)
         if isinstance(entry.get("concurrency_limit"), dict):
             unknown(entry["concurrency_limit"], ConcurrencyLimitSpec, f"{where}.concurrency_limit")
         checks = [(f"schedules[{j}]", RawScheduleConfig.model_validate, s)
@@ -143,10 +157,11 @@ def check_parameters(flow_name: str, entry: dict[str, Any], settings: NemoGenSet
             raise err from None
 
 
-def deploy(settings: NemoGenSettings, spec: Path = SPEC) -> list[Registered]:
-    """Register what ``spec`` declares on ``prefect.work_pool``. The file and every parameter are
-    checked before anything is registered; an entrypoint that cannot be loaded is reported, the
-    rest go ahead. Entrypoints are relative to the repository root."""
+def deploy(settings: NemoGenSettings, spec: Path = SPEC) -> Deployed:
+    """Register what ``spec`` declares on ``prefect.work_pool``, created or corrected to nemo-gen's
+    template (``flows.pool``). The file and every parameter are checked before anything is
+    registered; an entrypoint that cannot be loaded is reported, the rest go ahead. Entrypoints
+    are relative to the repository root."""
     from prefect import flow as prefect_flow
 
     data = load_file(spec)
@@ -161,13 +176,13 @@ def deploy(settings: NemoGenSettings, spec: Path = SPEC) -> list[Registered]:
         check_parameters(fl.name, entry, settings)
         loaded.append((fl, entry))
     pool = settings.prefect.work_pool
-    asyncio.run(ensure_work_pool(pool))
+    change = asyncio.run(ensure_work_pool(pool))
     actions = {key: data[key] for key in ("build", "push", "pull") if data.get(key)}
     results += asyncio.run(_register_all(loaded, actions, pool, spec))
     ids = [r.id for r in results if r.id is not None]
     if ids:
         asyncio.run(ensure_crash_automation(ids, settings.prefect.crash_reruns))
-    return results
+    return Deployed(change, results)
 
 
 async def _register_all(loaded, actions: dict[str, Any], pool: str, spec: Path) -> list[Registered]:
@@ -217,24 +232,6 @@ def _at_root():
         os.chdir(old_cwd)
         if old_root is None:
             os.environ.pop("NEMO_GEN_ROOT", None)
-
-
-async def ensure_work_pool(name: str) -> bool:
-    """Create the process work pool ``name`` unless it exists; True when created."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
-    from prefect.workers.process import ProcessWorker
-
-    async with get_client() as client:
-        try:
-            await client.read_work_pool(name)
-            return False
-        except ObjectNotFound:
-            pass
-        template = ProcessWorker.get_default_base_job_template()
-        await client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
-        return True
 
 
 async def ensure_crash_automation(deployment_ids: list[UUID], reruns: int) -> UUID | None:

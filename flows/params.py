@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from flows.trust import allowed_roots, check_allowed_paths, deployment_settings
+from flows.trust import allowed_roots, check_allowed_paths, check_job_variables, deployment_settings
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
 
@@ -117,15 +117,25 @@ def in_deployment() -> bool:
     return deployment.id is not None
 
 
+def run_job_variables() -> dict[str, Any]:
+    """The Prefect job variables this flow run was created with ({} outside a flow run)."""
+    from prefect.runtime import flow_run
+
+    return dict(flow_run.job_variables or {})
+
+
 def checked(model: type[_Params], values: Mapping[str, Any], flow: str,
             settings_for=None, deployment: bool | None = None) -> tuple[_Params, NemoGenSettings]:
     """Validate the parameters and load the settings they name; for a deployment's run
-    (``deployment``; unset: ``in_deployment()``) with ``flows.trust``'s checks — override keys,
-    path parameters, config files, resolved paths. Nothing is started before this."""
-    params = validate_params(model, values, flow)
-    load = settings_for or _settings
+    (``deployment``; unset: ``in_deployment()``) with ``flows.trust``'s checks — the run's job
+    variables, override keys, path parameters, config files, resolved paths. Nothing is started
+    before this."""
     if deployment is None:
         deployment = in_deployment()
+    if deployment:
+        check_job_variables(run_job_variables())
+    params = validate_params(model, values, flow)
+    load = settings_for or _settings
     return params, deployment_settings(params, load) if deployment else load(params)
 
 

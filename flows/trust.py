@@ -18,6 +18,13 @@ are the anchor everything the run brings is checked against, before anything is 
   hold (``model.path`` from ``NEMO_GEN_MODEL__PATH``, ``refit.staging_dir``'s ``/dev/shm``) is the
   operator's and is not checked.
 
+- The run's Prefect ``job_variables`` (what the work pool's worker builds the flow-run process
+  from) may set only ``JOB_VARIABLES``. ``command``, ``env`` and ``working_dir`` would choose the
+  process the worker starts, its environment — the ``NEMO_GEN_*`` anchor above, ``LD_PRELOAD`` —
+  and its directory: nemo-gen's work pool (``flows.pool``) does not let a run set them, and a run
+  that tries is refused by name at its start all the same (a run reaches a worker of another
+  pool, or one whose template was changed back).
+
 A person at a terminal (``nemo-gen ...``) or a flow called as a function is not checked: they
 already have their own filesystem. Nothing here imports Prefect.
 """
@@ -82,6 +89,23 @@ REFUSED: dict[str, str] = {
 
 _NOT_LISTED = "it is not one of the keys a deployment override may set"
 
+#: The Prefect job variables a deployment's run may set: ``stream_output`` (whether the worker
+#: echoes the run's output) and nothing that names a command, a file, a directory or an
+#: environment variable. A constant, like DEPLOYMENT_OVERRIDES: whatever a caller could set, it
+#: could widen. nemo-gen's work pool template (``flows.pool``) declares exactly these.
+JOB_VARIABLES: frozenset[str] = frozenset({"stream_output"})
+
+#: Why the job variables of Prefect's default process template are refused.
+REFUSED_JOB_VARIABLES: dict[str, str] = {
+    "command": "it is the command the worker runs for the flow run (any program, as the worker's user)",
+    "env": "it sets the flow-run process's environment (NEMO_GEN_PREFECT__ALLOWED_PATHS, LD_PRELOAD, "
+           "PYTHONPATH: the worker's settings and code the run executes)",
+    "working_dir": "it is the directory the flow-run process starts in (where relative paths and "
+                   "the allowed paths' default resolve from)",
+    "name": "it names the flow-run process; the worker names it after the flow run",
+    "labels": "it labels the flow-run process's events; the worker labels them itself",
+}
+
 
 def override_problems(overrides: Sequence[str] | None) -> list[tuple[str, str]]:
     """(key, why) for every key of ``overrides`` a deployment run may not set. A dict value is
@@ -114,6 +138,33 @@ def check_overrides(overrides: Sequence[str] | None) -> None:
         + (f" (a deployment override may set only: {', '.join(sorted(DEPLOYMENT_OVERRIDES))})" if listed else ""))
     err.field = problems[0][0]
     err.fields = [key for key, _ in problems]  # type: ignore[attr-defined]
+    raise err
+
+
+def job_variable_problems(job_variables: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """(key, why) for every key of a run's ``job_variables`` outside ``JOB_VARIABLES``, in the
+    order given. Prefect reads a dotted key (``env.LD_PRELOAD``) as a path into its first part."""
+    problems = []
+    for key in job_variables or {}:
+        name = str(key)
+        if name in JOB_VARIABLES:
+            continue
+        why = REFUSED_JOB_VARIABLES.get(name.split(".")[0],
+                                        "it is not one of the job variables a deployment run may set")
+        problems.append((name, why))
+    return problems
+
+
+def check_job_variables(job_variables: Mapping[str, Any] | None) -> None:
+    """Raise ConfigError naming every job variable a deployment run may not set."""
+    problems = job_variable_problems(job_variables)
+    if not problems:
+        return
+    err = ConfigError(
+        "; ".join(f"job_variables.{key}: not allowed in a deployment run: {why}" for key, why in problems)
+        + f" (a run's job_variables may set only: {', '.join(sorted(JOB_VARIABLES))})")
+    err.field = f"job_variables.{problems[0][0]}"
+    err.fields = [f"job_variables.{key}" for key, _ in problems]  # type: ignore[attr-defined]
     raise err
 
 

@@ -122,15 +122,16 @@ def _deploy(args: argparse.Namespace) -> int:
     with prefect_api(settings):
         from flows.deploy import AUTOMATION, deploy
 
-        results = deploy(settings)
+        deployed = deploy(settings)
+    results = deployed.deployments
     rows = [{"deployment": r.deployment, "id": str(r.id) if r.id else None, "error": r.error} for r in results]
     if args.json:
-        print(json.dumps({"work_pool": settings.prefect.work_pool, "automation": AUTOMATION, "deployments": rows},
-                         indent=2))
+        print(json.dumps({"work_pool": settings.prefect.work_pool, "work_pool_template": deployed.pool.value,
+                          "automation": AUTOMATION, "deployments": rows}, indent=2))
     else:
         from nemo_gen.cli_view import deploy_table
 
-        deploy_table(settings.prefect.work_pool, AUTOMATION, rows)
+        deploy_table(settings.prefect.work_pool, deployed.pool.value, AUTOMATION, rows)
     return EXIT_PARTIAL if any(r.error for r in results) else EXIT_OK
 
 

@@ -123,9 +123,10 @@ def status_table(fleet: str, rows: list[dict[str, Any]]) -> None:
     Console().print(table)
 
 
-def deploy_table(work_pool: str, automation: str, rows: list[dict[str, Any]]) -> None:
-    table = Table(title=f"deployments on work pool {work_pool!r} (crashed runs re-run by {automation!r})",
-                  title_justify="left")
+def deploy_table(work_pool: str, template: str, automation: str, rows: list[dict[str, Any]]) -> None:
+    """``template``: what became of the pool's job template (created, updated, unchanged)."""
+    table = Table(title=f"deployments on work pool {work_pool!r}, its job template {template} "
+                        f"(crashed runs re-run by {automation!r})", title_justify="left")
     for col in ("deployment", "id", "error"):
         table.add_column(col)
     for r in rows:

@@ -74,7 +74,7 @@ def test_deploy_registers_the_rest_and_exits_3_when_one_entrypoint_cannot_load(p
         env=env, cwd=repo, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert f"deployments on work pool {pool!r}" in proc.stdout
+    assert f"deployments on work pool {pool!r}, its job template created" in proc.stdout
     rows = _rows(proc.stdout)
     assert rows.pop("flows/missing.py:nothing")[1].startswith("cannot load flows/missing.py:nothing: ")
     # every loadable entry was registered on the pool, and is listed with its id

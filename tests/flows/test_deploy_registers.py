@@ -122,7 +122,7 @@ def _assert_as_written(entry: dict, flow, dep, automations: list, pool: str, pul
 @pytest.mark.parametrize("spec", [EVERY_FIELD, SPEC], ids=["every-field", "deployments-prefect.yaml"])
 def test_each_registered_deployment_is_the_file(prefect_harness, spec):
     pool = f"pool-{uuid.uuid4().hex[:8]}"
-    results = deploy(_settings(pool), spec)
+    results = deploy(_settings(pool), spec).deployments
     assert [r.error for r in results] == [None] * len(results)
     data = yaml.safe_load(spec.read_text())
     flows = _flows(spec)

@@ -131,11 +131,12 @@ def test_fleet_status_table(capsys):
 
 
 def test_deploy_table(capsys):
-    deploy_table("nemo-gen", "nemo-gen-rerun-crashed", [
+    deploy_table("nemo-gen", "updated", "nemo-gen-rerun-crashed", [
         {"deployment": "heal/default", "id": "0c1d", "error": None},
         {"deployment": "eval/default", "id": None, "error": "cannot load flows/eval.py:eval"},
     ])
     table = lines(capsys.readouterr().out)
-    assert table[0] == "deployments on work pool 'nemo-gen' (crashed runs re-run by 'nemo-gen-rerun-crashed')"
+    assert table[0] == ("deployments on work pool 'nemo-gen', its job template updated (crashed runs re-run by "
+                        "'nemo-gen-rerun-crashed')")
     assert table[1:] == [["deployment", "id", "error"], ["heal/default", "0c1d"],
                          ["eval/default", "cannot load flows/eval.py:eval"]]
