@@ -94,7 +94,7 @@ class FleetApi:
         self.max_prompt_chars = server.max_prompt_chars
         resolved = getattr(fleet, "resolved", None)
         self.max_model_len = getattr(resolved, "max_model_len", None) or settings.generation.vllm_cfg.max_model_len
-        self.tokens = Tokens(tokenizer, self.max_model_len, self.max_prompt_chars)
+        self.tokens = Tokens(tokenizer, self.max_model_len, self.max_prompt_chars, server.tokenize_threads)
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -126,13 +126,12 @@ class FleetApi:
 
     def check_call(self, call: Call, prompt_field: str) -> None:
         """What is refused before any work, as vLLM's server refuses it: a prompt over
-        ``server.max_prompt_chars`` (before tokenizing it), ``max_tokens`` past the context, and
-        a request asking for more samples than ``server.max_in_flight`` could ever hold."""
+        ``server.max_prompt_chars`` (before tokenizing it; a chat's tools and tool-call arguments
+        count), ``max_tokens`` past the context, and a request asking for more samples than
+        ``server.max_in_flight`` could ever hold."""
+        tools = getattr(call.request, "tools", None)
         for prompt in call.prompts:
-            chars = protocol.prompt_chars(prompt)
-            if chars > self.max_prompt_chars:
-                raise protocol.bad(f"{prompt_field}: the prompt has {chars} characters, more than "
-                                   f"server.max_prompt_chars={self.max_prompt_chars}", prompt_field)
+            protocol.check_prompt_chars(prompt, tools, self.max_prompt_chars, prompt_field)
         max_new = call.sampling.get("max_new_tokens")
         if max_new is not None and self.max_model_len and max_new > self.max_model_len:
             param = "max_completion_tokens" if "max_completion_tokens" in call.sent else "max_tokens"
@@ -183,7 +182,7 @@ class FleetApi:
         call.adapter = adapter
         self.check_call(call, "messages")
         if call.tooled or self.tools.parser_cls is not None:
-            await asyncio.to_thread(self.with_tools, call)
+            await self.tokens.run(self.with_tools, call)
         response_id = call.request_id or f"chatcmpl-{random_uuid()}"
         if call.stream:
             fmt = responses.StreamFormat(call, call.adapter or self.model, self.detok, response_id, chat=True)
@@ -233,6 +232,13 @@ class FleetApi:
         return StreamingResponse(relay.events(fmt, firsts), media_type="text/event-stream", headers=headers)
 
     # -- the rest -------------------------------------------------------------------------------
+
+    async def tokenize(self, body: Any, detokenize: bool = False) -> dict[str, Any]:
+        """/tokenize (/detokenize): admitted as one sample under ``server.max_in_flight`` — its place
+        given back however it ends, with no await before — and run on the tokenizing threads."""
+        with self.inflight.admitted(1):
+            self.check_model(body)
+            return await self.tokens.run(self.tokens.detokenize if detokenize else self.tokens.tokenize, body)
 
     def models(self) -> dict[str, Any]:
         card = ModelCard(id=self.model, root=str(self.settings.model_dir()), owned_by="nemo-gen",
@@ -341,14 +347,14 @@ def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
         return await api.refit(await read_json(request, max_bytes))
 
     async def tokenize(request: Request):
+        api.inflight.check_room()  # full: refused before the body is even read, as generation is
         body = await read_json(request, max_bytes)
-        api.check_model(body)
-        return await asyncio.to_thread(api.tokens.tokenize, body)
+        return await cancelled_on_disconnect(request, api.tokenize(body))
 
     async def detokenize(request: Request):
+        api.inflight.check_room()
         body = await read_json(request, max_bytes)
-        api.check_model(body)
-        return await asyncio.to_thread(api.tokens.detokenize, body)
+        return await cancelled_on_disconnect(request, api.tokenize(body, detokenize=True))
 
     app.add_route("/v1/completions", route(completions), methods=["POST"])
     app.add_route("/v1/chat/completions", route(chat), methods=["POST"])

@@ -193,7 +193,7 @@ class Gateway:
 
         if not tooled and protocol.prompt_chars(call.prompts[0]) <= ON_LOOP_CHARS:
             return prepare()
-        return await asyncio.to_thread(prepare)
+        return await api.tokens.run(prepare)  # the tokenizing threads, as the chat route's rendering
 
     def _record(self, sid: str, session: FleetSession, prepared: Any, body: dict[str, Any], result: Any,
                 message: dict[str, Any]) -> Any:

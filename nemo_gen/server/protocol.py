@@ -19,6 +19,7 @@ A chat request's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and message
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -57,6 +58,10 @@ CHAT_FIELDS = frozenset(_COMMON | set(SAMPLING) | {"messages", "top_logprobs", "
                                                     "parallel_tool_calls", "include_reasoning"})
 # The most alternatives per token a request may ask for (OpenAI's bound; the engines' max_logprobs).
 MAX_TOP_LOGPROBS = 20
+# Longest session key (``x-session-id``, ``session_id``, ``user``): the router remembers each key it
+# sees (an LRU of many thousands), so the key's length is memory held. A longer one is refused
+# rather than hashed, so a client learns its key is not what it thinks (a UUID is 36 characters).
+MAX_SESSION_KEY_CHARS = 256
 # Values of fields nemo_gen does not act on that ask for nothing (besides the field's default).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
@@ -216,6 +221,11 @@ def _sampling(body: Mapping[str, Any], req: Any = None, top_logprobs: int = 0) -
 
 
 def _session(body: Mapping[str, Any], header: str | None) -> str | None:
+    """The request's session key; each field that could carry one is bounded, the unused ones too."""
+    for value, field in ((header, "x-session-id"), (body.get("session_id"), "session_id"), (body.get("user"), "user")):
+        if isinstance(value, str) and len(value) > MAX_SESSION_KEY_CHARS:
+            raise bad(f"{field}: a session key has at most {MAX_SESSION_KEY_CHARS} characters, got {len(value)}",
+                      field)
     return header or body.get("session_id") or body.get("user") or None
 
 
@@ -326,12 +336,40 @@ _REQUEST_FIELD = {"max_new_tokens": "max_tokens", "stop_strings": "stop"}
 
 
 def prompt_chars(prompt: Any) -> int:
-    """A prompt's characters: a string's, or a chat's messages' content together (token ids: 0)."""
+    """A prompt's characters: a string's, or a chat's messages' content and tool-call arguments
+    together (token ids: 0)."""
     if isinstance(prompt, str):
         return len(prompt)
     if prompt and isinstance(prompt[0], dict):
-        return sum(len(m.get("content") or "") for m in prompt)
+        return sum(len(m.get("content") or "") + _arguments_chars(m.get("tool_calls")) for m in prompt)
     return 0
+
+
+def _arguments_chars(calls: Any) -> int:
+    """An assistant message's tool calls' ``function.arguments``, in characters (the template renders them)."""
+    total = 0
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        total += len(arguments) if isinstance(arguments, str) else len(json.dumps(arguments)) if arguments else 0
+    return total
+
+
+def tools_chars(tools: Any) -> int:
+    """A chat's tool definitions, in characters of JSON (the chat template renders each)."""
+    return sum(len(t.model_dump_json(exclude_none=True)) if hasattr(t, "model_dump_json") else len(json.dumps(t))
+               for t in tools or ())
+
+
+def check_prompt_chars(prompt: Any, tools: Any, limit: int, field: str) -> None:
+    """400 when a prompt — a chat with its tool-call arguments and its tools — has more than
+    ``limit`` (``server.max_prompt_chars``) characters, naming ``tools`` when they tip it over."""
+    chars, in_tools = prompt_chars(prompt), tools_chars(tools)
+    if chars + in_tools > limit:
+        param = "tools" if in_tools and chars <= limit else field
+        detail = f" ({in_tools} of them in tools)" if in_tools else ""
+        raise bad(f"{param}: the prompt has {chars + in_tools} characters{detail}, more than "
+                  f"server.max_prompt_chars={limit}", param)
 
 
 def field_for(message: str, call: Call, prompt_field: str) -> str | None:

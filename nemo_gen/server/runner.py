@@ -5,6 +5,9 @@ The listening socket is bound in the caller's thread, so a port that is taken fa
 the thread runs uvicorn's own event loop (uvicorn leaves signals to the main thread). The heap
 that exists at start is frozen out of the garbage collector (``gc.freeze``, as vLLM's server does). ``stop()``
 lets requests in flight finish (up to ``grace_s``), then closes the socket and joins the thread.
+Connections are bounded: ``server.header_timeout_s`` for a request's headers
+(``nemo_gen.server.connections``), ``server.keep_alive_s`` between requests, ``server.max_connections``
+at once (uvicorn answers 503 past it).
 
 A host other than a loopback address without ``server.api_key`` is warned about once, at start, and
 refused with ``server.allow_refit`` (as settings refuse it; here for a ``host=`` argument too).
@@ -86,8 +89,10 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
     them). Returns once the server accepts connections. ``tokenizer``: the fleet's, for token
     strings and stream pieces (default: loaded from the fleet's tokenizer directory)."""
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from nemo_gen.server.app import build_app
+    from nemo_gen.server.connections import header_deadline
 
     settings = settings or fleet.settings
     host = settings.server.host if host is None else host
@@ -110,8 +115,12 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
 
     freeze_gc_heap()
     bound_host, bound_port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=30)
+    bounds = settings.server
+    # uvicorn's own bounds (between requests, and connections at once) and ours on request headers
+    http = header_deadline(AutoHTTPProtocol, bounds.header_timeout_s)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http=http,
+                            timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=bounds.keep_alive_s,
+                            limit_concurrency=bounds.max_connections)
     server = uvicorn.Server(config)
     errors: list[BaseException] = []
 

@@ -45,8 +45,31 @@ class ServerSettings(Section):
         "413 before it is read whole.",
     )
     max_prompt_chars: int = Field(
-        2**20, ge=1, description="Longest prompt, in characters (a chat: all its messages' content), the "
-        "server tokenizes; a longer one is answered 400 naming the field, before any tokenizing.",
+        2**20, ge=1, description="Longest prompt, in characters (a chat: its messages' content, its "
+        "assistant messages' tool-call arguments and its tools' definitions as JSON, together), the server "
+        "tokenizes or renders, /tokenize included; a longer one is answered 400 naming the field, before "
+        "any tokenizing: rendering a chat template costs about its length in CPU time.",
+    )
+    tokenize_threads: int = Field(
+        2, ge=1, description="Threads that tokenize and render chat templates for the server's routes "
+        "(/tokenize, /detokenize, chats with tools or parsers, gateway turns), apart from the threads "
+        "that build responses: heavy tokenizing waits its turn there and never delays another "
+        "request's other work. Work beyond them queues; the queue is bounded by server.max_in_flight, "
+        "which admits every such request.",
+    )
+    header_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a connection has to send a request's headers whole, counted "
+        "from its opening or from its first byte after an answer; past it the server closes the "
+        "connection, so half-sent requests cannot hold sockets open (as nginx's client_header_timeout).",
+    )
+    keep_alive_s: float = Field(
+        30.0, gt=0, description="Seconds an idle keep-alive connection stays open after its last answer "
+        "(uvicorn's timeout_keep_alive); clients that pool connections reuse them within it.",
+    )
+    max_connections: int = Field(
+        4096, ge=1, description="Connections the server holds at once (uvicorn's limit_concurrency); "
+        "past it a request is answered 503 at once and its connection closed. Each open connection "
+        "holds a file descriptor and a buffer; server.header_timeout_s closes the ones that stall.",
     )
     session_ttl_s: float = Field(
         600.0, gt=0, description="A trajectory-gateway session (POST /nemo_gen/sessions) expires this many "

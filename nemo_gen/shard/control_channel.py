@@ -12,7 +12,9 @@ The rules:
   socket sits in a directory only its owner can enter;
 - bounded: connecting and the handshake run under ``fleet.control_timeout_s`` on both sides,
   and each connection's handshake runs on its own, so a peer that connects and says nothing
-  holds up no other;
+  holds up no other; a call is read off the socket as its bytes come, never with a blocking
+  read on the loop, and a peer that stops mid-call for ``fleet.control_timeout_s`` (a driver
+  SIGSTOPped or paused mid-send: its socket stays open) is dropped, while the loop serves on;
 - one method: the server runs ``weight_sync`` on the actor's event loop, as Ray would run it, and
   nothing else;
 - every call is answered: a call that cannot be read is answered "unread" (it never ran; the
@@ -56,8 +58,9 @@ class ChannelServer:
     One call at a time on a connection: it is not read again until its call has been answered,
     as the driver never sends a second call before the first one's answer. ``close`` stops new
     connections and closes the idle ones; a call in flight, or sent before it, is answered first.
-    A call is read whole on the loop: its sender is the authenticated driver, and a driver that
-    dies mid-message closes the socket, which ends the read."""
+    A call's frame (multiprocessing's: its length, then its bytes) is gathered on the loop from
+    what each readable event brings, without blocking; a frame that makes no progress for
+    ``timeout_s`` drops its line (``_Frame``)."""
 
     def __init__(self, handler: Callable[..., Awaitable[Any]], loop: asyncio.AbstractEventLoop, timeout_s: float):
         self._handler, self._loop = handler, loop
@@ -70,6 +73,7 @@ class ChannelServer:
         self._lines: set[Connection] = set()  # the loop's: every open connection
         # the loop's: connections with a call in flight, and its task (asyncio keeps tasks only weakly)
         self._busy: dict[Connection, asyncio.Task] = {}
+        self._frames: dict[Connection, _Frame] = {}  # the loop's: calls partly read
         self.calls = 0  # calls served so far (the shard's info says how many came this way)
         threading.Thread(target=self._accept, name="nemo-gen-channel", daemon=True).start()
 
@@ -104,13 +108,22 @@ class ChannelServer:
             self._close_idle()
 
     def _receive(self, conn: Connection) -> None:
-        """A call arrived (or the driver closed its end)."""
-        self._loop.remove_reader(conn.fileno())  # one call at a time: read again once answered
+        """Bytes of a call arrived (or the driver closed its end): read what is there, without
+        waiting for more; the call runs once its frame is whole."""
+        partial = self._frames.setdefault(conn, _Frame(self._loop.time()))
         try:
-            frame = conn.recv_bytes()
+            frame = partial.read(conn.fileno(), self._loop.time())
         except (EOFError, OSError):
             self._detach(conn)
             return
+        if frame is None:
+            if partial.timer is None:
+                partial.timer = self._loop.call_later(self.timeout_s, self._stalled, conn, partial)
+            return
+        self._frames.pop(conn, None)
+        if partial.timer is not None:
+            partial.timer.cancel()
+        self._loop.remove_reader(conn.fileno())  # one call at a time: read again once answered
         try:
             args = ForkingPickler.loads(frame)
         except Exception as exc:  # noqa: BLE001 — e.g. a class this process cannot import
@@ -147,8 +160,21 @@ class ChannelServer:
         else:
             self._loop.add_reader(conn.fileno(), self._receive, conn)
 
+    def _stalled(self, conn: Connection, partial: _Frame) -> None:
+        """A call partly read: dropped when no byte of it came for ``timeout_s``."""
+        if self._frames.get(conn) is not partial:
+            return  # read whole, or its line dropped, since
+        quiet = self._loop.time() - partial.progress
+        if quiet < self.timeout_s:
+            partial.timer = self._loop.call_later(self.timeout_s - quiet, self._stalled, conn, partial)
+            return
+        self._detach(conn)  # the driver hears of it as a broken line, and goes over Ray
+
     def _detach(self, conn: Connection) -> None:
         self._lines.discard(conn)
+        partial = self._frames.pop(conn, None)
+        if partial is not None and partial.timer is not None:
+            partial.timer.cancel()
         if not conn.closed:
             self._loop.remove_reader(conn.fileno())
             conn.close()
@@ -158,7 +184,7 @@ class ChannelServer:
         before ``close`` is answered)."""
         for conn in [c for c in self._lines if c not in self._busy]:
             try:
-                waiting = conn.poll(0)
+                waiting = conn in self._frames or conn.poll(0)
             except (OSError, ValueError):
                 waiting = False
             if not waiting:
@@ -232,6 +258,56 @@ class Channel:
 
     def close(self) -> None:
         self._conn.close()
+
+
+class _Frame:
+    """One call's frame as it arrives: multiprocessing's header (a 4-byte length; -1 and an
+    8-byte length for a frame of 2 GiB or more), then its bytes. ``progress``: when a byte came last."""
+
+    _CHUNK = 1 << 20
+    _READS = 16  # chunks per readable event; the rest is read on the next one
+
+    def __init__(self, now: float):
+        self.header = b""
+        self.size: int | None = None
+        self.body = bytearray()
+        self.progress = now
+        self.timer: asyncio.TimerHandle | None = None
+
+    def read(self, fd: int, now: float) -> bytes | None:
+        """What the socket holds now, up to a few chunks so one event cannot hold the loop long
+        (``EOFError`` when the peer closed it); the frame once whole, else None."""
+        for _ in range(self._READS):
+            if self.size is not None and len(self.body) == self.size:
+                return bytes(self.body)
+            want = (4 if len(self.header) < 4 else 12) - len(self.header) if self.size is None \
+                else min(self.size - len(self.body), self._CHUNK)
+            data = _recv_now(fd, want)
+            if data is None:
+                return None  # all there is for now
+            if not data:
+                raise EOFError("the driver closed its line")
+            self.progress = now
+            if self.size is not None:
+                self.body += data
+                continue
+            self.header += data
+            if len(self.header) == 4 and struct.unpack("!i", self.header)[0] != -1:
+                self.size = struct.unpack("!i", self.header)[0]
+            elif len(self.header) == 12:
+                self.size = struct.unpack("!Q", self.header[4:])[0]
+        return bytes(self.body) if self.size is not None and len(self.body) == self.size else None
+
+
+def _recv_now(fd: int, size: int) -> bytes | None:
+    """Up to ``size`` bytes the socket ``fd`` holds, without waiting (None: it holds none now)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.recv(size, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    finally:
+        sock.detach()  # the fd stays the connection's
 
 
 class _bounded:

@@ -310,6 +310,72 @@ def test_a_silent_peer_blocks_no_other_connect_and_is_dropped_at_the_deadline(lo
         server.close()
 
 
+def _loop_answers(loop, timeout_s: float = 10.0) -> bool:
+    """Whether a no-op callback on ``loop`` runs within ``timeout_s`` (the shard actor's loop serves
+    generation and probes beside the line: it must never wait on a peer)."""
+    try:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=timeout_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_peer_stalled_mid_frame_never_blocks_the_loop_and_is_dropped(loop):
+    """An authenticated driver that stops mid-send (SIGSTOPped, paused) keeps its socket open: a
+    blocking read of the frame on the loop held the actor's loop until the rest came."""
+    import struct
+
+    server = ChannelServer(_handler, loop, 1.0)
+    line = Channel(server.address, server.key, TIMEOUT_S)
+    other = Channel(server.address, server.key, TIMEOUT_S)
+    try:
+        line._conn._send(struct.pack("!i", 1000) + b"\x80\x05" + b"x" * 10)  # 12 of a 1000-byte frame
+        time.sleep(0.2)
+        assert _loop_answers(loop), "the actor's loop is blocked by a peer stalled mid-frame"
+        other.send(("apply", 1))  # another line is served meanwhile
+        ok, value = other.receive(10)
+        assert ok and value["payload"] == 1
+        # no byte for the deadline (1 s): the line is dropped, and the driver hears of a broken line
+        with pytest.raises(ChannelBroken):
+            line.receive(10)
+        assert _loop_answers(loop)
+    finally:
+        line.close()
+        other.close()
+        server.close()
+
+
+def test_a_frame_sent_in_pieces_and_a_large_one_are_read_whole(loop):
+    """Frames are gathered as their bytes come: one sent in slow pieces (each within the
+    deadline) and one of several MiB (read over several events) both run their call."""
+    from multiprocessing.reduction import ForkingPickler
+
+    server = ChannelServer(_handler, loop, 1.0)
+    line = Channel(server.address, server.key, TIMEOUT_S)
+    try:
+        frame = ForkingPickler.dumps(("apply", "slow pieces"))
+        whole = struct_len(frame) + frame
+        for i in range(0, len(whole), 7):
+            line._conn._send(whole[i:i + 7])
+            time.sleep(0.05)  # ~0.5 s in all: past no deadline, since every piece is progress
+        ok, value = line.receive(10)
+        assert ok and value["payload"] == "slow pieces"
+        big = "b" * (6 * 2**20)
+        line.send(("apply", big))
+        ok, value = line.receive(30)
+        assert ok and value["payload"] == big
+        assert server.calls == 2
+    finally:
+        line.close()
+        server.close()
+
+
+def struct_len(frame: bytes) -> bytes:
+    import struct
+
+    return struct.pack("!i", len(frame))  # multiprocessing's frame header
+
+
 def test_connecting_to_a_server_that_never_answers_gives_up_at_the_deadline(tmp_path):
     """The driver's connect and handshake are bounded: a listener that accepts and says nothing
     (a wedged actor) costs fleet.control_timeout_s, not forever."""

@@ -385,14 +385,16 @@ def test_a_short_plain_chat_is_prepared_on_the_loop_a_long_one_in_one_hop(make_s
     the sampled ids."""
     from nemo_gen.server import gateway as gw, start_server
 
+    from nemo_gen.server.tokens import Tokens
+
     hops = []
-    to_thread = gw.asyncio.to_thread
+    run = Tokens.run
 
-    async def counted(fn, *args, **kwargs):
+    async def counted(self, fn, *args):  # the hop to the tokenizing threads
         hops.append(getattr(fn, "__qualname__", ""))
-        return await to_thread(fn, *args, **kwargs)
+        return await run(self, fn, *args)
 
-    monkeypatch.setattr(gw.asyncio, "to_thread", counted)
+    monkeypatch.setattr(Tokens, "run", counted)
     monkeypatch.setattr(gw, "ON_LOOP_CHARS", 60)
     driver = FakeDriver()
     fleet = fake_fleet(make_settings(fleet__name="fake-gateway-loop", fleet__num_shards=1, health__probe_interval_s=60,
