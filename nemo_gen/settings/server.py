@@ -48,6 +48,13 @@ class ServerSettings(Section):
         2**20, ge=1, description="Longest prompt, in characters (a chat: all its messages' content), the "
         "server tokenizes; a longer one is answered 400 naming the field, before any tokenizing.",
     )
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="A streamed response (stream: true) whose client takes no chunk for this many "
+        "seconds (one send to it waits that long: the client stopped reading, its socket open) is ended: its "
+        "connection closed, its requests aborted on their engines and its server.max_in_flight slots given "
+        "back. Without it a stalled reader holds its slots for the stream's whole length while what it has "
+        "not read piles up in the server. Time the engines take to make tokens does not count.",
+    )
     session_ttl_s: float = Field(
         600.0, gt=0, description="A trajectory-gateway session (POST /nemo_gen/sessions) expires this many "
         "seconds after its last turn ended (or its opening, before any turn); a turn in flight keeps it alive. "
