@@ -156,3 +156,48 @@ def test_a_reader_that_stops_reading_is_ended_at_its_idle_deadline_and_costs_no_
                                             stream=True))
     assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason == "length") == 2
     assert api.inflight.held == 0
+
+
+def test_a_stream_ended_by_a_lost_shard_or_by_the_server_stopping_gives_back_its_slots(make_settings):
+    import threading
+
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    fleet = fake_fleet(make_settings(fleet__name="fake-stream-ends", fleet__num_shards=2, health__probe_interval_s=60,
+                                     health__auto_recover=False, server__port=0,
+                                     generation__vllm_cfg__skip_tokenizer_init=True,
+                                     generation__vllm_cfg__max_model_len=4096), driver)
+    try:
+        for h in fleet.shards:
+            driver.set_token_s(h.name, 0.01)
+        handle = start_server(fleet)
+        api = handle.server.config.app.app.state.gateway.api
+        body = {"prompt": [1, 2], "max_tokens": 2000, "n": 2, "stream": True}
+        with httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line)
+            driver.set_dead(fleet.handle(int(response.headers["x-nemo-gen-shard"])).name)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]  # ended by an error event
+        helpers.wait_until(lambda: api.inflight.held == 0, 5, "the broken stream's slots given back")
+        read: list[str] = []
+
+        def reader() -> None:  # a live reader the server stops under
+            try:
+                with httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=30) as response:
+                    read.extend(response.iter_lines())
+            except httpx.HTTPError:
+                pass
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        helpers.wait_until(lambda: len(read) > 2, 10, "the second stream under way")
+        assert api.inflight.held == 2
+        handle.stop()  # its grace passes, then uvicorn cancels the stream
+        thread.join(10)
+        assert api.inflight.held == 0
+        helpers.wait_until(lambda: producing(driver) == 0, 10, "every engine stream stopped")
+    finally:
+        fleet.shutdown()
+        driver.close()
