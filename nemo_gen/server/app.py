@@ -41,7 +41,8 @@ the headers carry the version and shard of those first tokens; a shard lost befo
 token is re-routed by the router, unseen. Once the stream has begun, a failure — a shard lost
 mid-stream — ends it with an error event (``data: {"error": ...}``, which the openai client raises
 as ``APIError``) naming the shard, then ``[DONE]``: never a silent truncation. A client that
-disconnects cancels its requests on their shards.
+disconnects, or takes no chunk for ``server.stream_idle_timeout_s``, cancels its requests on their
+shards; its slots are given back however the stream ends (``relay``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 from vllm.utils import random_uuid
@@ -209,8 +210,9 @@ class FleetApi:
                               on_close: Callable[[], None] | None = None) -> Response:
         """Every prompt's ``fleet.generate_stream`` at once; the response starts when each has its
         first token (until then a failure is an error response), then relays what comes. The
-        request holds its place in ``server.max_in_flight`` until the stream ends. ``on_results``:
-        called with the finished results before the final chunk; ``on_close``: when the stream ends."""
+        request holds its place in ``server.max_in_flight`` until the stream ends, however it ends
+        (``Relay.release``). ``on_results``: called with the finished results before the final
+        chunk; ``on_close``: when the stream ends (synchronously: no await may come first)."""
         self.inflight.admit(call.samples)
 
         def closed() -> None:
@@ -229,7 +231,7 @@ class FleetApi:
         headers = {VERSION_HEADER: version_text(min(versions) if versions else None), "cache-control": "no-cache"}
         if len(shards) == 1 and None not in shards:
             headers[SHARD_HEADER] = str(next(iter(shards)))
-        return StreamingResponse(relay.events(fmt, firsts), media_type="text/event-stream", headers=headers)
+        return relay.response(fmt, firsts, headers, self.settings.server.stream_idle_timeout_s)
 
     # -- the rest -------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ recorded); one turn at a time per session (409); ``n`` > 1 is a 400 naming ``n``
 ``stream: true`` streams as the chat route does; the turn is recorded from the stream's final
 results (its message parsed whole, as the unstreamed answer's) before the final chunk, and a
 turn that cannot be recorded (the byte bound) ends the stream with an error event naming it. The
-session's turn lasts until the stream ends.
+session's turn lasts until the stream ends, however it ends (a client that leaves or stops reading
+included: ``relay.Relay.release`` ends it before any await).
 
 A turn costs what a chat-route request costs (``python -m bench gateway``): a plain chat (no tools
 or parsers) of at most ``ON_LOOP_CHARS`` characters is prepared on the event loop — two renders of

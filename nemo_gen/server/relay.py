@@ -1,14 +1,26 @@
 """A streamed request's prompts relayed from ``fleet.generate_stream`` into server-sent events,
 and a finished result checked into the ``ApiError`` its error is.
+
+What a stream holds — its ``server.max_in_flight`` slots, a gateway session's turn — is given back
+by ``Relay.release``, synchronously, before any await, however the response ends: its end, an
+error, a client that disconnects, a server that stops (``StreamResponse`` calls it in a
+``finally``). An await first would never return inside the scope that a disconnect cancels. A
+client that stops reading is ended when one send to it waits past ``server.stream_idle_timeout_s``,
+and its requests are aborted on their engines. While the client is slow, what it has not read
+waits merged per choice (``core.delta_queue``), so it costs its tokens, not one object per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from typing import Any, AsyncIterator, Callable
 
+from fastapi.responses import StreamingResponse
+
+from nemo_gen.core.delta_queue import DeltaQueue
 from nemo_gen.core.results import Delta
 from nemo_gen.errors import RequestError, ShardDiedError
 from nemo_gen.server import protocol, responses
@@ -42,7 +54,8 @@ class Relay:
     def __init__(self, fleet: Any, call: Call, kwargs: dict[str, Any], prompt_field: str,
                  on_close: Callable[[], None] | None = None, on_results: Callable[[list[Any]], None] | None = None):
         self.call, self.prompt_field = call, prompt_field
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = DeltaQueue()  # what came and is not yet sent, each choice's deltas merged
+        self._ready = asyncio.Event()  # set when the queue gets an item
         self._on_close = on_close
         self._on_results = on_results  # every prompt's result, before the final chunk (what raises: an error event)
         self.tasks = [asyncio.ensure_future(self._pump(i, fleet, p, kwargs)) for i, p in enumerate(call.prompts)]
@@ -51,9 +64,19 @@ class Relay:
         try:
             async with contextlib.aclosing(fleet.generate_stream(prompt, **kwargs)) as stream:
                 async for event in stream:
-                    self.queue.put_nowait((i, event))
+                    self._put(i, event)
         except Exception as exc:
-            self.queue.put_nowait((i, exc))
+            self._put(i, exc)
+
+    def _put(self, i: int, event: Any) -> None:
+        self.queue.put(i, event)
+        self._ready.set()
+
+    async def _get(self) -> tuple[int, Any]:
+        while not self.queue:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.queue.take()
 
     def _check(self, event: Any) -> Any:
         if isinstance(event, RequestError):
@@ -67,7 +90,7 @@ class Relay:
         seen: set[int] = set()
         events = []
         while len(seen) < len(self.tasks):
-            i, event = await self.queue.get()
+            i, event = await self._get()
             events.append((i, self._check(event)))
             seen.add(i)
         return events
@@ -80,7 +103,7 @@ class Relay:
             for chunk in fmt.start():
                 yield chunk
             while len(results) < len(self.tasks):
-                i, event = pending.pop(0) if pending else await self.queue.get()
+                i, event = pending.pop(0) if pending else await self._get()
                 event = self._check(event)
                 if isinstance(event, Delta):
                     shards[i] = event.shard
@@ -100,13 +123,72 @@ class Relay:
         finally:
             await self.close()
 
-    async def close(self) -> None:
+    def release(self) -> None:
+        """Stop the pumps (each aborts its request on its engine as it closes) and give back what
+        the stream holds (``on_close``, once), at once: no await comes first, so a cancelled
+        scope — a client gone, a server stopping — cannot skip it."""
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
+
+    async def close(self) -> None:
+        self.release()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def response(self, fmt: responses.StreamFormat, firsts: list[tuple[int, Any]], headers: dict[str, str],
+                 idle_s: float) -> "StreamResponse":
+        return StreamResponse(self, self.events(fmt, firsts), idle_s, headers)
+
+
+class StreamStalled(Exception):
+    """The client took no chunk for ``server.stream_idle_timeout_s``."""
+
+
+# Set in the task that serves a response this server ended on purpose (its client stopped
+# reading): uvicorn's complaint that the response was left unfinished is then not an error.
+_ENDED = contextvars.ContextVar("nemo_gen_stream_ended", default=False)
+_UNFINISHED = "ASGI callable returned without completing response."
+
+
+class _EndedOnPurpose(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _UNFINISHED and _ENDED.get())
+
+
+logging.getLogger("uvicorn.error").addFilter(_EndedOnPurpose())
+
+
+class StreamResponse(StreamingResponse):
+    """A relay's events as server-sent events: each send to the client must finish within
+    ``idle_s`` (a client that stopped reading is ended there and its connection closed), and the
+    relay is released however the response ends."""
+
+    def __init__(self, relay: Relay, events: AsyncIterator[str], idle_s: float, headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.relay, self.idle_s = relay, idle_s
+
+    async def stream_response(self, send: Callable[[Any], Any]) -> None:
+        async def within_deadline(message: Any) -> None:
+            try:
+                async with asyncio.timeout(self.idle_s):  # no task per send, unlike wait_for
+                    await send(message)
+            except TimeoutError:
+                raise StreamStalled() from None
+
+        await super().stream_response(within_deadline)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except StreamStalled:
+            # returned unfinished: uvicorn closes the connection
+            _ENDED.set(True)
+            log.warning("a stream's client took no chunk for %gs (server.stream_idle_timeout_s): the stream is ended "
+                        "and its requests aborted", self.idle_s)
+        finally:
+            self.relay.release()
 
 
 def stream_error(exc: BaseException, shards: dict[int, int | None]) -> str:

@@ -71,6 +71,13 @@ class ServerSettings(Section):
         "past it a request is answered 503 at once and its connection closed. Each open connection "
         "holds a file descriptor and a buffer; server.header_timeout_s closes the ones that stall.",
     )
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="A streamed response (stream: true) whose client takes no chunk for this many "
+        "seconds (one send to it waits that long: the client stopped reading, its socket open) is ended: its "
+        "connection closed, its requests aborted on their engines and its server.max_in_flight slots given "
+        "back. Without it a stalled reader holds its slots for the stream's whole length while what it has "
+        "not read piles up in the server. Time the engines take to make tokens does not count.",
+    )
     session_ttl_s: float = Field(
         600.0, gt=0, description="A trajectory-gateway session (POST /nemo_gen/sessions) expires this many "
         "seconds after its last turn ended (or its opening, before any turn); a turn in flight keeps it alive. "

@@ -9,7 +9,8 @@ abort removes; ``ShardActor.unfinished``), not from nemo_gen's own bookkeeping.
 
 Before: a request past ``fleet.request_timeout_s`` condemned its shard and was re-routed with
 no limit; vLLM's QueueOverflowError condemned its shard; cancelling ``generate_async`` or
-disconnecting an HTTP client left the engine generating to the end."""
+disconnecting an HTTP client left the engine generating to the end; a stream its client left kept
+its server slots (``server.max_in_flight``) for good."""
 
 from __future__ import annotations
 
@@ -215,6 +216,54 @@ def test_a_disconnecting_http_client_cancels_its_request_on_the_engine(fleets):
         t0 = time.monotonic()
         wait_until(lambda: not any(held(fleet).values()), 3.0, "the engine to drop the streamed request")
         assert time.monotonic() - t0 < 1.0
+        assert untouched(fleet)
+    finally:
+        handle.stop()
+
+
+def test_streams_abandoned_mid_way_give_back_their_slots_and_their_sessions_turn(fleets):
+    """Streams left mid-way through the official openai client (``break``, then close), and a
+    gateway session's streamed turn left alike: the server holds none of their
+    ``server.max_in_flight`` slots, the engines hold none of their requests, and the session takes
+    its next turn. Before: each stream's slots were held for good (here the whole bound, so every
+    later request was a 503) and the session answered 409 to every later turn, never expiring.
+    The fake tier's 50-stream and stalled-reader cases: tests/unit/test_server_streams.py."""
+    import httpx
+    import openai
+
+    from nemo_gen.server import start_server
+
+    fleet = fleets["async"]
+    server = fleet.settings.server.model_copy(update={"port": 0, "max_in_flight": 8})
+    handle = start_server(fleet, fleet.settings.model_copy(update={"server": server}))
+    app = handle.server.config.app.app  # inside the Gate middleware
+    api, gateway = app.state.gateway.api, app.state.gateway
+    model = fleet.settings.model_name()
+
+    def abandon(stream, chunks: int = 5) -> None:
+        for k, _ in enumerate(stream):
+            if k + 1 == chunks:
+                break
+        stream.close()
+
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for _ in range(4):  # 4 x n=2: the whole bound of 8
+            abandon(client.completions.create(model=model, prompt="Once upon a time", max_tokens=3000, n=2,
+                                              stream=True, extra_body={"ignore_eos": True}))
+        wait_until(lambda: api.inflight.held == 0, 10, "the abandoned streams' slots given back")
+        settled(fleet, 10)
+        created = httpx.post(handle.url + "/nemo_gen/sessions").json()
+        agent = openai.OpenAI(base_url=created["url"], api_key="none", max_retries=0, timeout=60)
+        hi = [{"role": "user", "content": "Tell me a story"}]
+        abandon(agent.chat.completions.create(model=model, messages=hi, max_tokens=3000, stream=True,
+                                              extra_body={"ignore_eos": True}))
+        wait_until(lambda: not gateway.table._entries[created["id"]].busy, 10, "the abandoned turn ended")
+        answer = agent.chat.completions.create(model=model, messages=hi, max_tokens=4)  # not a 409
+        assert answer.choices[0].finish_reason == "length" and api.inflight.held == 0
+        out = client.completions.create(model=model, prompt="Hello", max_tokens=2, n=8)  # the whole bound: free
+        assert len(out.choices) == 8
+        settled(fleet, 10)
         assert untouched(fleet)
     finally:
         handle.stop()
