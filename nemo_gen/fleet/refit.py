@@ -5,7 +5,7 @@ dtypes; ``draft.`` names against the drafter) — a bad checkpoint is refused be
 moves. Then the tensors are staged, bucket by bucket, into the fleet's shared-memory file.
 Phase 1 (every shard): each shard's workers open the staged tensors; any failure refuses the
 refit fleet-wide, and no shard has changed. Phase 2 (every shard, in parallel): load. A shard
-that fails here is quarantined (it holds
+that fails here, or has not answered by ``refit.timeout_s``, is quarantined (it holds
 half-loaded weights and never serves again: recovery restarts it and it catches up); the others
 serve the new version.
 
@@ -50,9 +50,11 @@ log = logging.getLogger(__name__)
 
 # How a newcomer that serves nothing yet takes its catch-up refit.
 _DRAIN = InFlight("drain")
-# The workers enforce refit.timeout_s; these margins cover an actor that never answers.
+# refit.timeout_s bounds each phase on a shard, the load's wait for running requests (drain)
+# included: the workers enforce it inside, and the driver stops waiting at the same deadline,
+# so a shard frozen mid-phase is given up on (and quarantined) then, not later.
 _CHECK_MARGIN_S = 0.0
-_LOAD_MARGIN_S = 60.0
+_LOAD_MARGIN_S = 0.0
 
 
 def metas_of(expected: EngineManifest) -> dict[str, TensorMeta]:

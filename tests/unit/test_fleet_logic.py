@@ -237,6 +237,33 @@ def test_a_shard_that_fails_while_loading_is_healed_by_the_self_healing_fleet(se
         assert {r.weight_version for r in fleet.generate(PROMPTS)} == {1}
 
 
+def test_a_shard_frozen_while_loading_is_given_up_on_at_the_refit_deadline_and_healed(settings, driver, tmp_path):
+    from nemo_gen.core.wire import LoadRefit
+
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path), health__auto_recover=True), driver) as fleet:
+        victim = fleet.handle(1).name
+        send = driver.fan_out
+
+        def freezing_on_load(handles, message, margin_s):  # it passed the check; it freezes now
+            if isinstance(message, LoadRefit):
+                driver.set_hung(victim)
+            return send(handles, message, margin_s)
+
+        driver.fan_out = freezing_on_load
+        t0 = time.monotonic()
+        report = fleet.refit(_tensors())
+        elapsed = time.monotonic() - t0
+        driver.fan_out = send
+        driver.set_hung(victim, False)  # it thaws: alive, and still not to be trusted
+        (lost,) = report.failed
+        assert lost.shard == 1 and "did not answer" in lost.error
+        # The deadline is driver.timeouts.refit_s (1 s); a bound with room for a loaded machine,
+        # below the old deadline (refit_s + 60 s).
+        assert elapsed < driver.timeouts.refit_s + 30
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, what="slot 1 healthy again")
+        assert fleet.handle(1).name != victim and driver.shard(fleet.handle(1)).weight_version == 1
+
+
 def test_a_shard_refusing_the_staged_weights_refuses_the_refit_everywhere(settings, driver, tmp_path):
     with fake_fleet(settings(refit__staging_dir=str(tmp_path)), driver) as fleet:
         driver.shard(fleet.handle(1)).refuse_refit = "cannot map the staging file"
