@@ -12,7 +12,8 @@ both ask it, and both carry out the same actions with ``nemo_gen.fleet.recovery`
 - a RETIRED slot is final.
 
 ``attach_seeds`` is the same kind of decision for a process that attaches to a running
-fleet: which version the fleet serves and how each slot enters its ledger.
+fleet: which version the fleet serves and how each slot enters its ledger (``SlotTable.seed``
+writes them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
-from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.wire import FleetRecordState, ShardInfo, SlotRecord
 
 
@@ -130,17 +131,3 @@ def attach_seeds(num_slots: int, infos: Mapping[int, ShardInfo], recorded: Fleet
         else:
             seeds.append(Seed(slot, ShardState.HEALTHY, f"at weight version {version}", restarts))
     return version, source, seeds
-
-
-def seed_ledger(health: GenerationFleetHealth, seeds: Iterable[Seed], version: int | None) -> None:
-    """Enter ``attach_seeds``' verdicts into a fresh ledger (restart budgets carried over)."""
-    for seed in seeds:
-        health.restore_restart_attempts(seed.slot, seed.restarts)
-        if seed.state is ShardState.RETIRED:
-            health.retire(seed.slot, seed.reason)
-        elif seed.state is ShardState.DEAD:
-            health.mark_dead(seed.slot, seed.reason)
-        elif seed.state is ShardState.STALE:
-            health.mark_loaded(seed.slot)
-        else:
-            health.report_refit(seed.slot, version)

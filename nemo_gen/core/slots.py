@@ -1,16 +1,28 @@
-"""The slot table: one owner for each slot's actor, ledger state and weight version, and for the
-warm spares; plus the queue of losses that recovery drains.
+"""The slot table: the one writer of slot state. It owns each slot's actor, ledger state and
+weight version, the warm spares, and the queue of losses that recovery drains.
 
-A slot's actor, its ledger state (``GenerationFleetHealth``) and the version it holds used to be
-kept in step by hand across three owners. Here they change together, under one lock, through
-transactions that are all-or-nothing:
+Only this module writes the ledger (``GenerationFleetHealth``); every other part gets the table,
+reads the ledger through ``SlotTable.ledger`` (its read side only), and changes state through the
+table's transactions (tests/unit/test_structure.py holds every module to it; the model is Ray
+Serve's ``DeploymentState``, the only writer of replica state). Each is all-or-nothing, under one
+lock:
 
-- ``promote``: a warm spare takes a slot that is being restarted (it leaves the pool, serves the
-  slot, goes STALE, and HEALTHY at the fleet's version);
+- ``promote``: a warm spare at the fleet's version takes a slot that is being restarted (it
+  leaves the pool, serves the slot, goes STALE, and HEALTHY at that version);
 - ``install_replacement``: a freshly started actor takes a slot being restarted (STALE until a
   refit);
 - ``condemn``: a member is known to be gone; a slot leaves the serving set at once, and a
-  ``ShardLost`` is queued for recovery.
+  ``ShardLost`` is queued for recovery;
+- ``quarantine``: a member that lives but cannot be trusted (a failed refit load: its weights
+  are half-loaded or none) is taken out the same way, DEAD and a ``ShardLost``, so the
+  self-healing fleet restarts it;
+- ``record_refit`` / ``keep_stale``: a member's refit outcome (its version, HEALTHY; or STALE
+  with the reason on record); ``record_probe_answer``, ``record_success``: what probes and
+  requests saw; ``begin_restart``, ``retire_slot``, ``restart_failed``: recovery's steps;
+  ``seed``: a fleet's opening state.
+
+The driver's record of each member's weight version is the entry here (the shard's own is its
+engine's).
 
 Losses are events, not callbacks: whoever sees one (a failed call, a probe, the death watch,
 a status read) queues a ``ShardLost``; recovery drains the queue (``drain_losses``) and acts.
@@ -26,7 +38,9 @@ from dataclasses import dataclass
 from typing import Generic, Iterable, TypeVar
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.ledger_view import LedgerView
 from nemo_gen.core.members import Member
+from nemo_gen.core.planner import Seed
 
 H = TypeVar("H")
 
@@ -61,6 +75,7 @@ class SlotTable(Generic[H]):
         self._losses: deque[ShardLost] = deque()
         self._news = threading.Condition(self._lock)
         self._closed = False  # the fleet is going away: its actors' deaths are no news
+        self.ledger = LedgerView(health)  # what every other part reads
 
     # -- reads (never write) ---------------------------------------------------------------------
 
@@ -139,13 +154,16 @@ class SlotTable(Generic[H]):
 
     def promote(self, slot: int, spare: str, version: int | None) -> Member:
         """Spare ``spare`` serves ``slot`` (being restarted), HEALTHY at ``version`` (STALE when
-        there is no version yet); the caller has asked the spare that it holds ``version``. ``SlotConflict`` and nothing changed when the spare is gone or
-        the slot is not being restarted; any other failure puts both back."""
+        there is no version yet); the caller has asked the spare that it holds ``version``.
+        ``SlotConflict`` and nothing changed when the spare is gone, is not at ``version`` or the
+        slot is not being restarted; any other failure puts both back."""
         with self._lock:
             self._require_restarting(slot)
             entry = self._spares.get(spare)
             if entry is None:
                 raise SlotConflict(f"spare {spare} is no longer in the pool")
+            if entry.version != version:  # a slot never serves weights behind the fleet's
+                raise SlotConflict(f"spare {spare} holds version {entry.version}, the slot needs {version}")
             del self._spares[spare]
 
             def ledger() -> None:
@@ -171,6 +189,15 @@ class SlotTable(Generic[H]):
     def condemn(self, member: Member, reason: str) -> bool:
         """``member`` is known to be gone: a slot it still holds leaves the serving set at once
         (DEAD), and a ``ShardLost`` is queued. False (nothing done) for old news."""
+        return self._take_out(member, reason)
+
+    def quarantine(self, member: Member, reason: str) -> bool:
+        """``member`` lives but cannot be trusted (a refit load failed or never answered): a slot
+        it holds leaves service (DEAD) and a ``ShardLost`` is queued, so recovery replaces it as
+        it would a dead one. False (nothing done) when it is no longer current."""
+        return self._take_out(member, reason)
+
+    def _take_out(self, member: Member, reason: str) -> bool:
         with self._lock:
             if self._closed or not self.is_current(member):
                 return False
@@ -178,6 +205,73 @@ class SlotTable(Generic[H]):
                 self._health.mark_dead(member.slot, reason)
             self._post(ShardLost(member, reason))
             return True
+
+    def record_refit(self, member: Member, version: int) -> bool:
+        """``member`` loaded ``version``: its entry holds it and a slot serves it (HEALTHY).
+        False (nothing written) when it is no longer current."""
+        with self._lock:
+            if not self.note_version(member, version):
+                return False
+            if member.slot is not None:
+                self._health.report_refit(member.slot, version)
+            return True
+
+    def keep_stale(self, slot: int) -> None:
+        """``slot``'s engine is up but cannot get the fleet's weights now (STALE until a refit)."""
+        with self._lock:
+            self._health.mark_loaded(slot)
+
+    def record_probe_answer(self, slot: int, alive: bool, detail: str | None) -> ShardState:
+        """One probe's answer, a step of the slot's streak; returns the slot's state after it."""
+        with self._lock:
+            self._health.record_probe(slot, alive, detail)
+            return self._health.state_of(slot)
+
+    def record_success(self, slot: int) -> None:
+        """A real request completed on ``slot`` (clears its reported-failure streak)."""
+        self._health.report_success(slot)  # (the ledger's own lock: the hot path takes one)
+
+    def confirm_loss(self, lost: ShardLost) -> bool:
+        """Recovery took ``lost`` off the queue: a slot the member still holds is DEAD (a
+        status read only queued it). False for old news."""
+        with self._lock:
+            if self._closed or lost.member.slot is None or not self.is_current(lost.member):
+                return False
+            self._health.mark_dead(lost.member.slot, lost.reason)
+            return True
+
+    def begin_restart(self, slot: int) -> ShardState:
+        """A replacement for ``slot`` is being started (RESTARTING, or RETIRED once its attempts
+        are spent); returns the state it is in."""
+        with self._lock:
+            self._health.mark_restarting(slot)
+            return self._health.state_of(slot)
+
+    def retire_slot(self, slot: int, reason: str) -> None:
+        with self._lock:
+            self._health.retire(slot, reason)
+
+    def restart_failed(self, slot: int, reason: str, retire: bool) -> None:
+        """A restart of ``slot`` failed: DEAD (another attempt may follow), RETIRED when not."""
+        with self._lock:
+            self._health.mark_dead(slot, reason)
+            if retire:
+                self._health.retire(slot, f"restart failed: {reason}")
+
+    def seed(self, seeds: Iterable[Seed], version: int | None) -> None:
+        """A fleet's opening state, slot by slot (``nemo_gen.core.planner.attach_seeds``'
+        verdicts, restart budgets carried over; or every slot STALE before a first refit)."""
+        with self._lock:
+            for seed in seeds:
+                self._health.restore_restart_attempts(seed.slot, seed.restarts)
+                if seed.state is ShardState.RETIRED:
+                    self._health.retire(seed.slot, seed.reason)
+                elif seed.state is ShardState.DEAD:
+                    self._health.mark_dead(seed.slot, seed.reason)
+                elif seed.state is ShardState.STALE:
+                    self._health.mark_loaded(seed.slot)
+                elif version is not None:
+                    self._health.report_refit(seed.slot, version)
 
     # -- the loss queue ----------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 It owns no logic of its own: it builds the parts from the settings and hands each the others
 it needs, by keyword. Each piece of state has one owner: ``members`` (``Membership`` over the
 core ``SlotTable``: each slot's actor, ``health`` state and version, the spares, the losses
-``recovery`` drains), ``weights`` (``FleetWeights``: version, source, staged refit, refit lock),
+``recovery`` drains; the table is the ledger's one writer, and the parts get it, not the ledger), ``weights`` (``FleetWeights``: version, source, staged refit, refit lock),
 ``adapters`` (``FleetAdapters``) and ``background`` (``Background``: open or not, its threads).
 
 The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Sequence
 
 from nemo_gen.config import policies
-from nemo_gen.core.fleet_health import GenerationFleetHealth
-from nemo_gen.core.planner import attach_seeds, seed_ledger
+from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.planner import Seed, attach_seeds
 from nemo_gen.core.wire import FleetRecordState
 from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
@@ -65,20 +65,19 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         self.members = Membership(health=self.health, slots=shards, spares=spares, first_spare_seq=len(resolved.spares))
         # eval: engines loaded the checkpoint (version 0). train: dummy weights, STALE until the
         # first refit — nothing re-admits a shard but a refit.
-        version, source = (0 if s.is_eval() else None), None
+        version, source, seeds = (0 if s.is_eval() else None), None, []
         if attached:
             version, source, seeds = attach_seeds(s.fleet.num_shards, {h.index: h.info for h in shards}, recorded)
-            seed_ledger(self.health, seeds, version)
         elif not s.is_eval():
-            for handle in shards:
-                self.health.mark_loaded(handle.index)
+            seeds = [Seed(h.index, ShardState.STALE, "dummy weights", 0) for h in shards]
+        self.members.table.seed(seeds, version)
         self.weights = FleetWeights(version=version, source=source, staging_dir=s.refit.staging_dir, fleet_name=s.fleet.name,
                                     record=RecordWriter(record, s.fleet.control_timeout_s, key=(s.ray.namespace, s.fleet.name)))
         self.background = Background(s.fleet.name)
         self.monitor: FleetMonitor | None = None
         self.watches = DeathWatch(driver=self.driver, interval_s=s.health.watch_interval_s)
         gen_cfg = resolved.generation_config
-        parts = dict(health=self.health, members=self.members, driver=self.driver)
+        parts = dict(slots=self.members.table, members=self.members, driver=self.driver)
         self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes)
         self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,
                                 template=(resolved.spares or resolved.shards)[0], fleet_name=s.fleet.name,
@@ -256,11 +255,11 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
 
     def status(self) -> list[ShardStatus]:
         """Per shard: index, ledger state, weight version, actor and engine PIDs; then the spares."""
-        return fleet_status(self.health, self.members, self.driver, self.recovery.orphans, live=not self.closed)
+        return fleet_status(self.members.table.ledger, self.members, self.driver, self.recovery.orphans, live=not self.closed)
 
     def metrics(self) -> dict[str, float]:
         """The fleet's own series (NeMo-RL's ledger names, plus version, re-routing and refits)."""
-        return fleet_metrics(self.health, self.weights.version, self.router.rerouted, self.refitter.totals)
+        return fleet_metrics(self.members.table.ledger, self.weights.version, self.router.rerouted, self.refitter.totals)
 
     def vllm_metrics(self) -> dict[int, list[dict[str, Any]]]:
         """Per serving slot, vLLM's stats of its engine now: a call to each (/metrics: monitor.vllm_stats)."""

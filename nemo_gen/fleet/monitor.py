@@ -28,9 +28,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
-from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe
+from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import ProbeReply, ProbeStatus, Sampling
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.fleet.driver import Call, ShardDriver
@@ -41,12 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class Prober:
-    """Sends probes and records their answers in the ledger."""
+    """Sends probes and records their answers (through the slot table, into the ledger)."""
 
-    def __init__(self, *, driver: ShardDriver, health: GenerationFleetHealth, members: Membership,
+    def __init__(self, *, driver: ShardDriver, slots: SlotTable, members: Membership,
                  sampling: Mapping[str, Any] | Sampling, tokens: list[int], timeout_s: float, warmup_s: float):
         self.driver = driver
-        self.health = health
+        self.slots = slots
+        self.health = slots.ledger  # read only: every write is a table transaction
         self.members = members
         # the probe's one greedy token: a resolved sampling dict (``resolve_sampling``) as the wire's
         self.sampling = sampling if isinstance(sampling, Sampling) else Sampling.of(sampling)
@@ -81,10 +83,10 @@ class Prober:
             self.detected(member, "probe", answer.detail or "probe found the shard dead")
             return
         alive = answer.status.alive
-        self.health.record_probe(slot, alive, None if alive else answer.detail)
+        state = self.slots.record_probe_answer(slot, alive, None if alive else answer.detail)
         if not alive:
             log.warning("shard %d probe failed: %s", slot, answer.detail)
-        if self.health.state_of(slot) is ShardState.DEAD:
+        if state is ShardState.DEAD:
             self.detected(member, "probe", (None if alive else answer.detail) or "probe failures")
 
     def detected(self, member: Member, by: str, reason: str) -> None:

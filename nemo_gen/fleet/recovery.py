@@ -29,11 +29,11 @@ import psutil
 from ray.util import get_node_ip_address
 
 from nemo_gen.core.backoff import BackoffPolicy
-from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, ShardState
+from nemo_gen.core.fleet_health import SERVING_STATES, ShardState
 from nemo_gen.core.members import Member
 from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Retire, plan, plan_slot
 from nemo_gen.core.retry import describe, is_retriable
-from nemo_gen.core.slots import SlotConflict
+from nemo_gen.core.slots import SlotConflict, SlotTable
 from nemo_gen.environment import REAPING_FLAG
 from nemo_gen.errors import ShardRetired, StaleShard
 from nemo_gen.host import gpu_memory
@@ -134,11 +134,12 @@ class Recovery:
     (queued by the router, the prober, the death watch, refit and status), which ``drain`` turns
     into actions; while the fleet watches itself a thread drains as they come."""
 
-    def __init__(self, *, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
+    def __init__(self, *, slots: SlotTable, members: Membership, weights: FleetWeights,
                  refitter: Refitter, spares: SparePool, driver: ShardDriver, background: Background,
                  specs: Sequence[ShardSpec], fleet_name: str, reap_timeout_s: float, backoff: BackoffPolicy,
                  auto_recover: Callable[[], bool], watches: DeathWatch):
-        self.health = health
+        self.slots = slots
+        self.health = slots.ledger  # read only: every write is a table transaction
         self.members = members
         self.weights = weights
         self.refitter = refitter
@@ -166,14 +167,13 @@ class Recovery:
         lost actor goes DEAD (its requests are re-routed) and, with ``health.auto_recover`` in a
         fleet that watches itself, is restarted in the background. Old news is dropped."""
         with self.members.draining():
-            for lost in self.members.table.drain_losses():
+            for lost in self.slots.drain_losses():
                 member = lost.member
                 if member.is_spare:
                     self.spares.drop(member.name, lost.reason)
                     continue
-                if self.background.closed or not self.members.is_current(member):
+                if self.background.closed or not self.slots.confirm_loss(lost):  # (old news: dropped)
                     continue
-                self.health.mark_dead(member.slot, lost.reason)  # (a status read only queued it)
                 # Only a fleet that watches itself heals itself; an attached one (a flow's) leaves
                 # recovery to the heal flow and its retry policy.
                 if self.watching and self._auto_recover() and self.health.state_of(member.slot) is ShardState.DEAD:
@@ -191,7 +191,7 @@ class Recovery:
 
         def loop() -> None:
             while not self.background.closed:
-                if self.members.table.wait_losses(_DRAIN_POLL_S):
+                if self.slots.wait_losses(_DRAIN_POLL_S):
                     self.drain()
 
         self._drainer = threading.Thread(target=loop, name=f"nemo-gen-{self._fleet_name}-losses", daemon=True)
@@ -250,11 +250,11 @@ class Recovery:
                 caught_up = False
             return {"shard": index, "action": "caught-up" if caught_up else "none", "state": health.state_of(index).value}
         if isinstance(action, Retire):
-            health.retire(index, action.reason)
+            self.slots.retire_slot(index, action.reason)
             self._note(index)
             raise ShardRetired(f"shard {index} {action.reason}")
         with self.members.slot_lock(index):
-            health.mark_restarting(index)
+            self.slots.begin_restart(index)
             self._note(index)
             t0 = time.monotonic()
             old = self.members.handle(index)
@@ -331,10 +331,10 @@ class Recovery:
             except Exception as exc:
                 if self.background.closed:
                     return None
-                self.health.mark_dead(index, describe(exc).splitlines()[0])
-                if not is_retriable(exc):
+                retire = not is_retriable(exc)
+                self.slots.restart_failed(index, describe(exc).splitlines()[0], retire=retire)
+                if retire:
                     log.error("shard %d: not restarting after a data failure: %s", index, describe(exc))
-                    self.health.retire(index, f"restart failed: {describe(exc).splitlines()[0]}")
                     self._note(index)
                     return None
                 if attempt > self.health.policy.max_restart_attempts_per_shard:

@@ -5,13 +5,14 @@ dtypes; ``draft.`` names against the drafter) — a bad checkpoint is refused be
 moves. Then the tensors are staged, bucket by bucket, into the fleet's shared-memory file.
 Phase 1 (every shard): each shard's workers open the staged tensors; any failure refuses the
 refit fleet-wide, and no shard has changed. Phase 2 (every shard, in parallel): load. A shard
-that fails here is condemned (it holds half-loaded weights and never serves again until it
-is restarted and refit); the others serve the new version.
+that fails here, or has not answered by ``refit.timeout_s``, is quarantined (it holds
+half-loaded weights and never serves again: recovery restarts it and it catches up); the others
+serve the new version.
 
 ``Refitter`` owns these steps and the rules every refit path shares (who takes a refit, how
 each member's outcome is settled, catching a newcomer up); the weight-sync client builds on
-its public methods. The state it acts on is the fleet's weights (``FleetWeights``), its
-membership and its ledger.
+its public methods. The state it acts on is the fleet's weights (``FleetWeights``) and, through
+the slot table's transactions (``SlotTable.record_refit``, ``quarantine``), its members'.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import os
 import time
 from typing import Any, Callable
 
-from nemo_gen.core.fleet_health import ABSENT_STATES, GenerationFleetHealth
+from nemo_gen.core.fleet_health import ABSENT_STATES
 from nemo_gen.core.members import Member
+from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.manifest import (
     DRAFT_PREFIX,
     RefitError,
@@ -48,9 +50,11 @@ log = logging.getLogger(__name__)
 
 # How a newcomer that serves nothing yet takes its catch-up refit.
 _DRAIN = InFlight("drain")
-# The workers enforce refit.timeout_s; these margins cover an actor that never answers.
+# refit.timeout_s bounds each phase on a shard, the load's wait for running requests (drain)
+# included: the workers enforce it inside, and the driver stops waiting at the same deadline,
+# so a shard frozen mid-phase is given up on (and quarantined) then, not later.
 _CHECK_MARGIN_S = 0.0
-_LOAD_MARGIN_S = 60.0
+_LOAD_MARGIN_S = 0.0
 
 
 def metas_of(expected: EngineManifest) -> dict[str, TensorMeta]:
@@ -59,9 +63,10 @@ def metas_of(expected: EngineManifest) -> dict[str, TensorMeta]:
 
 
 class Refitter:
-    def __init__(self, *, health: GenerationFleetHealth, members: Membership, weights: FleetWeights,
+    def __init__(self, *, slots: SlotTable, members: Membership, weights: FleetWeights,
                  driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int):
-        self.health = health
+        self.slots = slots
+        self.health = slots.ledger  # read only: every write is a table transaction
         self.members = members
         self.weights = weights
         self.driver = driver
@@ -237,7 +242,8 @@ class Refitter:
     def settle(self, report: RefitReport, member: Member, version: int, error: str | None, seconds: float) -> None:
         """Record one member's refit outcome: a spare that failed is replaced; a slot whose actor
         was replaced meanwhile is left alone (recovery waits for the refit before installing); a
-        slot that loaded serves ``version``, one that failed is quarantined."""
+        slot that loaded serves ``version``, one that failed is quarantined (DEAD, and a
+        ``ShardLost`` so the self-healing fleet restarts it)."""
         if not error:
             self.members.note_version(member, version)
         if member.is_spare:
@@ -248,11 +254,11 @@ class Refitter:
             return
         if error:
             # The shard may hold half-loaded weights or none: out of service until restarted and refit.
-            self.health.mark_dead(member.slot, error)
+            self.slots.quarantine(member, error)
             report.shards.append(ShardRefit(member.slot, ok=False, error=error))
             log.warning("shard %d quarantined: %s", member.slot, error)
         else:
-            self.health.report_refit(member.slot, version)
+            self.slots.record_refit(member, version)
             report.shards.append(ShardRefit(member.slot, ok=True, seconds=seconds))
 
     # -- newcomers -----------------------------------------------------------------------------------
@@ -279,14 +285,14 @@ class Refitter:
                 # A fresh engine runs nothing: there is no request to keep or cut.
                 ok, _, error = self.apply_staged(staged, {member: handle}, _DRAIN)[member]
                 if not ok:
-                    if not member.is_spare:
-                        self.health.mark_dead(member.slot, error)
+                    if not member.is_spare:  # (a spare is not in the table yet)
+                        self.slots.quarantine(member, error)
                     raise ShardDiedError(-1 if member.is_spare else member.slot, error)
             handle.info = handle.info.with_version(version)  # not installed yet: Membership does not know it
             for hook in self.after_catch_up:
                 hook(member, handle)
             if not member.is_spare:
-                self.health.report_refit(member.slot, version)
+                self.slots.record_refit(member, version)
         return True
 
     def _stale(self, member: Member, version: int) -> NemoGenError:
@@ -295,7 +301,7 @@ class Refitter:
             "pushed by another process): stays STALE until the next refit"
         )
         if not member.is_spare:
-            self.health.mark_loaded(member.slot)  # STALE, with the reason on record
+            self.slots.keep_stale(member.slot)  # STALE, with the reason on record
         log.warning("shard %s: %s", member.label, reason)
         return StaleShard(reason)
 

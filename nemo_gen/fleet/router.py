@@ -34,10 +34,11 @@ import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
-from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, HealthyShardSelector
+from nemo_gen.core.fleet_health import SERVING_STATES, HealthyShardSelector
 from nemo_gen.core.members import Member
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
+from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import GenerateReply, RequestResult, Sampling, StreamDeltas
 from nemo_gen.errors import RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
@@ -56,11 +57,12 @@ _LOST = object()  # a stream's shard was condemned or replaced while it streamed
 
 
 class Router:
-    def __init__(self, *, health: GenerationFleetHealth, members: Membership, driver: ShardDriver, tokenizer: Any,
+    def __init__(self, *, slots: SlotTable, members: Membership, driver: ShardDriver, tokenizer: Any,
                  max_model_len: int, decode_text: bool, limits: RequestLimits, serving_version: Callable[[], int | None],
                  fleet_name: str, session_slack: int,
                  clock: Clock = time.monotonic):
-        self.health = health
+        self.slots = slots
+        self.health = health = slots.ledger  # read only: every write is a table transaction
         self.selector = HealthyShardSelector(health)
         self.members = members
         self.driver = driver
@@ -257,7 +259,7 @@ class Router:
                         self.refused += len(batch)
                         retry(batch, exc, "busy", member.slot)
                         continue
-                    self.health.report_success(member.slot)
+                    self.slots.record_success(member.slot)
                     for req, raw in zip(batch, out.results):
                         results[req.index] = self.result(req, raw, out.shard, out.weight_version)
                 for call, (member, batch) in list(inflight.items()):
@@ -301,7 +303,7 @@ class Router:
                     error, kind = self._failed(handle, member, exc, "generate")
                 else:
                     if out is not None:
-                        self.health.report_success(shard)
+                        self.slots.record_success(shard)
                         return self.result(req, out.results[0], out.shard, out.weight_version)
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
                 finally:
@@ -362,7 +364,7 @@ class Router:
                             finished = True
                             if item is None:
                                 raise ShardDiedError(shard, "the stream ended without a result")
-                            self.health.report_success(shard)
+                            self.slots.record_success(shard)
                             yield self.result(req, item.result, item.shard, item.weight_version)
                             return
                         for raw in item.deltas:

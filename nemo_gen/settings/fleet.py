@@ -123,7 +123,11 @@ class RefitSettings(Section):
         "each process's file, 0600 under a random name, lies in nemo_gen-<fleet>-uid<uid>/ (0700) "
         "here; it must hold the whole model, or a refit is refused before a byte is written.",
     )
-    timeout_s: float = Field(600.0, gt=0, description="Deadline for each refit phase on a shard.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Deadline for each refit phase on a shard, the load's wait for running "
+        "requests (in_flight drain) included: a shard that has not answered by then is quarantined and "
+        "replaced, so a frozen shard holds the refit this long and no longer.",
+    )
     control_channel: bool = Field(
         True, description="The refit's calls to a shard on the driver's own node go over a Unix socket "
         "the shard actor serves (authenticated, weight_sync only), not a Ray actor call, whose task "

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import ray
 import torch
@@ -16,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from nemo_gen import GenerationFleet
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.manifest import RefitError
+from nemo_gen.core.wire import LoadRefit
 from nemo_gen.tiny_model import make_tiny_model
-from tests.helpers import shutdown_all
+from tests.helpers import shutdown_all, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -32,7 +36,7 @@ def model_b(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleets(ray_cluster, make_settings, model_b):
     with ThreadPoolExecutor(2) as pool:
-        # refit.timeout_s: the last test freezes a shard and waits this long for the refit to
+        # refit.timeout_s: the last two tests freeze a shard and wait this long for the refit to
         # give up on it. A bound, not a latency target: a healthy refit of this 0.5 MB model
         # takes ~0.03 s (bench/refit.py measures it), so 10 s is ~300x that (the same bound as
         # tests/e2e/test_fleet_cli.py's frozen-shard refit).
@@ -298,6 +302,47 @@ def test_a_shard_killed_during_a_weight_sync_update_is_quarantined_and_comes_bac
     results = fleet.generate(PROMPTS * 2, temperature=0)
     assert {r.shard for r in results} == {0, 1} and [r.token_ids for r in results] == greedy(fresh)
     assert fleet.refit(str(tiny_model_dir)).ok
+
+
+def test_a_shard_frozen_while_loading_is_given_up_on_at_the_deadline_and_healed(fleets, model_b):
+    """A self-healing fleet (``health.auto_recover`` on for this test, off again after): shard 1
+    passes the refit's check, then its EngineCore freezes (SIGSTOP) as the load goes out. The
+    refit gives up on it at refit.timeout_s and quarantines it; recovery replaces the live but
+    untrusted shard, and the replacement serves the fleet's new version."""
+    fleet, fresh = fleets["main"], fleets["fresh_b"]
+    victim = fleet.handle(1)
+    core = next(p for p in victim.engine_pids if "EngineCore" in psutil.Process(p).name())
+    send = fleet.driver.fan_out
+
+    def freezing_on_load(handles, message, margin_s):
+        if isinstance(message, LoadRefit):
+            os.kill(core, signal.SIGSTOP)
+        return send(handles, message, margin_s)
+
+    fleet.settings.health.auto_recover = True
+    try:
+        fleet.driver.fan_out = freezing_on_load
+        try:
+            t0 = time.monotonic()
+            report = fleet.refit(str(model_b))
+            elapsed = time.monotonic() - t0
+        finally:
+            fleet.driver.fan_out = send
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(core, signal.SIGCONT)  # alive again, and still not to be trusted
+        (lost,) = report.failed
+        assert lost.shard == 1 and "load_refit did not answer" in lost.error
+        # Given up on at refit.timeout_s=10 (it was 10 + 60 s); the bound leaves room for a
+        # loaded machine and stays below the old deadline.
+        assert elapsed < fleet.settings.refit.timeout_s + 45
+        # A bound, not a target: an engine start here is ~35 s, under load several times that.
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY and fleet.handle(1).name != victim.name,
+                   timeout_s=400, what="slot 1 replaced and serving")
+        results = fleet.generate(PROMPTS * 2, temperature=0)
+        assert {r.weight_version for r in results} == {report.version} and {r.shard for r in results} == {0, 1}
+        assert [r.token_ids for r in results] == greedy(fresh)
+    finally:
+        fleet.settings.health.auto_recover = False
 
 
 def test_a_shard_lost_during_refit_never_serves(fleets, model_b):

@@ -223,6 +223,47 @@ def test_a_shard_that_fails_while_loading_is_quarantined_the_rest_move_on(settin
         assert {(r.shard, r.weight_version) for r in fleet.generate(PROMPTS)} == {(0, 1)}
 
 
+def test_a_shard_that_fails_while_loading_is_healed_by_the_self_healing_fleet(settings, driver, tmp_path):
+    # The quarantine queues a loss: recovery replaces the live but untrusted shard, and the
+    # replacement catches up to the version the others loaded (it used to stay DEAD for good).
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path), health__auto_recover=True), driver) as fleet:
+        victim = fleet.handle(1).name
+        driver.shard(fleet.handle(1)).fail_load = "out of memory while loading"
+        report = fleet.refit(_tensors())
+        assert [s.shard for s in report.shards if not s.ok] == [1] and fleet.weight_version == 1
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, what="slot 1 healthy again")
+        assert fleet.handle(1).name != victim and driver.shard(fleet.handle(1)).weight_version == 1
+        assert path_of(fleet, 1)[-4:] == ["dead", "restarting", "stale", "healthy"]
+        assert {r.weight_version for r in fleet.generate(PROMPTS)} == {1}
+
+
+def test_a_shard_frozen_while_loading_is_given_up_on_at_the_refit_deadline_and_healed(settings, driver, tmp_path):
+    from nemo_gen.core.wire import LoadRefit
+
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path), health__auto_recover=True), driver) as fleet:
+        victim = fleet.handle(1).name
+        send = driver.fan_out
+
+        def freezing_on_load(handles, message, margin_s):  # it passed the check; it freezes now
+            if isinstance(message, LoadRefit):
+                driver.set_hung(victim)
+            return send(handles, message, margin_s)
+
+        driver.fan_out = freezing_on_load
+        t0 = time.monotonic()
+        report = fleet.refit(_tensors())
+        elapsed = time.monotonic() - t0
+        driver.fan_out = send
+        driver.set_hung(victim, False)  # it thaws: alive, and still not to be trusted
+        (lost,) = report.failed
+        assert lost.shard == 1 and "did not answer" in lost.error
+        # The deadline is driver.timeouts.refit_s (1 s); a bound with room for a loaded machine,
+        # below the old deadline (refit_s + 60 s).
+        assert elapsed < driver.timeouts.refit_s + 30
+        wait_until(lambda: fleet.health.state_of(1) is ShardState.HEALTHY, what="slot 1 healthy again")
+        assert fleet.handle(1).name != victim and driver.shard(fleet.handle(1)).weight_version == 1
+
+
 def test_a_shard_refusing_the_staged_weights_refuses_the_refit_everywhere(settings, driver, tmp_path):
     with fake_fleet(settings(refit__staging_dir=str(tmp_path)), driver) as fleet:
         driver.shard(fleet.handle(1)).refuse_refit = "cannot map the staging file"
@@ -351,7 +392,8 @@ def test_a_launch_is_all_or_none(settings, driver):
 
 def test_attaching_seeds_the_ledger_from_what_the_actors_and_the_record_say():
     from nemo_gen.core.fleet_health import GenerationFleetHealth
-    from nemo_gen.core.planner import attach_seeds, seed_ledger
+    from nemo_gen.core.planner import attach_seeds
+    from nemo_gen.core.slots import SlotTable
 
     infos = {0: ShardInfo(slot=0, weight_version=4, weight_source="/ckpt/4", restarts=2),
              1: ShardInfo(slot=1, weight_version=3),
@@ -359,7 +401,7 @@ def test_attaching_seeds_the_ledger_from_what_the_actors_and_the_record_say():
     version, source, seeds = attach_seeds(4, infos, recorded=None)
     assert (version, source) == (4, "/ckpt/4")  # the newest version any shard holds, and its source
     health = GenerationFleetHealth(4)
-    seed_ledger(health, seeds, version)
+    SlotTable(health=health).seed(seeds, version)
     assert [health.state_of(i).value for i in range(4)] == ["healthy", "stale", "dead", "dead"]
     assert health.snapshot()[0].restart_attempts == 2 and "not found" in health.snapshot()[2].last_error
     # The record outlives every shard: its version wins, and version 4's checkpoint is not version 5's.
@@ -378,14 +420,15 @@ def test_spares_follow_fleet_spares_changed_on_a_live_fleet(settings, driver):
 
 def test_retirement_and_the_restart_budget_outlive_the_process_that_decided_them():
     from nemo_gen.core.fleet_health import GenerationFleetHealth
-    from nemo_gen.core.planner import attach_seeds, seed_ledger
+    from nemo_gen.core.planner import attach_seeds
+    from nemo_gen.core.slots import SlotTable
 
     recorded = FleetRecordState("f", weight_version=2, slots=(
         SlotRecord(1, restarts=3, retired="restart attempts exhausted"), SlotRecord(0, restarts=2)))
     infos = {0: ShardInfo(slot=0, weight_version=2, restarts=1)}
     _, _, seeds = attach_seeds(2, infos, recorded)
     health = GenerationFleetHealth(2)
-    seed_ledger(health, seeds, 2)
+    SlotTable(health=health).seed(seeds, 2)
     assert health.state_of(1) is ShardState.RETIRED and health.snapshot()[1].restart_attempts == 3
     assert health.state_of(0) is ShardState.HEALTHY and health.snapshot()[0].restart_attempts == 2
 

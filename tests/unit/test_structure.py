@@ -179,3 +179,78 @@ def test_only_the_ray_seam_imports_the_actor_side():
     # wire in core; every other driver module knows a shard by its handle (fleet/handles.py)
     reached = {line.split(" imports ")[0] for line in importers("nemo_gen.shard", "nemo_gen.fleet")}
     assert reached <= {"nemo_gen.fleet.driver", "nemo_gen.fleet.launch"}
+
+
+# -- one writer of slot state ------------------------------------------------------------------
+# The ledger (core/fleet_health.py) is written only by the slot table (core/slots.py): every
+# other part gets the table and changes slot state through its transactions, so a change of
+# state and the loss event or version that goes with it cannot be split (Ray Serve's rule:
+# DeploymentState is the only writer of replica state).
+LEDGER = PACKAGE / "core" / "fleet_health.py"
+LEDGER_WRITERS = {"nemo_gen/core/slots.py", "nemo_gen/core/fleet_health.py"}
+_MUTATORS = {"append", "appendleft", "add", "discard", "insert", "remove", "clear", "update", "pop", "extend"}
+
+
+def ledger_write_methods(source: str) -> set[str]:
+    """Public methods of ``GenerationFleetHealth`` that change it: those that store to an
+    attribute (``shard.state = ...``, ``self._epoch += 1``), mutate a container held by
+    ``self``, or call a method of ``self`` that does."""
+    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "GenerationFleetHealth")
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name != "__init__"}
+
+    def rooted_at_self(node: ast.AST) -> bool:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "self"
+
+    direct, calls = set(), {name: set() for name in methods}
+    for name, fn in methods.items():
+        for node in ast.walk(fn):
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else
+                       node.targets if isinstance(node, ast.Delete) else [])
+            if any(isinstance(t, (ast.Attribute, ast.Subscript)) and (isinstance(t, ast.Attribute) or rooted_at_self(t))
+                   for t in targets):
+                direct.add(name)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and node.func.attr in methods:
+                    calls[name].add(node.func.attr)
+                elif node.func.attr in _MUTATORS and rooted_at_self(node.func.value):
+                    direct.add(name)
+    writes = set(direct)
+    while True:
+        more = {name for name, called in calls.items() if called & writes} - writes
+        if not more:
+            return {name for name in writes if not name.startswith("_")}
+        writes |= more
+
+
+def ledger_writes_in(source: str, writes: set[str]) -> list[tuple[int, str]]:
+    """(line, method) for every call of a ledger write method (or a ``getattr`` of one)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writes:
+            out.append((node.lineno, node.func.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in writes):
+            out.append((node.lineno, node.args[1].value))
+    return out
+
+
+def test_the_ledger_write_methods_are_found_from_its_source():
+    # The checker can fail: the set is derived, and holds every write and no read.
+    writes = ledger_write_methods(LEDGER.read_text())
+    assert {"record_probe", "report_failure", "mark_dead", "report_success", "mark_restarting",
+            "restore_restart_attempts", "mark_loaded", "report_refit", "retire", "add_shard"} <= writes
+    assert not writes & {"snapshot", "serving_shards", "serving_changes_since", "state_of", "as_metrics",
+                         "history", "state_summary", "raise_if_exhausted", "shard_for_base_url", "absent_shards"}
+    sample = "def f(health, slots):\n    health.mark_dead(1, 'x')\n    getattr(health, 'retire')(1, 'y')\n    slots.quarantine(m, 'z')\n"
+    assert ledger_writes_in(sample, writes) == [(2, "mark_dead"), (3, "retire")]
+
+
+def test_only_the_slot_table_writes_the_ledger():
+    writes = ledger_write_methods(LEDGER.read_text())
+    offences = [f"{path.relative_to(ROOT)}:{line} calls {method}"
+                for path in sorted(PACKAGE.rglob("*.py")) if str(path.relative_to(ROOT)) not in LEDGER_WRITERS
+                for line, method in ledger_writes_in(path.read_text(), writes)]
+    assert offences == [], "slot state changes through a SlotTable transaction (nemo_gen/core/slots.py)"
