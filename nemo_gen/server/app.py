@@ -297,7 +297,7 @@ def _answer(results: list[Any], body: Any) -> Response:
 def build_app(fleet: Any, settings: Any, tokenizer: Any) -> Any:
     """The ASGI app (FastAPI inside ``Gate``) serving ``fleet``."""
     api = FleetApi(fleet, settings, tokenizer)
-    metrics = ServerMetrics(fleet)
+    metrics = ServerMetrics(fleet, api.inflight)
     app = FastAPI(title="nemo-gen", docs_url=None, redoc_url=None, openapi_url=None)
     version = lambda: fleet.weight_version  # noqa: E731
 

@@ -20,7 +20,9 @@ the vLLM series the snapshot its monitor fetches on each probe round.
   true`` (`nemo-gen serve` turns it on), and the fleet fetches them only while its monitor runs
   (``health.enabled``; a fleet attached with ``watch=False`` has none).
 - HTTP series of this server: ``nemo_gen_http_requests_total{route,code}`` and
-  ``nemo_gen_http_request_duration_seconds{route}``. ``route`` is a bounded set: the server's own
+  ``nemo_gen_http_request_duration_seconds{route}``; its admission: ``nemo_gen_server_in_flight``
+  (samples held now against ``server.max_in_flight``, read at scrape time: a slot that is never
+  given back shows here) and ``nemo_gen_server_max_in_flight``. ``route`` is a bounded set: the server's own
   paths, the gateway's as templates (``/nemo_gen/sessions/{id}/v1/chat/completions``: never a
   session's id, which would grow a series per session), anything else ``other``.
 """
@@ -31,7 +33,7 @@ import logging
 import re
 from typing import Any, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -173,8 +175,14 @@ class _FleetCollector:
 class ServerMetrics:
     CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-    def __init__(self, fleet: Any):
+    def __init__(self, fleet: Any, admission: Any = None):
         self.registry = CollectorRegistry(auto_describe=False)
+        if admission is not None:  # the server's own bound (core.attempts.Admission), read when scraped
+            Gauge("nemo_gen_server_in_flight", "samples the server holds now, against server.max_in_flight",
+                  registry=self.registry).set_function(lambda: admission.held)
+            if admission.limit is not None:
+                Gauge("nemo_gen_server_max_in_flight", "server.max_in_flight: the samples the server holds at most",
+                      registry=self.registry).set(admission.limit)
         self.requests = Counter("nemo_gen_http_requests", "HTTP requests served, by route and status code",
                                 ["route", "code"], registry=self.registry)
         self.seconds = Histogram("nemo_gen_http_request_duration_seconds", "HTTP request time, by route",

@@ -203,3 +203,23 @@ def test_a_stream_ended_by_a_lost_shard_or_by_the_server_stopping_gives_back_its
     finally:
         fleet.shutdown()
         driver.close()
+
+
+def in_flight_metric(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("nemo_gen_server_in_flight "):
+            return float(line.split()[1])
+    raise AssertionError("no nemo_gen_server_in_flight series on /metrics")
+
+
+def test_metrics_show_the_slots_a_stream_holds_and_their_return(served, driver):
+    """An operator sees a leak where it would be: /metrics reads the admission count when scraped."""
+    url = served[1].url
+    assert in_flight_metric(url) == 0
+    assert "nemo_gen_server_max_in_flight 64.0" in httpx.get(url + "/metrics").text
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt="hi", n=3, max_tokens=2000, stream=True)
+    next(iter(stream))
+    assert in_flight_metric(url) == 3
+    stream.close()
+    helpers.wait_until(lambda: in_flight_metric(url) == 0, 10, "the stream's slots given back on /metrics")
