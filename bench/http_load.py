@@ -15,6 +15,19 @@ characters is sent at the start of the window (the 4 MB prompt of the /health ch
 
 ``health``: ``GET /health`` every ``interval_s`` on one keep-alive connection for ``window_s``;
 prints each answer's latency and status.
+
+``abuse``: the clients a public endpoint meets beside the well-behaved ones, for ``window_s``, each
+kind on its own connections (``kinds``, default all four):
+- ``abandon``: a streamed ``n=2`` request read for a few events, then the connection closed (an
+  openai client's ``break`` out of a stream);
+- ``stall``: a streamed request whose reader takes the headers and then stops reading with its
+  socket open, for ``stall_s``, then closes;
+- ``half_header``: ``half_headers`` connections that send half a request header and nothing more;
+  each is watched for the server closing it;
+- ``poison``: a prompt of token ids past the vocabulary (``vocab_size``): must be a 4xx, never an
+  engine's death.
+Prints one JSON line: per kind, how many were sent and the statuses seen; for ``half_header``, how
+many the server closed within the window and after how long.
 """
 
 from __future__ import annotations
@@ -153,9 +166,104 @@ async def _health(job: dict[str, Any]) -> dict[str, Any]:
     return {"latency_s": latencies, "statuses": statuses}
 
 
+ABUSE_KINDS = ("abandon", "stall", "half_header", "poison")
+
+
+async def _abuse(job: dict[str, Any]) -> dict[str, Any]:
+    url = urlsplit(job["url"])
+    end = time.monotonic() + job["window_s"]
+    kinds = job.get("kinds") or ABUSE_KINDS
+    out: dict[str, Any] = {k: {"sent": 0, "statuses": {}} for k in kinds}
+
+    def seen(kind: str, status: int | None) -> None:
+        out[kind]["statuses"][str(status)] = out[kind]["statuses"].get(str(status), 0) + 1
+
+    def stream_body(n: int) -> dict[str, Any]:
+        return {"model": job["model"], "prompt": "a story that never ends", "n": n, "max_tokens": job.get(
+            "long_tokens", 200), "temperature": 1.0, "ignore_eos": True, "stream": True}
+
+    async def head(reader: asyncio.StreamReader) -> int:
+        status = int((await reader.readline()).split()[1])
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        return status
+
+    async def abandon() -> None:
+        while time.monotonic() < end:
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
+            try:
+                writer.write(_request(url, "/v1/completions", stream_body(2)))
+                out["abandon"]["sent"] += 1
+                status = await asyncio.wait_for(head(reader), 60)
+                seen("abandon", status)
+                if status == 200:  # a few events' worth of the chunked body, then gone
+                    await asyncio.wait_for(reader.read(256), 60)
+            except (ConnectionError, asyncio.TimeoutError, ValueError, IndexError):
+                seen("abandon", None)
+            finally:
+                writer.close()
+            await asyncio.sleep(0.05)
+
+    async def stall() -> None:
+        while time.monotonic() < end:
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
+            try:
+                writer.write(_request(url, "/v1/completions", stream_body(4)))
+                out["stall"]["sent"] += 1
+                seen("stall", await asyncio.wait_for(head(reader), 60))
+                await asyncio.sleep(min(job.get("stall_s", 10.0), max(0.0, end - time.monotonic())))
+            except (ConnectionError, asyncio.TimeoutError, ValueError, IndexError):
+                seen("stall", None)
+            finally:
+                writer.close()
+
+    async def half_header() -> None:
+        opened = []
+        for _ in range(job.get("half_headers", 50)):
+            reader, writer = await asyncio.open_connection(url.hostname, url.port)
+            writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Ty".encode())
+            opened.append((time.monotonic(), reader, writer))
+        out["half_header"]["sent"] = len(opened)
+        closed_after = []
+
+        async def watch(t0: float, reader: asyncio.StreamReader) -> None:
+            try:  # the server's answer (a 408, or nothing) and its close
+                await asyncio.wait_for(reader.read(), max(0.0, end - time.monotonic()))
+                closed_after.append(time.monotonic() - t0)
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+
+        await asyncio.gather(*(watch(t0, r) for t0, r, _ in opened))
+        for _, _, writer in opened:
+            writer.close()
+        out["half_header"].update(closed=len(closed_after), closed_after_max_s=max(closed_after, default=None))
+
+    async def poison() -> None:
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        try:
+            while time.monotonic() < end:
+                ids = [1, 2, job["vocab_size"] + 7]
+                writer.write(_request(url, "/v1/completions", {"model": job["model"], "prompt": ids, "max_tokens": 4}))
+                out["poison"]["sent"] += 1
+                status, _, data = await asyncio.wait_for(_response(reader), 60)
+                seen("poison", status)
+                out["poison"].setdefault("answer", data[:300].decode(errors="replace"))
+                await asyncio.sleep(0.2)
+        except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            seen("poison", None)
+        finally:
+            writer.close()
+
+    runs = {"abandon": abandon, "stall": stall, "half_header": half_header, "poison": poison}
+    workers = [runs[k]() for k in kinds for _ in range(job.get("per_kind", 2) if k != "half_header" else 1)]
+    await asyncio.gather(*workers)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     job = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    result = asyncio.run(_load(job) if job["mode"] == "load" else _health(job))
+    modes = {"load": _load, "health": _health, "abuse": _abuse}
+    result = asyncio.run(modes[job["mode"]](job))
     print(json.dumps(result))
 
 

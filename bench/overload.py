@@ -11,7 +11,12 @@ another process probes ``GET /health`` every 10 ms:
    for ``--rounds`` rounds; the goodput ratio is each round's, and their median);
 3. ``after``: the load gone — every shard HEALTHY, 0 restarts, a request served;
 4. ``big+streams``: a second server on the same fleet, bounds raised to hold 200 concurrent
-   streams and a 4 MB prompt (tokenized off the event loop, then refused for its length).
+   streams and a 4 MB prompt (tokenized off the event loop, then refused for its length);
+5. ``abuse``: the overload of 2 again, with abusive clients mixed in (bench/http_load.py's
+   ``abuse``: streams abandoned mid-way, readers that stall, half-sent headers, token ids past the
+   vocabulary), then the load gone: every well-behaved request still 200 or 503 and none lost, the
+   poison ids refused with a 4xx, no engine death, no admission slot held afterwards
+   (``nemo_gen_server_in_flight`` on ``/metrics``), goodput >= 0.9 of ``unloaded``.
 
 Targets, printed side by side from one run: in ``overload`` every request is answered 200 or 503
 (none lost, none 500, none hung), no shard condemned, /health p99 < 100 ms in every phase, and
@@ -59,7 +64,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=STREAMS, help=f"streams of the last phase (default {STREAMS})")
     p.add_argument("--prompt-mb", type=float, default=BIG_PROMPT_CHARS / 2**20,
                    help="the last phase's big prompt, in MiB of characters (default 4; 0: none)")
-    p.add_argument("--phases", default="unloaded,overload,big+streams", help="which phases to run (comma-separated)")
+    p.add_argument("--phases", default="unloaded,overload,big+streams,abuse",
+                   help="which phases to run (comma-separated)")
+    p.add_argument("--stream-idle-s", type=float, default=2.0,
+                   help="server.stream_idle_timeout_s: how long a stalled reader keeps its stream (default 2)")
     p.add_argument("--engine-niceness", type=int, default=10,
                    help="fleet.engine_niceness of the shards (default 10: see the module doc)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
@@ -116,8 +124,55 @@ def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def in_flight(url: str) -> float | None:
+    """The server's admission slots held now, from its own /metrics (None: no such series)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("nemo_gen_server_in_flight "):
+                return float(line.split()[1])
+    return None
+
+
+def abuse_phase(url: str, model: str, vocab_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The overload again, abusive clients beside it; then the slots held once they are gone."""
+    load = {"mode": "load", "url": url, "model": model, "clients": args.capacity * args.factor,
+            "window_s": args.window_s, "max_tokens": args.max_new_tokens, "timeout_s": 120.0, "max_backoff_s": 1.0}
+    health = {"mode": "health", "url": url, "window_s": args.window_s, "interval_s": 0.01}
+    abuse = {"mode": "abuse", "url": url, "model": model, "window_s": args.window_s, "vocab_size": vocab_size,
+             "stall_s": 4 * args.stream_idle_s, "half_headers": 50, "per_kind": 2}
+    got, probe, bad = run_clients([load, health, abuse])
+    held, deadline = in_flight(url), time.monotonic() + 10 + args.stream_idle_s
+    while held and time.monotonic() < deadline:  # a released stream's last step may still be landing
+        time.sleep(0.2)
+        held = in_flight(url)
+    return {"clients": load["clients"], "sent": got["sent"], "answered": got["answered"], "hung": got["hung"],
+            "lost": got["lost"], "statuses": got["statuses"], "tokens": got["tokens"],
+            "goodput_tok_s": got["tokens"] / got["wall_s"], "wall_s": got["wall_s"],
+            "health_p99_s": p99(probe["latency_s"]), "health_max_s": max(probe["latency_s"]),
+            "errors": got["errors"][:3], "abusive": bad, "held_after": held}
+
+
 def condemned(fleet) -> list[dict[str, Any]]:
     return [h for s in fleet.health.snapshot() for h in fleet.health.history(s.dp_shard_idx) if h["new"] == "dead"]
+
+
+def abuse_verdicts(abuse: dict[str, Any], overload_ratio: float, unloaded: dict[str, Any]) -> dict[str, Any]:
+    bad = abuse["abusive"]
+    poison = set(bad["poison"]["statuses"])
+    abuse["goodput_ratio"] = abuse["goodput_tok_s"] / unloaded["goodput_tok_s"]
+    return {
+        "abuse: every well-behaved request answered 200 or 503, none lost or hung": set(abuse["statuses"]) <= {
+            "200", "503"} and abuse["sent"] == abuse["answered"] and abuse["hung"] == 0 and abuse["lost"] == 0,
+        "abuse: poison token ids refused with a 4xx": bool(poison) and all(
+            c != "None" and 400 <= int(c) < 500 for c in poison),
+        "abuse: no engine died (no shard condemned, 0 restarts)": not abuse["condemned"] and not any(abuse["restarts"]),
+        "abuse: no admission slot held once the load is gone": abuse["held_after"] == 0,
+        "abuse: every half-sent header closed by the server": bad["half_header"].get("closed") == bad[
+            "half_header"]["sent"],
+        f"abuse: goodput >= {GOODPUT_RATIO} of unloaded": met(abuse["goodput_ratio"] >= GOODPUT_RATIO),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -134,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         settings = cpu.settings(**{
             "fleet.num_shards": args.shards, "generation.vllm_cfg.async_engine": True, "server.port": 0,
             "server.max_in_flight": args.capacity, "server.retry_after_s": 1, "health.probe_interval_s": 1.0,
+            "server.stream_idle_timeout_s": args.stream_idle_s,
             "fleet.engine_niceness": args.engine_niceness})
         t0 = time.monotonic()
         fleet = GenerationFleet.launch(settings)
@@ -164,6 +220,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if "big+streams" in wanted:
             big = start_server(fleet, roomy)
             phases["big+streams"] = phase(big.url, model, args.streams, args, stream=True, prompt_chars=chars)
+        if "abuse" in wanted:
+            vocab = json.loads((settings.model_dir() / "config.json").read_text())["vocab_size"]
+            phases["abuse"] = abuse_phase(server.url, model, vocab, args)
+            phases["abuse"]["restarts"] = [s.restart_attempts for s in fleet.health.snapshot()]
+            phases["abuse"]["condemned"] = condemned(fleet)
     finally:
         for handle in (big, server):
             if handle is not None:
@@ -172,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             fleet.shutdown()
         ray.shutdown()
 
-    if set(phases) != {"unloaded", "overload", "after", "big+streams"}:  # a partial run: the numbers only
+    if set(phases) != {"unloaded", "overload", "after", "big+streams", "abuse"}:  # a partial run: the numbers only
         print(json.dumps({k: {m: v for m, v in r.items() if m != "errors"} for k, r in phases.items()}, indent=1,
                          default=str))
         return write_result(args.json, "overload", args, phases, {})
@@ -190,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         and not any(phases["after"]["restarts"]),
         "big+streams: the 4 MB prompt answered 400, streams all 200": (phases["big+streams"]["big_prompt"] or {}).get(
             "status") == 400 and set(phases["big+streams"]["statuses"]) == {"200"},
+        **abuse_verdicts(phases["abuse"], phases["overload"]["goodput_ratio"], phases["unloaded"]),
     }
     print()
     print(f"{'phase':12} {'clients':>7} {'sent':>6} {'200':>6} {'503':>6} {'other':>6} {'hung+lost':>9} "
@@ -205,6 +267,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     big_prompt = phases["big+streams"]["big_prompt"] or {}
     print(f"4 MB prompt: HTTP {big_prompt.get('status')} after {big_prompt.get('seconds', float('nan')):.2f} s")
     print(f"after: states {phases['after']['states']}, restarts {phases['after']['restarts']}")
+    abuse = phases["abuse"]
+    print(f"abuse: {abuse['clients']} clients, statuses {abuse['statuses']}, goodput {abuse['goodput_tok_s']:.0f} tok/s "
+          f"({abuse['goodput_ratio']:.3f} of unloaded), held after {abuse['held_after']}, restarts {abuse['restarts']}")
+    for kind, seen in abuse["abusive"].items():
+        print(f"  {kind:12} sent {seen['sent']:4d}  statuses {seen['statuses']}"
+              + (f"  closed {seen['closed']} (max {seen['closed_after_max_s']} s)" if kind == "half_header" else ""))
     verdicts = {name: v if isinstance(v, str) else check(v) for name, v in verdicts.items()}
     for name, v in verdicts.items():
         print(f"  {v}  {name}")
