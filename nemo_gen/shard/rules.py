@@ -13,6 +13,7 @@ version, or back at the old one only when nothing was loaded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ _RPC = {SyncInit: "init_weight_transfer_engine", SyncStart: "start_weight_update
 # How long a shard waits, after vLLM reports its EngineCore dead, for that process's exit code:
 # an EngineCore that fails in its step sends its death first, then shuts its workers down and exits.
 CORE_EXIT_WAIT_S = 10.0
+# After those calls answered, before the engine's death is reported: their answers cross Ray and
+# the router's poll first (milliseconds; a loaded machine may hold a thread back longer).
+ANSWER_MARGIN_S = 1.0
 
 
 def _engine_died(exc: BaseException) -> bool:
@@ -122,6 +126,7 @@ class Shard:
         self.engine: EngineLike | None = None
         self.engine_core_start: str | None = None
         self.sync: SyncSession | None = None
+        self.calls = 0  # generate calls in the engine now (``calls_answered``)
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -198,6 +203,7 @@ class Shard:
         router sends them to no other engine); killed from outside, or its end unknown within
         ``CORE_EXIT_WAIT_S``, the death is an ordinary one and its requests are re-routed."""
         slot = -1 if self.slot is None else self.slot
+        self.calls += 1
         try:
             yield
         except Exception as exc:
@@ -210,6 +216,17 @@ class Shard:
                                                  "(an error in its step: see the shard's log); the request may be "
                                                  "the cause and was sent to no other engine") from None
             raise
+        finally:
+            self.calls -= 1
+
+    async def calls_answered(self) -> None:
+        """Wait, up to ``CORE_EXIT_WAIT_S``, until no generate call is in the engine, then
+        ``ANSWER_MARGIN_S`` more for their answers to reach the router: an engine's death is
+        reported (the actor's ``watch``) after the calls it ended have said how."""
+        deadline = time.monotonic() + CORE_EXIT_WAIT_S + ANSWER_MARGIN_S
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(ANSWER_MARGIN_S)
 
     async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> ProbeReply:

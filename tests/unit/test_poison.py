@@ -247,3 +247,23 @@ def test_http_a_request_that_kills_its_engine_is_a_500_not_to_be_retried(served,
     assert "EngineCrashError" in response.json()["error"]["message"]
     _no_internals(response.text)
     assert _crashes(fleet, driver) == 1
+
+
+def test_an_engines_death_is_reported_after_the_calls_it_held_have_answered(settings, driver):
+    """The actor's watch waits on ``calls_answered``: a call whose engine ended on its own says
+    so (EngineCrashError) before the watch's verdict condemns the shard and turns the call into
+    a re-routed actor death."""
+    from nemo_gen.core.results import GenerationRequest
+    from nemo_gen.core.sampling import resolve_sampling
+    from nemo_gen.fleet.requests import sampling_of
+    from tests.helpers import wait_until
+
+    with fake_fleet(settings(), driver) as fleet:
+        handle = fleet.handle(0)
+        driver.set_token_s(handle.name, 0.05)  # 8 tokens: 0.4 s in the engine
+        rules = driver.rules(handle)
+        sampling = sampling_of(resolve_sampling(fleet.resolved.generation_config, {"max_new_tokens": 8}))
+        call = driver.start_generate(handle, [GenerationRequest(index=0, prompt_token_ids=[1])], sampling)
+        wait_until(lambda: rules.calls == 1, 30, "the call in the engine")
+        asyncio.run_coroutine_threadsafe(rules.calls_answered(), driver.loop).result(timeout=60)
+        assert call.ref.done() and rules.calls == 0
