@@ -37,8 +37,9 @@ def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_
     """The one mapping from Ray's and vLLM's exceptions to nemo_gen's: dead -> ShardDiedError
     (naming the call), busy -> ShardBusy, vLLM's refusal of the request (``VLLMClientError``) ->
     RequestError, anything else unchanged (a slow or data failure is the caller's to see)."""
-    if isinstance(exc, NemoGenError):
-        return exc
+    if isinstance(exc, NemoGenError):  # the actor's own; through Ray, without Ray's frame around it
+        cause = getattr(exc, "cause", None)
+        return cause if isinstance(cause, NemoGenError) else exc
     index = handle.index if handle is not None and handle.index is not None else -1
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")

@@ -91,6 +91,17 @@ def test_a_vllm_client_error_through_ray_is_a_request_error_in_vllms_words():
     _no_internals(str(api.body()))
 
 
+def test_the_shards_own_error_through_ray_comes_back_without_rays_frame():
+    wrapped = _ray_task_error(EngineCrashError(0, "its EngineCore exited with code 1 while it ran this request"))
+    assert isinstance(wrapped, EngineCrashError) and "27638" in str(wrapped)  # Ray's copy: both types
+    error = classify(None, wrapped, "generate")
+    assert type(error) is EngineCrashError and error.shard == 0
+    _no_internals(f"{type(error).__name__}: {error}")
+    api = error_for(error)
+    assert api.status == 500 and api.retry is False
+    _no_internals(str(api.body()))
+
+
 def test_an_unexpected_error_through_ray_is_a_500_without_rays_frame():
     wrapped = _ray_task_error(RuntimeError("vLLM's output for request 0 ended before it finished"))
     api = error_for(classify(None, wrapped, "generate"))
