@@ -3,6 +3,8 @@
     NemoGenError
     ├── InfraError                 retriable: the machine or a process failed, the input was fine
     │   ├── ShardDiedError         dead: a shard's actor or engine process is gone
+    │   │   └── EngineCrashError   its engine failed on its own while it ran the request: the
+    │   │                          request may be the cause, so it is sent to no other engine
     │   ├── ShardBusy              busy: one shard refused admission (its queue is full)
     │   ├── FleetBusy              busy: no shard admits the request now (HTTP 503 + Retry-After)
     │   ├── ShardUnavailableError  no shard can take the request right now (NoHealthyShards)
@@ -46,6 +48,13 @@ class ShardDiedError(InfraError):
 
     def __reduce__(self):  # crosses Ray and processes with its fields, not its message
         return type(self), (self.shard, self.detail)
+
+
+class EngineCrashError(ShardDiedError):
+    """A shard's EngineCore ended on its own (an exception in its step, a fatal signal such as
+    SIGSEGV: not a kill from outside) while it ran the request. The request may be what killed
+    it (a poison pill), so it fails with this error and is sent to no other engine: one request
+    never buys a second engine's death. The shard is condemned and recovered as for any death."""
 
 
 class ShardBusy(InfraError):

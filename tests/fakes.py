@@ -111,6 +111,10 @@ class FakeEngine:
         self.last_step_at = 0.0  # on the driver's clock
         self.rpcs: list[str] = []  # the control RPCs its workers got
         self.pids: list[int] = []  # its "processes" (none: a test may give it some)
+        self.crash_on: int | None = None  # a token id its EngineCore dies of (a poison pill)
+        self.crash_exit = 1  # that core's exit code (1: an error in its step; -9: killed from outside)
+        self.exit_code: int | None = None  # its core's, once it died
+        self.crashes = 0  # times its core died of a request
         # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
         self.gate = Gate()
         self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
@@ -147,6 +151,19 @@ class FakeEngine:
     def child_pids(self) -> list[int]:
         return list(self.pids)
 
+    async def core_exit(self, wait_s: float) -> int | None:
+        return self.exit_code
+
+    def _crash_if_poisoned(self, requests: list) -> None:
+        """A request holding ``crash_on`` kills the EngineCore under the live actor, as an
+        out-of-vocabulary id kills a vLLM engine without a tokenizer: vLLM's EngineDeadError."""
+        if self.crash_on is not None and any(self.crash_on in r.prompt_token_ids for r in requests):
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            self.crashes += 1
+            self.dead, self.actor_dead, self.exit_code = "EngineCore exited", False, self.crash_exit
+            raise EngineDeadError()
+
     def _refuse(self) -> None:
         if self.busy > 0:
             from vllm.exceptions import QueueOverflowError
@@ -157,6 +174,7 @@ class FakeEngine:
 
     async def generate(self, requests: list, sampling: Sampling) -> list[RequestResult]:
         self._refuse()
+        self._crash_if_poisoned(requests)
         async with self.gate.serving():  # waits while a refit holds the gate, as the real engine's
             n = sampling.max_new_tokens
             version = self.version
@@ -199,6 +217,7 @@ class FakeEngine:
         apart), each stamped with the version the engine serves as it is made (a refit landing
         mid-stream shows), then the result."""
         self._refuse()
+        self._crash_if_poisoned([req])
         async with self.gate.serving():
             tokens = sampling.max_new_tokens
             made: list[list[int]] = [[] for _ in range(sampling.n)]
@@ -516,6 +535,8 @@ class FakeDriver:
             return call.ref.result(timeout=timeout_s or self.timeouts.control_s)
         except TimeoutError:
             raise ShardDiedError(-1, f"{call.what} did not answer") from None
+        except Exception as exc:  # the real driver's one mapping, as its ``result`` applies it
+            raise classify(call.handle, exc, call.what) from None
 
     def cancel(self, call: Call) -> None:
         call.ref.cancel()  # cancels the shard's task: its engine stops generating for it
@@ -612,7 +633,8 @@ class FakeStream:
             await asyncio.sleep(0.01)
         if self.cancelled:
             raise ShardDiedError(-1, "ActorDiedError: cancelled")
-        if (gone := engine.gone()) is not None:
+        # The actor gone: its call fails at once. Only its engine: the shard's stream says so.
+        if (gone := engine.gone()) is not None and (engine.actor_dead or engine.stopped):
             raise gone
         kind, value = await self._queue.get()
         if kind == "error":

@@ -5,7 +5,8 @@ What the router does after each failure of a request is decided here, by the fai
 
 - *dead*: the request is sent to another shard, at most ``max_reroutes`` times; then it fails
   with the last ``ShardDiedError``. (Condemning the dead shard is the router's, not the
-  request's, business.)
+  request's, business.) An ``EngineCrashError`` (the engine failed on its own while it ran the
+  request, which may be its cause) is never re-routed: the request fails with it at once.
 - *busy*: the request is offered to another shard after a backoff (``busy_backoff_s``,
   doubling), at most ``busy_retries`` times; then it fails with ``FleetBusy``.
 - *slow* and *data*: the request fails as it is; nothing is retried.
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from nemo_gen.errors import FleetBusy, ShardDiedError
+from nemo_gen.errors import EngineCrashError, FleetBusy, ShardDiedError
 
 Clock = Callable[[], float]
 
@@ -77,6 +78,8 @@ class Attempts:
         """``error`` (of ``kind``: dead / busy / slow / data) ended the try on ``shard``."""
         p = self.policy
         if kind == "dead":
+            if isinstance(error, EngineCrashError):  # a poison pill would kill the next engine too
+                return Fail(error)
             if self.rerouted >= p.max_reroutes:
                 detail = getattr(error, "detail", None) or str(error)
                 return Fail(ShardDiedError(-1 if shard is None else shard,

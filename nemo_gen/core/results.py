@@ -8,7 +8,7 @@ caller can prove a rollout is on-policy; a request that failed for a data reason
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -123,3 +123,18 @@ def too_long_error(prompt_len: int, max_model_len: int) -> str | None:
             f"{max_model_len} (the prompt plus at least one generated token must fit)"
         )
     return None
+
+
+def out_of_vocab(prompt: int, token_ids: Sequence[int], vocab_size: int | None) -> str | None:
+    """Why prompt ``prompt``'s ids cannot go to an engine, or None: the first id outside
+    ``[0, vocab_size)``, by its position. The bound is the model config's ``vocab_size``, the
+    rows of the embedding the engine indexes (a tokenizer may be shorter or longer). An engine
+    without a tokenizer checks nothing and dies of such an id, and so would the next one it was
+    sent to: it is refused here, before any shard sees it. ``vocab_size`` None: unknown, unchecked."""
+    if not vocab_size or not token_ids:
+        return None
+    if min(token_ids) >= 0 and max(token_ids) < vocab_size:  # the common case, at C speed
+        return None
+    position, token = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+    return (f"prompt {prompt}: token id {token} at position {position} is out of the model's vocabulary "
+            f"(ids 0 to {vocab_size - 1}: the model config's vocab_size is {vocab_size})")

@@ -26,7 +26,7 @@ Ray's ``RayTaskError`` wraps the exception a remote task raised; its ``.cause`` 
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final, Iterator, Literal
 
 from nemo_gen.errors import DataError, FleetBusy, InfraError, RequestTimeout, ShardBusy
 
@@ -81,6 +81,11 @@ BUSY_NAMES: Final[frozenset[str]] = frozenset(
 ENGINE_INFRA_NAMES: Final[frozenset[str]] = frozenset(
     {"VLLMServerError", "EngineDeadError", "EngineGenerateError"}
 )
+
+# vLLM's errors caused by the request (``vllm.exceptions.VLLMClientError``: VLLMValidationError,
+# VLLMNotFoundError, ...; vLLM's server answers them 4xx). Data, as anything unrecognised is; named
+# so that their own words can be the caller's answer (``client_error``) instead of Ray's wrapper.
+CLIENT_NAMES: Final[frozenset[str]] = frozenset({"VLLMClientError"})
 
 # HTTP-client transport failures (aiohttp names; an engine died mid-request or refused the
 # connection). aiohttp's ClientOSError derives from OSError but not ConnectionError, so the
@@ -175,6 +180,19 @@ def _wrapped(exc: BaseException) -> list[BaseException]:
     return inner
 
 
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps, breadth first, each once, at most ``_MAX_CAUSE_DEPTH`` deep."""
+    pending: list[tuple[BaseException, int]] = [(exc, 0)]
+    seen: set[int] = set()
+    while pending:
+        current, depth = pending.pop(0)
+        if id(current) in seen or depth > _MAX_CAUSE_DEPTH:
+            continue
+        seen.add(id(current))
+        yield current
+        pending.extend((inner, depth + 1) for inner in _wrapped(current))
+
+
 def kind_of(exc: BaseException) -> FailureKind:
     """``"dead"``, ``"busy"``, ``"slow"`` or ``"data"``: see the module doc.
 
@@ -184,18 +202,37 @@ def kind_of(exc: BaseException) -> FailureKind:
     """
     if isinstance(exc, DataError):
         return "data"
-    pending: list[tuple[BaseException, int]] = [(exc, 0)]
-    seen: set[int] = set()
-    while pending:
-        current, depth = pending.pop(0)
-        if id(current) in seen or depth > _MAX_CAUSE_DEPTH:
-            continue
-        seen.add(id(current))
+    for current in _chain(exc):
         kind = _single_kind(current)
         if kind is not None and kind != "data":
             return kind
-        pending.extend((inner, depth + 1) for inner in _wrapped(current))
     return "data"
+
+
+def client_error(exc: BaseException) -> BaseException | None:
+    """The vLLM client error (``CLIENT_NAMES``) that ``exc`` is or wraps, the innermost one (the
+    actor-side exception, not Ray's ``RayTaskError`` copy of it with the actor's pid, IP and id
+    in its text); None when there is none."""
+    found = None
+    for current in _chain(exc):  # breadth first: the last one found is the innermost
+        if {cls.__name__ for cls in type(current).__mro__} & CLIENT_NAMES:
+            found = current
+    return found
+
+
+# Signals that end a process from outside (an operator, the OOM killer, a shutdown): SIGHUP,
+# SIGINT, SIGQUIT, SIGKILL, SIGTERM. Such a death says nothing about the requests the engine ran.
+OUTSIDE_SIGNALS: Final[frozenset[int]] = frozenset({1, 2, 3, 9, 15})
+
+
+def ended_on_its_own(exit_code: int | None) -> bool:
+    """Whether an EngineCore that ``exit_code`` ended (negative: the signal that killed it; None:
+    not ended, or unknown) failed by itself: an exception in its step (vLLM's EngineCore exits
+    with 1) or a fatal signal of its own (SIGSEGV, SIGABRT, SIGBUS, SIGFPE). Its running
+    requests may be the cause: no engine is risked on them again."""
+    if exit_code is None or exit_code == 0:
+        return False
+    return exit_code > 0 or -exit_code not in OUTSIDE_SIGNALS
 
 
 def classify(exc: BaseException) -> FailureClass:

@@ -1,16 +1,16 @@
 """What Ray and vLLM raise, told in the fault model's terms (``nemo_gen.core.retry``): ``classify``
 maps an exception into ``nemo_gen.errors`` (dead -> ``ShardDiedError``, busy -> ``ShardBusy``,
-slow and data unchanged), ``failure_of`` into the wire's ``Failure``, and ``root_cause`` names the
-actor-side exception a Ray error wraps. Used by the driver's calls and by a shard's launch.
+vLLM's client errors -> ``RequestError``, other slow and data ones unchanged), ``failure_of``
+into the wire's ``Failure``, and ``root_cause`` names the actor-side exception a Ray error wraps. Used by the driver's calls and by a shard's launch.
 """
 
 from __future__ import annotations
 
 import ray
 
-from nemo_gen.core.retry import kind_of
+from nemo_gen.core.retry import client_error, kind_of
 from nemo_gen.core.wire import Failure, FailureKind, exception_line
-from nemo_gen.errors import NemoGenError, ShardBusy, ShardDiedError
+from nemo_gen.errors import NemoGenError, RequestError, ShardBusy, ShardDiedError
 from nemo_gen.fleet.handles import ShardHandle
 
 
@@ -35,14 +35,19 @@ def unanswered(method: str, wait: float) -> Failure:
 
 def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:
     """The one mapping from Ray's and vLLM's exceptions to nemo_gen's: dead -> ShardDiedError
-    (naming the call), busy -> ShardBusy, anything else unchanged (a slow or data failure is the
-    caller's to see)."""
-    if isinstance(exc, NemoGenError):
-        return exc
+    (naming the call), busy -> ShardBusy, vLLM's refusal of the request (``VLLMClientError``) ->
+    RequestError, anything else unchanged (a slow or data failure is the caller's to see)."""
+    if isinstance(exc, NemoGenError):  # the actor's own; through Ray, without Ray's frame around it
+        cause = getattr(exc, "cause", None)
+        return cause if isinstance(cause, NemoGenError) else exc
     index = handle.index if handle is not None and handle.index is not None else -1
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")
     kind = kind_of(exc)
+    if kind == "data" and (client := client_error(exc)) is not None:
+        # vLLM refused the request (an id out of vocabulary, a bad parameter): the caller's
+        # RequestError, in vLLM's words and without Ray's frame around them
+        return RequestError(exception_line(client))
     if kind == "busy":
         return ShardBusy(index, root_cause(exc))
     if kind == "dead":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from nemo_gen.core.results import GenerationRequest, GenerationResult, too_long_error
+from nemo_gen.core.results import GenerationRequest, GenerationResult, out_of_vocab, too_long_error
 from nemo_gen.core.wire import Sampling
 from nemo_gen.errors import RequestError
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
@@ -48,10 +48,12 @@ def on_loop(prompts: Sequence[Prompt]) -> bool:
     return True
 
 
-def build_requests(prompts: Sequence[Prompt], tokenizer: Any, max_model_len: int
+def build_requests(prompts: Sequence[Prompt], tokenizer: Any, max_model_len: int, vocab_size: int | None = None
                    ) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
     """Tokenize on the driver; too-long prompts (and chats without a template) become error
-    results right away: (the requests to send, index -> its error result)."""
+    results right away: (the requests to send, index -> its error result). An id outside the
+    model's vocabulary (``vocab_size``) is a ``RequestError`` naming the prompt and position, and
+    nothing of the call is sent: such an id kills an engine that has no tokenizer to check it."""
     if isinstance(prompts, (str, bytes)):
         raise RequestError("prompts must be a list of strings or token-id lists, not one string")
     requests, rejected = [], {}
@@ -72,8 +74,10 @@ def build_requests(prompts: Sequence[Prompt], tokenizer: Any, max_model_len: int
         error = too_long_error(len(req.prompt_token_ids), max_model_len) if max_model_len else None
         if error:
             rejected[i] = GenerationResult.failed(req, error)
-        else:
-            requests.append(req)
+            continue
+        if (bad := out_of_vocab(i, req.prompt_token_ids, vocab_size)) is not None:  # what is sent
+            raise RequestError(bad, index=i)
+        requests.append(req)
     return requests, rejected
 
 

@@ -41,6 +41,9 @@ class ResolvedGeneration:
     plan: FleetPlacementPlan
     shards: tuple[ShardSpec, ...]
     spares: tuple[ShardSpec, ...] = ()  # fleet.spares warm engines (serve no slot until promoted)
+    # The model config's vocab_size: the embedding rows the engines index, so the bound every
+    # prompt's token ids are checked against on the driver (None: the config names none).
+    vocab_size: int | None = None
 
     @property
     def max_model_len(self) -> int | None:
@@ -154,6 +157,7 @@ def resolve_generation(
         tokenizer_dir=str(tokenizer_dir),
         plan=plan,
         shards=specs[:num],
+        vocab_size=model_vocab_size(model_dir),
     )
 
 
@@ -167,6 +171,18 @@ def _resolve_max_model_len(gen_cfg: dict[str, Any], model_dir: Path) -> None:
         cfg = json.loads((model_dir / "config.json").read_text())
         if "max_position_embeddings" in cfg:
             vc["max_model_len"] = int(cfg["max_position_embeddings"])
+
+
+def model_vocab_size(model_dir: str | os.PathLike) -> int | None:
+    """The model config's ``vocab_size`` (its text model's, for a config that nests one), as vLLM
+    reads it (``ModelConfig.get_vocab_size``); None when the config has none."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    for section in (cfg.get("text_config"), cfg):
+        if isinstance(section, dict) and isinstance(section.get("vocab_size"), int):
+            return section["vocab_size"]
+    return None
 
 
 def _device(settings: NemoGenSettings, cluster: ClusterResources | None) -> str:

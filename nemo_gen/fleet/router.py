@@ -59,7 +59,7 @@ _LOST = object()  # a stream's shard was condemned or replaced while it streamed
 class Router:
     def __init__(self, *, slots: SlotTable, members: Membership, driver: ShardDriver, tokenizer: Any,
                  max_model_len: int, decode_text: bool, limits: RequestLimits, serving_version: Callable[[], int | None],
-                 fleet_name: str, session_slack: int,
+                 fleet_name: str, session_slack: int, vocab_size: int | None = None,
                  clock: Clock = time.monotonic):
         self.slots = slots
         self.health = health = slots.ledger  # read only: every write is a table transaction
@@ -68,6 +68,7 @@ class Router:
         self.driver = driver
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # token ids past it are refused before any shard sees them
         self._decode_text = decode_text  # engines without a tokenizer: streams' text is decoded here
         self.request_timeout_s = limits.timeout_s
         self.tries = limits.tries
@@ -88,7 +89,7 @@ class Router:
 
     def requests(self, prompts: Sequence[Prompt]) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:
         """Tokenize on the driver; too-long prompts become error results right away."""
-        return build_requests(prompts, self.tokenizer, self.max_model_len)
+        return build_requests(prompts, self.tokenizer, self.max_model_len, self.vocab_size)
 
     async def requests_async(self, prompts: Sequence[Prompt]
                              ) -> tuple[list[GenerationRequest], dict[int, GenerationResult]]:

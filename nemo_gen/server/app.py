@@ -61,6 +61,7 @@ from vllm.utils import random_uuid
 from nemo_gen.core.attempts import Admission
 from nemo_gen.core.fleet_health import SERVING_STATES
 from nemo_gen.core.manifest import RefitError
+from nemo_gen.core.results import out_of_vocab
 from nemo_gen.errors import DataError, NemoGenError, RequestError
 from nemo_gen.server import protocol, responses
 from nemo_gen.server.gateway import add_routes
@@ -95,6 +96,7 @@ class FleetApi:
         self.max_prompt_chars = server.max_prompt_chars
         resolved = getattr(fleet, "resolved", None)
         self.max_model_len = getattr(resolved, "max_model_len", None) or settings.generation.vllm_cfg.max_model_len
+        self.vocab_size = getattr(resolved, "vocab_size", None)
         self.tokens = Tokens(tokenizer, self.max_model_len, self.max_prompt_chars, server.tokenize_threads)
 
     # -- generation -----------------------------------------------------------------------------
@@ -128,11 +130,15 @@ class FleetApi:
     def check_call(self, call: Call, prompt_field: str) -> None:
         """What is refused before any work, as vLLM's server refuses it: a prompt over
         ``server.max_prompt_chars`` (before tokenizing it; a chat's tools and tool-call arguments
-        count), ``max_tokens`` past the context, and a request asking for more samples than
-        ``server.max_in_flight`` could ever hold."""
+        count), ``max_tokens`` past the context, a request asking for more samples than
+        ``server.max_in_flight`` could ever hold, and a token id out of the model's vocabulary (the
+        fleet's router checks it too; here the message names the prompt by its index in this request)."""
         tools = getattr(call.request, "tools", None)
-        for prompt in call.prompts:
+        for i, prompt in enumerate(call.prompts):
             protocol.check_prompt_chars(prompt, tools, self.max_prompt_chars, prompt_field)
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and \
+                    (bad := out_of_vocab(i, prompt, self.vocab_size)) is not None:
+                raise protocol.bad(bad, prompt_field)  # the prompt named by its index in this request
         max_new = call.sampling.get("max_new_tokens")
         if max_new is not None and self.max_model_len and max_new > self.max_model_len:
             param = "max_completion_tokens" if "max_completion_tokens" in call.sent else "max_tokens"

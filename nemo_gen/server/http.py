@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import secrets
 import time
 from typing import Any, Awaitable, Callable
@@ -16,7 +17,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 
-from nemo_gen.errors import DataError, FleetBusy, InfraError, NemoGenError, RequestError, RequestTimeout, ShardRetired, StaleShard
+from nemo_gen.core.wire import exception_line
+from nemo_gen.errors import DataError, EngineCrashError, FleetBusy, InfraError, NemoGenError, RequestError, RequestTimeout, ShardRetired, StaleShard
 from nemo_gen.server import protocol
 from nemo_gen.server.metrics import ServerMetrics
 from nemo_gen.server.protocol import ApiError
@@ -47,19 +49,36 @@ def error_for(exc: BaseException) -> ApiError:
         return ApiError(504, f"RequestTimeout: {exc}")
     if isinstance(exc, FleetBusy):
         return ApiError(503, f"FleetBusy: {exc}", retry_after_s=int(round(exc.retry_after_s)))
+    if isinstance(exc, EngineCrashError):  # the request may have killed it: sending it again would kill another
+        return ApiError(500, f"EngineCrashError: {exc}", retry=False)
     if isinstance(exc, (InfraError, ShardRetired, StaleShard)):
         return ApiError(503, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, NemoGenError):
         return ApiError(503, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, TimeoutError):
         return ApiError(504, f"TimeoutError: {exc}")
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+    return ApiError(500, f"internal error: {internal_line(exc)}")
+
+
+# Ray's frame around a remote error: ANSI colours, and the actor's pid, node IP and ids.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAY_IDS = re.compile(r"\s*\((?:pid|ip|actor_id|node_id|worker_id)=[^)]*\)|\b(?:pid|ip|actor_id|node_id|worker_id)=\S+")
+
+
+def internal_line(exc: BaseException) -> str:
+    """An unexpected failure as a client may read it: the type and last line of the exception
+    at its root (the actor-side one a Ray error wraps), with no traceback, no ANSI colours and
+    none of Ray's process or node identifiers (those go to the server's log)."""
+    line = exception_line(getattr(exc, "cause", None) or exc)
+    return _RAY_IDS.sub("", _ANSI.sub("", line)).strip()
 
 
 def error_response(error: ApiError, version: int | None) -> JSONResponse:
     headers = {VERSION_HEADER: version_text(version)}
     if error.retry_after_s is not None:
         headers["retry-after"] = str(error.retry_after_s)
+    if error.retry is False:
+        headers["x-should-retry"] = "false"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 

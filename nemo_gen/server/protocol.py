@@ -80,12 +80,14 @@ class ApiError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError", 429: "RateLimitError",
              500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after_s: int | None = None,
+                 retry: bool | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s  # a 503 for load: the Retry-After header
+        self.retry = retry  # False: ``x-should-retry: false`` (the openai client's own header)
 
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=sanitize_message(self.message), type=self.TYPES.get(self.status, "Error"),

@@ -88,7 +88,7 @@ class ShardActor:
 
     async def watch(self, interval_s: float) -> str:
         """Returns, with the reason, when one of the engine's processes exits (the actor lives
-        on: the EngineCore was killed). If the actor itself dies, the driver's pending call
+        on: the EngineCore was killed), once the generate calls it held have answered. If the actor itself dies, the driver's pending call
         fails at once — either way the driver learns within ``interval_s``."""
         import asyncio
 
@@ -107,6 +107,10 @@ class ShardActor:
                 except psutil.NoSuchProcess:
                     dead = True
                 if dead:
+                    # The generate calls the engine held answer first: one whose EngineCore ended on
+                    # its own must reach the router as EngineCrashError before this death condemns
+                    # the shard (and its pending calls become the actor's death, re-routed).
+                    await self.shard.calls_answered()
                     return f"engine process {proc.pid} exited"
             await asyncio.sleep(interval_s)
 

@@ -248,6 +248,17 @@ class BaseEngine(abc.ABC):
         (``generation.vllm_cfg.enable_vllm_metrics_logger``)."""
         return vllm_compat.metrics(self._front())
 
+    async def core_exit(self, wait_s: float) -> int | None:
+        """How the EngineCore process ended: its exit code (negative: the signal that killed it),
+        waiting up to ``wait_s`` for it to end; None while it runs, or when vLLM keeps no process
+        of it. Read from vLLM's own process handles (``vllm_compat.core_exit_codes``)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ended = [c for c in vllm_compat.core_exit_codes(self._front()) if c is not None]
+            if ended or time.monotonic() >= deadline:
+                return ended[0] if ended else None
+            await asyncio.sleep(0.05)
+
     def child_pids(self) -> list[int]:
         """PIDs of the processes vLLM started for this engine (EngineCore, workers), not the
         helpers that start them (``engine_start.helper_pids``)."""

@@ -31,6 +31,10 @@ class EngineLike(Protocol):
 
     def child_pids(self) -> list[int]: ...
 
+    # its EngineCore's exit code once ended (negative: the killing signal), waiting up to wait_s;
+    # None while it runs, or when no process of it is known
+    async def core_exit(self, wait_s: float) -> int | None: ...
+
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest], sampling: Sampling) -> list[RequestResult]: ...
 

@@ -1,6 +1,7 @@
 """A shard's rules, with no Ray in them: one ``Shard`` holds one engine (``EngineLike``) and
 answers the fleet's wire (``nemo_gen.core.wire``) — what it says about itself, which weight
-version stamps each result, how busy refusals leave it, and the refit rules: half-loaded
+version stamps each result, how busy refusals and its engine's own crash leave it, and the
+refit rules: half-loaded
 weights never carry a version, a drain holds requests back while a keep/abort swaps weights
 under the running batch, and a weight-sync session (``SyncSession``) either ends at its new
 version, or back at the old one only when nothing was loaded.
@@ -12,6 +13,7 @@ version, or back at the old one only when nothing was loaded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -19,13 +21,13 @@ from typing import Any, AsyncIterator, Mapping
 
 from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
-from nemo_gen.core.retry import describe, kind_of
+from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
 from nemo_gen.core.wire import (
     AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
     SyncReply, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft, SyncUpdate, Unfinished,
 )
-from nemo_gen.errors import ShardBusy
+from nemo_gen.errors import EngineCrashError, ShardBusy
 from nemo_gen.shard.adapters import adapter_call
 from nemo_gen.shard.engine_protocol import EngineLike
 
@@ -33,6 +35,19 @@ from nemo_gen.shard.engine_protocol import EngineLike
 _RPC = {SyncInit: "init_weight_transfer_engine", SyncStart: "start_weight_update",
         SyncStartDraft: "start_draft_weight_update", SyncUpdate: "update_weights",
         SyncFinish: "finish_weight_update", SyncShutdown: "shutdown_weight_transfer_engine"}
+
+# How long a shard waits, after vLLM reports its EngineCore dead, for that process's exit code:
+# an EngineCore that fails in its step sends its death first, then shuts its workers down and exits.
+CORE_EXIT_WAIT_S = 10.0
+# After those calls answered, before the engine's death is reported: their answers cross Ray and
+# the router's poll first (milliseconds; a loaded machine may hold a thread back longer).
+ANSWER_MARGIN_S = 1.0
+
+
+def _engine_died(exc: BaseException) -> bool:
+    """vLLM said its EngineCore is dead (``EngineDeadError``, or an error raised from one)."""
+    return any(c.__name__ == "EngineDeadError" for e in (exc, exc.__cause__) if e is not None
+               for c in type(e).__mro__)
 
 
 @dataclass(frozen=True)
@@ -111,6 +126,7 @@ class Shard:
         self.engine: EngineLike | None = None
         self.engine_core_start: str | None = None
         self.sync: SyncSession | None = None
+        self.calls = 0  # generate calls in the engine now (``calls_answered``)
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -159,7 +175,7 @@ class Shard:
         # that produced it.
         version = self.claim.version
         t0 = time.perf_counter()
-        with self._admission():
+        async with self._admission():
             results = await self._engine().generate(requests, sampling)
         return GenerateReply(self.slot, version, tuple(results), time.perf_counter() - t0)
 
@@ -170,7 +186,7 @@ class Shard:
         early aborts the request in the engine."""
         version = self.claim.version
         t0 = time.perf_counter()
-        with self._admission():
+        async with self._admission():
             async with contextlib.aclosing(self._engine().stream(request, sampling)) as items:
                 async for item in items:
                     if isinstance(item, StreamDeltas):
@@ -178,16 +194,39 @@ class Shard:
                     else:
                         yield StreamEnd(item, self.slot, version, time.perf_counter() - t0)
 
-    @contextlib.contextmanager
-    def _admission(self):
+    @contextlib.asynccontextmanager
+    async def _admission(self):
         """The engine's refusal of a request for now (vLLM's full queue: busy, never dead)
-        leaves the shard as ``ShardBusy``: vLLM's own admission errors do not survive pickling."""
+        leaves the shard as ``ShardBusy``: vLLM's own admission errors do not survive pickling.
+        Its EngineCore's death leaves it as ``EngineCrashError`` when the core ended on its own
+        (``nemo_gen.core.retry.ended_on_its_own``: the requests it ran may be the cause, and the
+        router sends them to no other engine); killed from outside, or its end unknown within
+        ``CORE_EXIT_WAIT_S``, the death is an ordinary one and its requests are re-routed."""
+        slot = -1 if self.slot is None else self.slot
+        self.calls += 1
         try:
             yield
         except Exception as exc:
             if kind_of(exc) == "busy" and not isinstance(exc, ShardBusy):
-                raise ShardBusy(-1 if self.slot is None else self.slot, describe(exc)) from None
+                raise ShardBusy(slot, describe(exc)) from None
+            if self.engine is not None and _engine_died(exc):
+                code = await self.engine.core_exit(CORE_EXIT_WAIT_S)
+                if ended_on_its_own(code):
+                    raise EngineCrashError(slot, f"its EngineCore exited with code {code} while it ran this request "
+                                                 "(an error in its step: see the shard's log); the request may be "
+                                                 "the cause and was sent to no other engine") from None
             raise
+        finally:
+            self.calls -= 1
+
+    async def calls_answered(self) -> None:
+        """Wait, up to ``CORE_EXIT_WAIT_S``, until no generate call is in the engine, then
+        ``ANSWER_MARGIN_S`` more for their answers to reach the router: an engine's death is
+        reported (the actor's ``watch``) after the calls it ended have said how."""
+        deadline = time.monotonic() + CORE_EXIT_WAIT_S + ANSWER_MARGIN_S
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(ANSWER_MARGIN_S)
 
     async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> ProbeReply:

@@ -279,3 +279,12 @@ def metrics(front: Any) -> list[dict[str, Any]]:
             continue
         out.append(row)
     return out
+
+
+def core_exit_codes(front: Any) -> list[int | None]:
+    """The exit codes of the engine's EngineCore processes (None: still running; negative: the
+    signal that ended it), from vLLM's process manager (``CoreEngineProcManager.processes``);
+    empty when it keeps none (an in-process core)."""
+    client = getattr(front, "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return [proc.exitcode for proc in getattr(manager, "processes", None) or ()]
