@@ -222,8 +222,11 @@ class Shard:
     async def calls_answered(self) -> None:
         """Wait, up to ``CORE_EXIT_WAIT_S``, until no generate call is in the engine, then
         ``ANSWER_MARGIN_S`` more for their answers to reach the router: an engine's death is
-        reported (the actor's ``watch``) after the calls it ended have said how."""
-        deadline = time.monotonic() + CORE_EXIT_WAIT_S + ANSWER_MARGIN_S
+        reported (the actor's ``watch``) after the calls it ended have said how. An idle engine's
+        death is reported at once: no call's answer can be overtaken."""
+        if not self.calls:
+            return
+        deadline = time.monotonic() + CORE_EXIT_WAIT_S
         while self.calls and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(ANSWER_MARGIN_S)

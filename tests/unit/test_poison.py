@@ -8,6 +8,7 @@ same paths on real vLLM engines, with and without a tokenizer: tests/engine/test
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -265,6 +266,7 @@ def test_an_engines_death_is_reported_after_the_calls_it_held_have_answered(sett
     so (EngineCrashError) before the watch's verdict condemns the shard and turns the call into
     a re-routed actor death."""
     from nemo_gen.core.results import GenerationRequest
+    from nemo_gen.shard.rules import ANSWER_MARGIN_S
     from nemo_gen.core.sampling import resolve_sampling
     from nemo_gen.fleet.requests import sampling_of
     from tests.helpers import wait_until
@@ -278,3 +280,6 @@ def test_an_engines_death_is_reported_after_the_calls_it_held_have_answered(sett
         wait_until(lambda: rules.calls == 1, 30, "the call in the engine")
         asyncio.run_coroutine_threadsafe(rules.calls_answered(), driver.loop).result(timeout=60)
         assert call.ref.done() and rules.calls == 0
+        t0 = time.monotonic()  # an idle engine's death: nothing to wait for, reported at once
+        asyncio.run_coroutine_threadsafe(rules.calls_answered(), driver.loop).result(timeout=60)
+        assert time.monotonic() - t0 < ANSWER_MARGIN_S
