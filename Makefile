@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.nemo-gen-installed
 
-.PHONY: setup chromium postgresql run test check unit bench bench-list bench-run bench-refit bench-control-plane \
+.PHONY: setup chromium postgresql run test check lint unit bench bench-list bench-run bench-refit bench-control-plane \
 	bench-recovery bench-serve bench-sessions clean
 
 setup: $(STAMP)
@@ -49,15 +49,21 @@ run: setup
 # nothing on a saturated one, and hold more memory at once (docs/testing.md has the figures).
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: setup chromium postgresql
+test: setup chromium postgresql lint
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
-# The loop to run while working: the unit and fake tiers (pure logic, the real Shard rules over a
-# fake engine), no Ray, no vLLM engine; two workers.
-check: setup
+# The linter (ruff: pyflakes and pycodestyle's errors, everywhere) and the type checker (mypy, strict
+# on nemo_gen/core): their settings are pyproject.toml's. Part of `make check` and `make test`.
+lint: setup
+	$(VENV)/bin/ruff check nemo_gen flows tasks bench tests examples
+	$(VENV)/bin/mypy
+
+# The loop to run while working: the linter and type checker, then the unit and fake tiers (pure
+# logic, the real Shard rules over a fake engine), no Ray, no vLLM engine; two workers.
+check: setup lint
 	$(PY) -m pytest tests/unit -q -n 2 $(PYTEST_ARGS)
 
 # Every benchmark runs through one entry point, `python -m bench NAME [flags]` (bench/README.md

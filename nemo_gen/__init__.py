@@ -21,10 +21,10 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nemo_gen.core.results import GenerationResult
-    from nemo_gen.errors import FleetExhausted
-    from nemo_gen.fleet.fleet import GenerationFleet
-    from nemo_gen.settings import NemoGenSettings
+    from nemo_gen.core.results import GenerationResult as GenerationResult  # re-exported
+    from nemo_gen.errors import FleetExhausted as FleetExhausted  # re-exported
+    from nemo_gen.fleet.fleet import GenerationFleet as GenerationFleet  # re-exported
+    from nemo_gen.settings import NemoGenSettings as NemoGenSettings  # re-exported
 
 
 def __getattr__(name: str) -> Any:

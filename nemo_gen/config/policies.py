@@ -5,7 +5,6 @@ and from nowhere else (no parameter defaults or literal timeouts further down).
 
 from __future__ import annotations
 
-from typing import Any
 
 from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import FleetHealthPolicy

@@ -44,9 +44,11 @@ class _Pending:
         merged.finish_reason = later.finish_reason or merged.finish_reason
         merged.shard = later.shard
         if later.text:
-            self.texts.append(later.text)
-            if len(self.texts) >= _JOIN_EVERY:
-                self.texts[:] = ["".join(self.texts)]
+            texts = self.texts
+            assert texts is not None  # set above, with the copy
+            texts.append(later.text)
+            if len(texts) >= _JOIN_EVERY:
+                texts[:] = ["".join(texts)]
 
     def taken(self) -> tuple[int, Any]:
         if self.texts is not None:

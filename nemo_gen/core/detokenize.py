@@ -26,7 +26,7 @@ class IncrementalText:
         ids = self.ids
         before = self._decode(ids[self._prefix:self._read], skip_special_tokens=True) if self._read > self._prefix \
             else ""
-        upto = self._decode(ids[self._prefix:], skip_special_tokens=True)
+        upto: str = self._decode(ids[self._prefix:], skip_special_tokens=True)
         if len(upto) <= len(before) or upto.endswith("\ufffd") or not upto.startswith(before):
             return ""
         self._prefix, self._read = self._read, len(ids)
@@ -46,11 +46,12 @@ def completion_text(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int
     ctx, ids = list(prompt_ids[-CONTEXT_TOKENS:]), list(ids)
     before = tokenizer.decode(ctx, skip_special_tokens=True) if ctx else ""
     end = len(ids)
-    whole = tokenizer.decode(ctx + ids, skip_special_tokens=True)
+    whole: str = tokenizer.decode(ctx + ids, skip_special_tokens=True)
     while end and whole.endswith("\ufffd"):
         end -= 1
         whole = tokenizer.decode(ctx + ids[:end], skip_special_tokens=True)
     if whole.startswith(before):
         return whole[len(before):]
     # The context's own last character was completed by the completion: decode it alone.
-    return tokenizer.decode(ids[:end], skip_special_tokens=True)
+    text: str = tokenizer.decode(ids[:end], skip_special_tokens=True)
+    return text

@@ -392,7 +392,9 @@ class GenerationFleetHealth:
             self._by_url.setdefault(url, set()).add(idx)
 
     def _unindex_url(self, idx: int, url: str | None) -> None:
-        owners = self._by_url.get(url) if isinstance(url, str) else None
+        if not isinstance(url, str):
+            return
+        owners = self._by_url.get(url)
         if owners is not None:
             owners.discard(idx)
             if not owners:

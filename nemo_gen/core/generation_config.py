@@ -14,14 +14,22 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from nemo_gen.errors import ConfigError
+
+
+class TokenizerType(Protocol):
+    """What configure_generation_config reads of a tokenizer (NeMo-RL passes a Hugging Face one)."""
+
+    pad_token_id: int | None
+    eos_token_id: int | None
+
 
 # The NeMo-RL module's logger name: its messages are the seed API's.
 logger = logging.getLogger("nemo_gen.generation")
 
-GenerationConfig = dict  # the TypedDict of the same name lives in nemo_gen.generation.interfaces
+GenerationConfig = dict[str, Any]  # the TypedDict of the same name lives in nemo_gen.generation.interfaces
 
 VLLM_BACKEND = "vllm"
 SGLANG_BACKEND = "sglang"
@@ -224,13 +232,13 @@ def configure_generation_config(
     # 3. load_format, first pass, for every vLLM-backed backend.
     if backend in (VLLM_BACKEND, DYNAMO_BACKEND):
         if config.get("vllm_cfg") is None:
-            config["vllm_cfg"] = {}  # type: ignore[typeddict-unknown-key]
-        config["vllm_cfg"]["load_format"] = "auto" if is_eval else "dummy"  # type: ignore[typeddict-item]
+            config["vllm_cfg"] = {}
+        config["vllm_cfg"]["load_format"] = "auto" if is_eval else "dummy"
 
     if backend != VLLM_BACKEND:
         return config
 
-    vllm_cfg: dict[str, Any] = config["vllm_cfg"]  # type: ignore[typeddict-item]
+    vllm_cfg: dict[str, Any] = config["vllm_cfg"]
 
     # 4. real_quant export: only colocated CUDA-IPC refit can skip the CPU offload.
     if config.get("real_quant"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from nemo_gen.errors import DataError
 
@@ -220,7 +220,7 @@ class RefitReport:
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "bytes": self.bytes,
@@ -243,7 +243,7 @@ IPC_BACKEND = "nemo_gen_ipc"
 OWN_BACKENDS = (SHM_BACKEND, IPC_BACKEND)
 
 
-def chunk_metas(update_info: Mapping, engine_dtype: str) -> list[TensorMeta] | None:
+def chunk_metas(update_info: Mapping[str, Any], engine_dtype: str) -> list[TensorMeta] | None:
     """The tensors one ``update_weights`` chunk carries, from any backend's update info:
     vLLM's own (``names`` / ``shapes`` / ``dtype_names``: ipc, nccl) or nemo_gen_shm's
     (``entries`` of [name, shape, dtype, offset]). None when the chunk does not say (a backend
@@ -281,7 +281,7 @@ def fold_scales(rows: Sequence[tuple[str, Sequence[int], str]]) -> list[tuple[st
     return [r for r in rows if not (r[0].endswith(SCALE_SUFFIX) and r[0][: -len(SCALE_SUFFIX)] in fp8)]
 
 
-def layout_only(update_info: Mapping) -> dict | None:
+def layout_only(update_info: Mapping[str, Any]) -> dict[str, Any] | None:
     """The short form of a layout-numbered update (nemo_gen_ipc's): its layout number alone,
     for an engine that opened that layout with the last update it loaded. A trainer that
     refits the same tensors sends the same layout every time, and the whole form is ~300 bytes
@@ -293,7 +293,7 @@ def layout_only(update_info: Mapping) -> dict | None:
     return {"layout": layout, "layout_only": True}
 
 
-def needs_whole(update_info: Mapping, held_layout: object) -> bool:
+def needs_whole(update_info: Mapping[str, Any], held_layout: object) -> bool:
     """An engine whose workers loaded ``held_layout`` last cannot take ``update_info``: it is
     a layout's short form, and not of that layout (the sender must send it whole)."""
     return bool(update_info.get("layout_only")) and update_info.get("layout") != held_layout

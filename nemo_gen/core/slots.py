@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, TypeVar
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.ledger_view import LedgerView
@@ -137,7 +137,7 @@ class SlotTable(Generic[H]):
         if state is not ShardState.RESTARTING:
             raise SlotConflict(f"slot {slot} is {state.value}, not restarting")
 
-    def _swap(self, slot: int, entry: _Entry[H], ledger) -> None:
+    def _swap(self, slot: int, entry: _Entry[H], ledger: Callable[[], None]) -> None:
         """Put ``entry`` in ``slot`` and run the ledger steps; if one raises, the slot's old actor is
         put back and the slot is left out of service (DEAD), then the error propagates."""
         old = self._slots.get(slot)

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 _COMPARED = ("role", "content", "name", "tool_call_id")
 
 
-def _calls(message: dict[str, Any]) -> list[tuple[str, Any]]:
+def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]]:
     out = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {} if isinstance(call, dict) else {}

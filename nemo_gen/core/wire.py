@@ -176,7 +176,7 @@ class CheckRefit:
 
     path: str
     total: int
-    entries: tuple
+    entries: tuple[Any, ...]
     timeout_s: float
 
 
@@ -187,7 +187,7 @@ class LoadRefit:
 
     path: str
     total: int
-    groups: tuple
+    groups: tuple[Any, ...]
     version: int
     timeout_s: float
     source: str | None

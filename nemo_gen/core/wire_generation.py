@@ -58,7 +58,7 @@ class Structured:
         return out
 
 
-def _tuple(value: Iterable[Any] | None) -> tuple | None:
+def _tuple(value: Iterable[Any] | None) -> tuple[Any, ...] | None:
     return None if value is None else tuple(value)
 
 
@@ -97,7 +97,7 @@ class Sampling:
             ignore_eos=bool(resolved.get("ignore_eos")), n=resolved.get("n") or 1,
             structured_outputs=Structured.of(so) if so else None, logprobs=resolved.get("logprobs") or 0,
             prompt_logprobs=resolved.get("prompt_logprobs"),
-            adapter=None if name is None else (str(name), int(engine_id)),
+            adapter=None if name is None or engine_id is None else (str(name), int(engine_id)),
         )
 
 

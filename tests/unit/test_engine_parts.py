@@ -37,7 +37,7 @@ def test_hold_waits_for_the_requests_in_flight_and_holds_new_ones_until_release(
                     await until.wait()
             order.append(f"{name} out")
 
-        first = asyncio.create_task(request("first", release_first))
+        _first = asyncio.create_task(request("first", release_first))  # held: a task nobody refers to may be collected
         await _settle()
         hold = asyncio.create_task(gate.hold())
         await _settle()

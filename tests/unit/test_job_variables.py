@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
