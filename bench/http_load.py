@@ -19,13 +19,14 @@ prints each answer's latency and status.
 ``abuse``: the clients a public endpoint meets beside the well-behaved ones, for ``window_s``, each
 kind on its own connections (``kinds``, default all four):
 - ``abandon``: a streamed ``n=2`` request read for a few events, then the connection closed (an
-  openai client's ``break`` out of a stream);
+  openai client's ``break`` out of a stream); a 503 is waited out for its Retry-After, as the
+  openai client does;
 - ``stall``: a streamed request whose reader takes the headers and then stops reading with its
   socket open, for ``stall_s``, then closes;
 - ``half_header``: ``half_headers`` connections that send half a request header and nothing more;
   each is watched for the server closing it;
-- ``poison``: a prompt of token ids past the vocabulary (``vocab_size``): must be a 4xx, never an
-  engine's death.
+- ``poison``: a prompt of token ids past the vocabulary (``vocab_size``), twice a second: must be a
+  4xx (or a 503 while the server is full), never an engine's death.
 Prints one JSON line: per kind, how many were sent and the statuses seen; for ``half_header``, how
 many the server closed within the window and after how long.
 """
@@ -199,10 +200,11 @@ async def _abuse(job: dict[str, Any]) -> dict[str, Any]:
                 if status == 200:  # a few events' worth of the chunked body, then gone
                     await asyncio.wait_for(reader.read(256), 60)
             except (ConnectionError, asyncio.TimeoutError, ValueError, IndexError):
+                status = None
                 seen("abandon", None)
             finally:
                 writer.close()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0 if status == 503 else 0.05)
 
     async def stall() -> None:
         while time.monotonic() < end:
@@ -247,8 +249,9 @@ async def _abuse(job: dict[str, Any]) -> dict[str, Any]:
                 out["poison"]["sent"] += 1
                 status, _, data = await asyncio.wait_for(_response(reader), 60)
                 seen("poison", status)
-                out["poison"].setdefault("answer", data[:300].decode(errors="replace"))
-                await asyncio.sleep(0.2)
+                if status != 503:
+                    out["poison"].setdefault("answer", data[:300].decode(errors="replace"))
+                await asyncio.sleep(0.5)
         except (ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             seen("poison", None)
         finally:

@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="which phases to run (comma-separated)")
     p.add_argument("--stream-idle-s", type=float, default=2.0,
                    help="server.stream_idle_timeout_s: how long a stalled reader keeps its stream (default 2)")
+    p.add_argument("--header-timeout-s", type=float, default=2.0,
+                   help="server.header_timeout_s: how long a half-sent request header keeps its connection (default 2)")
     p.add_argument("--engine-niceness", type=int, default=10,
                    help="fleet.engine_niceness of the shards (default 10: see the module doc)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
@@ -165,8 +167,8 @@ def abuse_verdicts(abuse: dict[str, Any], overload_ratio: float, unloaded: dict[
     return {
         "abuse: every well-behaved request answered 200 or 503, none lost or hung": set(abuse["statuses"]) <= {
             "200", "503"} and abuse["sent"] == abuse["answered"] and abuse["hung"] == 0 and abuse["lost"] == 0,
-        "abuse: poison token ids refused with a 4xx": bool(poison) and all(
-            c != "None" and 400 <= int(c) < 500 for c in poison),
+        "abuse: poison token ids refused with a 4xx (or 503 while full)": "400" in poison and all(
+            c != "None" and (400 <= int(c) < 500 or c == "503") for c in poison),
         "abuse: no engine died (no shard condemned, 0 restarts)": not abuse["condemned"] and not any(abuse["restarts"]),
         "abuse: no admission slot held once the load is gone": abuse["held_after"] == 0,
         "abuse: every half-sent header closed by the server": bad["half_header"].get("closed") == bad[
@@ -189,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         settings = cpu.settings(**{
             "fleet.num_shards": args.shards, "generation.vllm_cfg.async_engine": True, "server.port": 0,
             "server.max_in_flight": args.capacity, "server.retry_after_s": 1, "health.probe_interval_s": 1.0,
-            "server.stream_idle_timeout_s": args.stream_idle_s,
+            "server.stream_idle_timeout_s": args.stream_idle_s, "server.header_timeout_s": args.header_timeout_s,
             "fleet.engine_niceness": args.engine_niceness})
         t0 = time.monotonic()
         fleet = GenerationFleet.launch(settings)
