@@ -17,7 +17,9 @@ characters is sent at the start of the window (the 4 MB prompt of the /health ch
 prints each answer's latency and status.
 
 ``abuse``: the clients a public endpoint meets beside the well-behaved ones, for ``window_s``, each
-kind on its own connections (``kinds``, default all four):
+kind on its own connections (``kinds``, default all four), ``per_kind`` workers of each, a streaming
+worker starting its next request ``pace_s`` after its last ended (careless clients, not a flood: an
+abandoned stream is real engine work until its abort lands):
 - ``abandon``: a streamed ``n=2`` request read for a few events, then the connection closed (an
   openai client's ``break`` out of a stream); a 503 is waited out for its Retry-After, as the
   openai client does;
@@ -204,7 +206,7 @@ async def _abuse(job: dict[str, Any]) -> dict[str, Any]:
                 seen("abandon", None)
             finally:
                 writer.close()
-            await asyncio.sleep(1.0 if status == 503 else 0.05)
+            await asyncio.sleep(max(job.get("pace_s", 1.0), 1.0 if status == 503 else 0.0))
 
     async def stall() -> None:
         while time.monotonic() < end:
@@ -218,6 +220,7 @@ async def _abuse(job: dict[str, Any]) -> dict[str, Any]:
                 seen("stall", None)
             finally:
                 writer.close()
+            await asyncio.sleep(job.get("pace_s", 1.0))
 
     async def half_header() -> None:
         opened = []

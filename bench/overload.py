@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="which phases to run (comma-separated)")
     p.add_argument("--stream-idle-s", type=float, default=2.0,
                    help="server.stream_idle_timeout_s: how long a stalled reader keeps its stream (default 2)")
+    p.add_argument("--abuse-pace-s", type=float, default=1.0,
+                   help="abuse phase: seconds an abandoning or stalling client waits before its next stream (default 1)")
     p.add_argument("--header-timeout-s", type=float, default=2.0,
                    help="server.header_timeout_s: how long a half-sent request header keeps its connection (default 2)")
     p.add_argument("--engine-niceness", type=int, default=10,
@@ -143,7 +145,7 @@ def abuse_phase(url: str, model: str, vocab_size: int, args: argparse.Namespace)
             "window_s": args.window_s, "max_tokens": args.max_new_tokens, "timeout_s": 120.0, "max_backoff_s": 1.0}
     health = {"mode": "health", "url": url, "window_s": args.window_s, "interval_s": 0.01}
     abuse = {"mode": "abuse", "url": url, "model": model, "window_s": args.window_s, "vocab_size": vocab_size,
-             "stall_s": 4 * args.stream_idle_s, "half_headers": 50, "per_kind": 2}
+             "stall_s": 4 * args.stream_idle_s, "half_headers": 50, "per_kind": 1, "pace_s": args.abuse_pace_s}
     got, probe, bad = run_clients([load, health, abuse])
     held, deadline = in_flight(url), time.monotonic() + 10 + args.stream_idle_s
     while held and time.monotonic() < deadline:  # a released stream's last step may still be landing
