@@ -20,7 +20,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("serve", "cpu", "HTTP / library tokens/s >= 0.9 at the same concurrency"),
     Benchmark("sessions", "cpu", "affinity raises the prefix-cache hit rate; placement keeps it and throughput vs affinity, round-robin"),
     Benchmark("gateway", "cpu", "a recorded gateway session / /v1/chat/completions directly: time per turn <= 1.05"),
-    Benchmark("overload", "cpu", "at 4x capacity: load shed with 503s, nothing lost or hung, goodput held, /health fast"),
+    Benchmark("overload", "cpu", "at 4x capacity, abusive clients mixed in: load shed with 503s, nothing lost or hung, no slot held, no engine death, goodput held, /health fast"),
     Benchmark("recovery", "cpu", "SIGKILL detected <= 1 s; full strength with a spare <= 2 s; no spare <= 1.2x a cold start"),
     Benchmark("crash_resume", "cpu", "SIGKILLed and resumed `nemo-gen generate` output equals an uninterrupted run's"),
     Benchmark("refit", "cpu", "refit bandwidth >= 0.5 of memory copy; faster than an engine restart"),
@@ -40,7 +40,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 
 # Programs the benchmarks run in their own processes (by path, with arguments of their own).
 HELPERS: dict[str, str] = {
-    "http_load": "closed-loop HTTP load and /health prober (overload)",
+    "http_load": "closed-loop HTTP load, /health prober and abusive clients (overload)",
     "gpu_bare_vllm": "a bare vllm.LLM in a plain process (gpu_bench, front_end, step_loop)",
 }
 
