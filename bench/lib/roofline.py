@@ -36,10 +36,12 @@ def step_floor(s: dict[str, int], batch: int, context: float, precision: str, pe
     fp8 = precision == "fp8"
     weight_bytes = linear * (1 if fp8 else 2) + head * 2
     kv_bytes = batch * context * s["layers"] * 2 * kv * 2  # K and V, bf16
-    flops = 2 * batch * (linear + head) + 4 * batch * context * s["layers"] * q
-    rate = peaks.get("fp8_tflops" if fp8 else "bf16_tflops")
+    linear_flops = 2 * batch * linear  # at the precision's rate; the output layer and attention at bf16's
+    bf16_flops = 2 * batch * head + 4 * batch * context * s["layers"] * q
+    flops = linear_flops + bf16_flops
+    rate, bf16 = peaks.get("fp8_tflops" if fp8 else "bf16_tflops"), peaks.get("bf16_tflops")
     memory_ms = (weight_bytes + kv_bytes) / (peaks["copy_gbps"] * 1e9) * 1e3
-    math_ms = flops / (rate * 1e12) * 1e3 if rate else 0.0
+    math_ms = (linear_flops / (rate * 1e12) + bf16_flops / (bf16 * 1e12)) * 1e3 if rate and bf16 else 0.0
     floor = max(memory_ms, math_ms)
     return {"floor_ms": floor, "memory_ms": memory_ms, "math_ms": math_ms, "bound": "memory" if memory_ms >= math_ms
             else "math", "bytes": weight_bytes + kv_bytes, "flops": flops, "tokens_per_s": batch / floor * 1e3}
