@@ -146,6 +146,15 @@ def bare_arm(args, model_dir: Path, precision: str, out: Path, deadline: float) 
             "profile_batch": args.profile_batch, "profile_s": args.profile_s, "profile_delay_s": args.profile_delay_s,
             "out": str(out / "bare.json"), "profile_dir": str(out / "profile-bare")}
     (out / "bare-spec.json").write_text(json.dumps(spec))
+    if args.device == "gpu":  # the fleet's engine is gone, its memory may not be back yet: vLLM checks at start
+        import torch
+
+        t = time.monotonic()
+        while time.monotonic() - t < 60:
+            free, total = torch.cuda.mem_get_info()
+            if free >= (args.util + 0.02) * total:
+                break
+            time.sleep(0.5)
     env = dict(os.environ)
     if args.device == "cpu":  # the fleet sets these for its CPU engines; a plain process gets the same
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
