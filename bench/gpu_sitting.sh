@@ -18,6 +18,11 @@
 #                                               random Llama, 14 GB) -> $OUT/lora_fp8_gpu.json, $OUT/lora_fp8.log (LF_ARGS: more flags,
 #                                               e.g. "--vocab 128256 --kv-gib 10.5 --util 0.3": Llama-3's
 #                                               output layer, sampler and tokenizer width; 16 GB)
+#   bash .gpu-src/bench/gpu_sitting.sh rollout  install, run python -m bench rollout (fleet vs bare vLLM by batch, busy share,
+#                                               step counters, roofline; py-spy profiles when .whl/ carries py-spy's wheel)
+#                                               -> $OUT/rollout.json, rollout.log, nvidia-smi.txt, details.tgz (the arms'
+#                                               own files and py-spy's raw records: $OUT takes 8 files, 2 folders deep)
+#                                               (RO_ARGS: its flags, e.g. "--models 8b --profile-batch 512")
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD
@@ -128,5 +133,22 @@ case "${1:-}" in
     echo "lora_fp8 rc=$?"
     grep -E "^\[" "$OUT/lora_fp8.log" | cut -c1-400 | tail -30
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl|lorafp8"; exit 2 ;;
+  rollout)
+    bash .gpu/unpack.sh install > /tmp/nemo-gen-install.log 2>&1 || { tail -40 /tmp/nemo-gen-install.log; exit 1; }
+    if ls .whl/py_spy-*.whl > /dev/null 2>&1; then  # carried (see /work/.library/device/README.md's wheel notes)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pyspy-site .whl/py_spy-*.whl \
+        && export PY_SPY=/tmp/pyspy-site/bin/py-spy
+    fi
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent hosts (KINDS.md)
+    cd .gpu-src
+    end_left_gpu_processes
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
+    timeout "${RO_TIMEOUT:-575}" python3 -m bench rollout --out "$OUT" --work /tmp/nemo-gen-rollout \
+      --deadline-s "${RO_DEADLINE:-545}" ${RO_ARGS:-} > "$OUT/rollout.log" 2>&1
+    echo "rollout rc=$?"
+    end_left_gpu_processes
+    ( cd "$OUT" && ls -d */ > /dev/null 2>&1 && tar czf details.tgz */ && rm -rf -- */ )
+    grep -E "^\[|^model|^[a-z0-9]+ +(bfloat16|fp8) " "$OUT/rollout.log" | cut -c1-400 | tail -40
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl|lorafp8|rollout"; exit 2 ;;
 esac

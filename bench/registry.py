@@ -35,6 +35,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("cuda_ipc_refit", "gpu", "CUDA-IPC bucketed refit bandwidth as a fraction of device copy"),
     Benchmark("lora_fp8_gpu", "gpu", "an adapter refit moves <= 1/10 of a full refit's bytes, faster; FP8 refit from bf16 gives a fresh FP8 engine's tokens; FP8 / bf16 tokens/s >= 1.3 at each rollout batch, both fleets up side by side"),
     Benchmark("fp8_gemm_gpu", "gpu", "the most FP8 can give over bf16 for a decode step's matrix multiplies, by batch (Llama-3-8B's shapes): step ratio >= 1.3 where lora_fp8_gpu's target is reachable"),
+    Benchmark("rollout", "gpu", "fleet / bare vLLM (best settings) rollout tokens/s >= 0.9 at each batch, with logprobs; ms per step, GPU busy share, fraction of the roofline, py-spy profile by process"),
     Benchmark("mps_overlap", "gpu", "a trainer and a generator process on one GPU: the slowdown each costs the other, with and without CUDA MPS"),
 )
 
@@ -42,6 +43,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 HELPERS: dict[str, str] = {
     "http_load": "closed-loop HTTP load, /health prober and abusive clients (overload)",
     "gpu_bare_vllm": "a bare vllm.LLM in a plain process (gpu_bench, front_end, step_loop)",
+    "rollout_bare": "a bare vllm.LLM at vLLM's best rollout settings in a plain process (rollout)",
 }
 
 

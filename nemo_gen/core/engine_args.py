@@ -122,6 +122,15 @@ def engine_kwargs(
     enforce_eager = vc.get("enforce_eager")
     # CPU: torch.compile of the model costs minutes on a small machine and buys little.
     kwargs["enforce_eager"] = (device == "cpu") if enforce_eager is None else bool(enforce_eager)
+    if vc.get("max_num_seqs") is not None:
+        # AsyncLLM's own default is 128 a step: a larger rollout batch would queue in waves.
+        kwargs["max_num_seqs"] = vc["max_num_seqs"]
+    if vc.get("max_cudagraph_capture_size") is not None:
+        if device == "cpu" or kwargs["enforce_eager"]:
+            raise ConfigError(
+                "CUDA graphs are captured by GPU engines with enforce_eager off only: leave "
+                "max_cudagraph_capture_size unset here", field="generation.vllm_cfg.max_cudagraph_capture_size")
+        kwargs["max_cudagraph_capture_size"] = vc["max_cudagraph_capture_size"]
     if vc.get("enable_prefix_caching") is not None:
         kwargs["enable_prefix_caching"] = vc["enable_prefix_caching"]
     if device == "gpu":

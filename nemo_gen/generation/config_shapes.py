@@ -101,7 +101,8 @@ class VllmSpecificArgs(TypedDict):
     Workers also read keys this type does not declare, as NeMo-RL's do:
     ``enable_prefix_caching`` (absent or None: on iff compute capability >= 8),
     ``enable_vllm_metrics_logger``, ``vllm_metrics_logger_interval``, ``use_deep_gemm``,
-    ``num_first_layers_in_bf16``, ``num_last_layers_in_bf16`` and ``worker_extension_cls``.
+    ``num_first_layers_in_bf16``, ``num_last_layers_in_bf16``, ``worker_extension_cls``, and nemo_gen's
+    ``max_num_seqs`` and ``max_cudagraph_capture_size`` (vLLM's engine arguments of those names).
     """
 
     tensor_parallel_size: int

@@ -88,6 +88,19 @@ class VllmCfg(Section):
     async_engine: bool = Field(
         False, description="Run vLLM's AsyncLLM in each shard (concurrent per-request serving)."
     )
+    max_num_seqs: int | None = Field(
+        1024, ge=1, description="Sequences one engine step may carry (vLLM's max_num_seqs). A rollout batch "
+        "runs in as few steps as it fits in: vLLM's own default is 1024 for its sync LLM on an 80 GB GPU "
+        "but 128 for AsyncLLM (async_engine: true), which would run a batch of 512 as four queued waves. "
+        "1024 for both; null: vLLM's default for the engine and GPU.",
+    )
+    max_cudagraph_capture_size: int | None = Field(
+        None, ge=1, description="The largest step, in sequences, vLLM captures a CUDA graph for (vLLM's "
+        "max_cudagraph_capture_size; GPU engines with enforce_eager off). A decode step of more sequences "
+        "runs without a graph, its kernels launched one by one. Unset: vLLM's, min(2 x max_num_seqs, 512) "
+        "on H100/H200; raise it to the rollout batch to cover one of 1024 (more graphs: longer launch, "
+        "more GPU memory).",
+    )
     skip_tokenizer_init: bool | None = Field(
         None,
         description="Engines skip loading the tokenizer (prompts go as token ids). Unset: "

@@ -414,3 +414,44 @@ def test_vllms_engine_rpc_carries_ipc_handles_only_with_pickling_allowed(monkeyp
     assert method == "update_weights"
     args = back["ipc_handles"][0]["GPU-0"]
     assert args[0] is torch.Tensor and args[4] is torch.bfloat16 and args[6] == b"handle"
+
+
+# --------------------------------------------------------------------------------------------
+# rollout-sized steps: max_num_seqs and the CUDA-graph capture size
+
+
+def test_max_num_seqs_defaults_to_a_rollout_batch_for_both_engines():
+    # vLLM's AsyncLLM would take 128 sequences a step (its ENGINE_CONTEXT default): the setting's
+    # 1024 reaches the engine arguments whether or not the shard runs the async engine.
+    assert _kw("gpu")["max_num_seqs"] == 1024
+    assert _kw("gpu", async_engine=True)["max_num_seqs"] == 1024
+    assert _kw("cpu")["max_num_seqs"] == 1024
+
+
+def test_max_num_seqs_null_leaves_vllm_its_default():
+    assert "max_num_seqs" not in _kw("gpu", max_num_seqs=None)
+
+
+def test_capture_size_reaches_a_gpu_engine_and_is_left_to_vllm_when_unset():
+    assert "max_cudagraph_capture_size" not in _kw("gpu")
+    assert _kw("gpu", max_cudagraph_capture_size=1024)["max_cudagraph_capture_size"] == 1024
+
+
+@pytest.mark.parametrize("device, eager", [("cpu", None), ("gpu", True)])
+def test_capture_size_refused_where_no_graph_is_captured(device, eager):
+    with pytest.raises(ConfigError, match="CUDA graphs") as err:
+        _kw(device, max_cudagraph_capture_size=512, enforce_eager=eager)
+    assert err.value.field == "generation.vllm_cfg.max_cudagraph_capture_size"
+
+
+def test_vllm_kwargs_override_the_rollout_defaults():
+    kw = _kw("gpu", cfg=_cfg(vllm_kwargs={"max_num_seqs": 64, "max_cudagraph_capture_size": 128},
+                             max_cudagraph_capture_size=1024))
+    assert kw["max_num_seqs"] == 64 and kw["max_cudagraph_capture_size"] == 128
+
+
+def test_settings_carry_both_keys_to_the_engine():
+    s = NemoGenSettings.load(overrides={"generation.vllm_cfg.max_num_seqs": 512,
+                                        "generation.vllm_cfg.max_cudagraph_capture_size": 512})
+    kw = _kw("gpu", cfg=s.generation.to_generation_config())
+    assert kw["max_num_seqs"] == 512 and kw["max_cudagraph_capture_size"] == 512
