@@ -259,9 +259,7 @@ class Gateway:
             results = await api.generate(call, "messages")
             out = await responses.built(responses.chat_response, call, call.adapter or api.model, results, api.detok,
                                         response_id)
-            # on disk before the answer goes (an fsync: off the loop)
-            turn = await asyncio.to_thread(self._record, sid, session, prepared, body, results[0],
-                                           message_record(out.choices[0].message))
+            turn = await self._recorded(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}
             return self.answer(results, out)
@@ -287,6 +285,16 @@ class Gateway:
         if not tooled and protocol.prompt_chars(call.prompts[0]) <= ON_LOOP_CHARS:
             return prepare()
         return await api.tokens.run(prepare)  # the tokenizing threads, as the chat route's rendering
+
+    async def _recorded(self, *args: Any) -> Any:
+        """``_record`` off the loop (its fsync), on disk before the answer goes. A request cancelled
+        meanwhile (its client gone) still waits for it, so the session's turn ends after its record."""
+        task = asyncio.ensure_future(asyncio.to_thread(self._record, *args))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
 
     def _record(self, sid: str, session: FleetSession, prepared: Any, body: dict[str, Any], result: Any,
                 message: dict[str, Any]) -> Any:

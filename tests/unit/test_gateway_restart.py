@@ -240,3 +240,27 @@ def test_a_streamed_turn_is_on_disk_when_its_stream_ends(restartable, tmp_path):
     assert len(streamed["turns"]) == 1 and _file(tmp_path, sid).read_bytes().count(b"\n") == 2  # opening + turn
     handle, _ = restartable()
     assert _trajectory(handle.url, sid) == streamed
+
+
+def test_a_turn_that_cannot_be_written_is_answered_500_and_not_recorded(restartable, tmp_path, monkeypatch):
+    handle, _ = restartable()
+    gateway = handle.server.config.app.app.state.gateway
+    sid = _open(handle.url)
+    messages = [{"role": "user", "content": "q"}]
+    _turns(handle.url, sid, messages, 1)
+    kept, charged = _trajectory(handle.url, sid), gateway.table.bytes_of(sid)
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gateway.store, "append", full_disk)  # a full disk, which this machine cannot stage
+    with pytest.raises(openai.APIStatusError) as err:
+        _turns(handle.url, sid, list(messages), 1)
+    assert err.value.status_code == 500 and "server.sessions_dir" in str(err.value)
+    assert _trajectory(handle.url, sid) == kept and gateway.table.bytes_of(sid) == charged  # taken back
+    monkeypatch.undo()
+    _turns(handle.url, sid, messages, 1)  # the disk has room again: the turn extends turn 1
+    after = _trajectory(handle.url, sid)
+    assert len(after["turns"]) == 2 and after["turns"][1]["new_segment_reason"] is None
+    handle, _ = restartable()
+    assert _trajectory(handle.url, sid) == after
