@@ -220,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         chars = int(args.prompt_mb * 2**20)
         roomy = settings.model_copy(update={"server": settings.server.model_copy(update={
             "max_in_flight": args.streams + 8, "max_prompt_chars": max(2 * chars, settings.server.max_prompt_chars),
-            "max_body_bytes": max(4 * chars, settings.server.max_body_bytes)})})
+            "max_body_bytes": max(4 * chars, settings.server.max_body_bytes),
+            # a second server beside the first: its own sessions directory (one writer each)
+            "sessions_dir": settings.sessions_dir().with_name(settings.sessions_dir().name + "-big")})})
         if "big+streams" in wanted:
             big = start_server(fleet, roomy)
             phases["big+streams"] = phase(big.url, model, args.streams, args, stream=True, prompt_chars=chars)

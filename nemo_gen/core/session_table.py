@@ -12,6 +12,9 @@
   usable (its trajectory so far is intact) and can be read and deleted.
 - One turn at a time per session (``begin`` / ``end``): a second while one runs is a 409 — the
   next turn's prompt is built on the previous turn's tokens, so turns are ordered.
+- A restarted server puts back the sessions it had (``restore``: their bytes, how long they
+  were idle); they count against ``max_sessions`` like any (none is dropped if there are more
+  than it allows: new ones are refused until enough end).
 
 No clock of its own (``clock`` is given), no Ray, no HTTP: errors carry the status the server answers with.
 """
@@ -110,6 +113,23 @@ class SessionTable(Generic[T]):
                                    f"{nbytes} more would pass server.max_session_bytes={self.limits.max_bytes}: "
                                    "read its trajectory and start a new session", "server.max_session_bytes")
             entry.bytes += nbytes
+
+    def refund(self, sid: str, nbytes: int) -> None:
+        """Give back ``nbytes`` charged for a turn that was not recorded after all."""
+        with self._lock:
+            entry = self._entries.get(sid)
+            if entry is not None:
+                entry.bytes = max(entry.bytes - nbytes, 0)
+
+    def restore(self, sid: str, value: T, nbytes: int, idle_s: float) -> None:
+        """Put back a session a restarted server read from disk: ``nbytes`` recorded, last used
+        ``idle_s`` ago. Not bounded by ``max_sessions`` (it was admitted once); it counts against it."""
+        with self._lock:
+            if sid in self._entries:
+                raise SessionError(409, f"session {sid!r} exists", "id")
+            self._entries[sid] = _Entry(value, self.clock() - max(idle_s, 0.0), nbytes)
+            # back in order of last use, which ``expire`` relies on
+            self._entries = dict(sorted(self._entries.items(), key=lambda kv: kv[1].last_used))
 
     def bytes_of(self, sid: str) -> int:
         with self._lock:

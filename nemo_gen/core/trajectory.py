@@ -205,6 +205,37 @@ class Trajectory:
         self.prompt_text = prompt_text
         return turn
 
+    def mark(self) -> tuple[Any, ...]:
+        """What ``rollback`` needs to take back the next ``record`` (a turn that could not be stored)."""
+        last = self.segments[-1] if self.segments else None
+        return (len(self.turns), len(self.segments), len(last.token_ids) if last else 0, self.messages,
+                self.tools, self.prompt_text)
+
+    def rollback(self, mark: tuple[Any, ...]) -> None:
+        """Take back what was recorded since ``mark()``: the record is as it was then."""
+        turns, segments, length, self.messages, self.tools, self.prompt_text = mark
+        del self.turns[turns:], self.segments[segments:]
+        if self.segments:
+            seg = self.segments[-1]
+            del seg.token_ids[length:], seg.loss_mask[length:], seg.logprobs[length:]
+            seg.turns[:] = [t for t in seg.turns if t < turns]
+
+    def replay(self, turn: dict[str, Any], tools: Any) -> Turn:
+        """Record again a turn read back from its JSON (``Turn.to_json``, a gateway turn: its
+        ``request`` holds the new ``messages`` and ``first_message``), with the turn's ``tools``
+        as the session had them. ``prompt_text`` is left to the caller (it renders it)."""
+        request = turn["request"]
+        at = int(request.get("first_message") or 0)
+        extend = bool(self.segments) and turn["segment"] == len(self.segments) - 1
+        new = list(request["messages"])
+        reason = turn.get("new_segment_reason")
+        lps = turn["logprobs"]
+        return self.record(Plan(extend, new, at, reason), self.messages[:at] + new, tools, "",
+                           turn["prompt_token_ids"], turn["token_ids"], [] if None in lps else lps,
+                           request=request, message=turn["message"], finish_reason=turn["finish_reason"],
+                           shard=turn["shard"], weight_version=turn["weight_version"],
+                           weight_versions=turn["weight_versions"], reason=reason)
+
     def to_json(self) -> dict[str, Any]:
         """The turns, and the sequence with its loss mask: top-level ``token_ids`` / ``loss_mask`` /
         ``logprobs`` are the one segment's; with several (history edited) they are None and

@@ -116,16 +116,36 @@ class FleetSession:
         return getattr(self.tokenizer, "eos_token", None), False
 
     def record(self, prepared: Prepared, result: GenerationResult, message: dict[str, Any],
-               request: dict[str, Any]) -> Turn:
+               request: dict[str, Any], persist: Callable[[Turn], None] | None = None) -> Turn:
         """Record an answered turn: ``result`` the fleet's (its prompt ids are what the engine
         saw), ``message`` the assistant message the caller was given, ``request`` what to keep of
-        the request (the gateway keeps its body with only the new messages)."""
+        the request (the gateway keeps its body with only the new messages). ``persist(turn)``:
+        the gateway's write to disk; what it raises takes the turn back out of the record."""
         with self._lock:
-            return self._record.record(
+            mark = self._record.mark()
+            turn = self._record.record(
                 prepared.plan, prepared.messages, prepared.tools, prepared.text, result.prompt_token_ids,
                 result.token_ids, result.logprobs, request=request, message=message,
                 finish_reason=result.finish_reason, shard=result.shard, weight_version=result.weight_version,
                 weight_versions=result.weight_versions)
+            if persist is not None:
+                try:
+                    persist(turn)
+                except BaseException:
+                    self._record.rollback(mark)
+                    raise
+            return turn
+
+    def restore(self, turns: Sequence[tuple[dict[str, Any], Any]]) -> None:
+        """The turns a restarted gateway read back (each ``Turn.to_json`` with the tools it had),
+        recorded again; the last turn's prompt text, which the next turn continues from, rendered
+        again from its messages (the template is a function of them)."""
+        with self._lock:
+            record = self._record
+            for turn, tools in turns:
+                record.replay(turn, tools)
+            if record.turns:
+                record.prompt_text = self.render(record.messages[:-1], record.tools, True)
 
     def trajectory(self) -> Trajectory:
         return self._record

@@ -20,6 +20,14 @@ Recorded per turn: the request (its body, ``messages`` cut to the new ones, ``fi
 index of the first of them), the engine's prompt and completion ids, logprobs, ``weight_versions``,
 finish reason, shard, the answer's message. A failed turn is not recorded.
 
+Durable (``server.sessions_dir``, ``nemo_gen.server.session_store``): a session's opening and each
+of its turns are on disk (fsync'd) before the answer is sent; a turn that cannot be written is
+taken back out of the record and answered 500 naming the setting. A server started on the
+directory restores every session whose TTL has not run out (the rest are removed), its turns
+replayed into the same ``Trajectory`` (``Trajectory.replay``) and placed afresh (where it was is
+not kept). DELETE and expiry remove a session's file. The gateway is the
+store's one writer.
+
 Limits (``server.*``): ``session_ttl_s`` after its last turn a session expires (404 after; a sweep
 on the server's event loop, every ``sweep_interval(session_ttl_s)`` while any session is open,
 takes it out and releases its shard even when no request comes), at most
@@ -41,6 +49,8 @@ built there (``responses.built``); anything heavier takes one hop.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Any
 
 from fastapi import Request
@@ -56,7 +66,10 @@ from nemo_gen.fleet.session import FleetSession
 from nemo_gen.server import protocol, responses
 from nemo_gen.server.http import TIMEOUT_HEADER, cancelled_on_disconnect, read_json
 from nemo_gen.server.protocol import ApiError, bad
+from nemo_gen.server.session_store import FIELD, SessionStore, Stored
 from nemo_gen.server.tools import render_text
+
+log = logging.getLogger(__name__)
 
 PREFIX = "/nemo_gen/sessions"
 
@@ -75,14 +88,88 @@ class Gateway:
             SessionLimits(server.session_ttl_s, server.max_sessions, server.max_session_bytes))
         self.router = getattr(api.fleet, "router", None)  # places sessions (a fleet without one: none placed)
         self._sweeper: asyncio.Task | None = None
+        self.store = SessionStore(settings.sessions_dir()).open()
+        try:
+            self._restore()
+        except BaseException:
+            self.store.close()
+            raise
+
+    def close(self) -> None:
+        """Let go of the sessions directory (its lock): the server stopped. What is on disk stays."""
+        self.store.close()
+
+    def _new(self, sid: str) -> FleetSession:
+        tokenizer = self.api.tools.tokenizer
+        return FleetSession(sid, tokenizer, render=lambda m, t, g: render_text(tokenizer, m, t, g),
+                            on_close=self._release)
+
+    def _restore(self) -> None:
+        """The sessions on disk back in the table, each idle as long as it was (wall clock); those
+        whose TTL ran out meanwhile, and empty files (an opening that was never answered), removed."""
+        ttl, now, restored = self.table.limits.ttl_s, time.time(), 0
+        for stored in self.store.load():
+            last = max((float(r.get("t", 0.0)) for r in stored.records), default=0.0)
+            if not stored.records or now - last > ttl:
+                self.store.remove(stored.id)
+                continue
+            try:
+                session, nbytes = self._rebuilt(stored)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                log.warning("%s: session %s could not be restored (%s: %s); its file is left as it is",
+                            self.store.path, stored.id, type(exc).__name__, exc)
+                continue
+            self.table.restore(stored.id, session, nbytes, now - last)
+            self._place(stored.id)
+            restored += 1
+        if restored:
+            log.info("restored %d gateway sessions from %s (server.max_sessions=%d)", restored, self.store.path,
+                     self.table.limits.max_sessions)
+
+    def _rebuilt(self, stored: Stored) -> tuple[FleetSession, int]:
+        """A session from its records, and the bytes its turns count against server.max_session_bytes."""
+        head, *turns = stored.records
+        if head.get("kind") != "open" or head.get("id") != stored.id:
+            raise ValueError("its first record is not its opening")
+        replay, tools, nbytes = [], None, 0
+        for record in turns:
+            turn = record["turn"]
+            tools = record.get("tools", tools)  # written when they changed
+            replay.append((turn, tools))
+            nbytes += turn_bytes(turn["request"], len(turn["prompt_token_ids"]), len(turn["token_ids"]))
+        session = self._new(stored.id)
+        session.restore(replay)
+        return session, nbytes
+
+    def _place(self, sid: str) -> None:
+        """A restored session placed afresh (where it was is not kept); with no shard serving yet
+        its turns are routed as a bare session id's until it is closed."""
+        if self.router is not None:
+            try:
+                self.router.open_session(sid)
+            except ShardUnavailableError:
+                pass
+
+    def _forget(self, sid: str) -> None:
+        """A session that ended: its file removed (a failure is logged; the session is gone either way)."""
+        try:
+            self.store.remove(sid)
+        except OSError as exc:
+            log.warning("%s: session %s's file could not be removed: %s", self.store.path, sid, exc)
 
     def _release(self, sid: str) -> None:
         if self.router is not None:
             self.router.close_session(sid)
 
     def expire(self) -> None:
-        for _, session in self.table.expire():
+        for sid, session in self.table.expire():
             session.close()
+            self._forget(sid)
+
+    def sweeping(self) -> None:
+        """Start the sweep if sessions are open (restored ones included) and it does not run."""
+        if len(self.table):
+            self._sweep_on(asyncio.get_running_loop())
 
     def _sweep_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the sweep on the server's loop unless it runs (it ends when no session is open)."""
@@ -114,13 +201,16 @@ class Gateway:
             raise bad(f"{unknown[0]}: unknown field (a session takes none)", unknown[0])
         self.expire()
         sid = f"sess-{random_uuid()}"
-        tokenizer = self.api.tools.tokenizer
-        session = FleetSession(sid, tokenizer, render=lambda m, t, g: render_text(tokenizer, m, t, g),
-                               on_close=self._release)
+        session = self._new(sid)
         try:
             self.table.open(session, sid)
         except SessionError as exc:
             raise _api_error(exc) from None
+        try:
+            self.store.create(sid, {"kind": "open", "id": sid, "t": time.time()})
+        except OSError as exc:
+            self.table.close(sid)
+            raise ApiError(500, f"the session could not be stored in {FIELD} {self.store.path}: {exc}", FIELD) from None
         shard = None
         if self.router is not None:
             try:
@@ -169,7 +259,7 @@ class Gateway:
             results = await api.generate(call, "messages")
             out = await responses.built(responses.chat_response, call, call.adapter or api.model, results, api.detok,
                                         response_id)
-            turn = self._record(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
+            turn = await self._recorded(sid, session, prepared, body, results[0], message_record(out.choices[0].message))
             out.nemo_gen["session"] = {"id": sid, "turn": turn.index, "segment": turn.segment,
                                        "new_segment_reason": turn.reason}
             return self.answer(results, out)
@@ -196,16 +286,45 @@ class Gateway:
             return prepare()
         return await api.tokens.run(prepare)  # the tokenizing threads, as the chat route's rendering
 
+    async def _recorded(self, *args: Any) -> Any:
+        """``_record`` off the loop (its fsync), on disk before the answer goes. A request cancelled
+        meanwhile (its client gone) still waits for it, so the session's turn ends after its record."""
+        task = asyncio.ensure_future(asyncio.to_thread(self._record, *args))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
+
     def _record(self, sid: str, session: FleetSession, prepared: Any, body: dict[str, Any], result: Any,
                 message: dict[str, Any]) -> Any:
-        """Record an answered turn within the session's byte bound (413 naming it, nothing recorded)."""
+        """Record an answered turn within the session's byte bound (413 naming it, nothing recorded),
+        on disk before it returns (500 naming server.sessions_dir if it cannot be: nothing recorded)."""
         request = {k: v for k, v in body.items() if k != "messages"}
         request.update(messages=prepared.plan.new, first_message=prepared.plan.at)
+        nbytes = turn_bytes(request, len(result.prompt_token_ids), len(result.token_ids))
         try:
-            self.table.charge(sid, turn_bytes(request, len(result.prompt_token_ids), len(result.token_ids)))
+            self.table.charge(sid, nbytes)
         except SessionError as exc:
             raise _api_error(exc) from None
-        return session.record(prepared, result, message, request)
+        before = session.trajectory()
+        new_tools = not before.turns or prepared.tools != before.tools  # tools are written when they change
+
+        def persist(turn: Any) -> None:
+            record = {"kind": "turn", "t": time.time(), "turn": turn.to_json()}
+            if new_tools:
+                record["tools"] = prepared.tools
+            self.store.append(sid, record)
+
+        try:
+            return session.record(prepared, result, message, request, persist)
+        except OSError as exc:
+            self.table.refund(sid, nbytes)
+            raise ApiError(500, f"the turn could not be stored in {FIELD} {self.store.path} and was not "
+                           f"recorded: {exc}", FIELD) from None
+        except BaseException:
+            self.table.refund(sid, nbytes)
+            raise
 
     def check(self, sid: str) -> None:
         """404 unless ``sid`` is an open session."""
@@ -221,6 +340,7 @@ class Gateway:
         except SessionError as exc:
             raise _api_error(exc) from None
         session.close()
+        self._forget(sid)
         return {**session.trajectory().to_json(), "deleted": True}
 
 
@@ -239,18 +359,22 @@ def add_routes(app: Any, api: Any, settings: Any, route: Any, answer: Any) -> Ga
 
     async def chat(request: Request):
         api.inflight.check_room()
+        gateway.sweeping()  # restored sessions are swept from a restarted server's first request on
         body = await read_json(request, max_bytes)
         return await cancelled_on_disconnect(
             request, gateway.chat(request.path_params["sid"], body, request.headers.get(TIMEOUT_HEADER)))
 
     async def models(request: Request):
+        gateway.sweeping()
         gateway.check(request.path_params["sid"])  # 404 for a session that is gone
         return api.models()
 
     async def trajectory(request: Request):
+        gateway.sweeping()
         return await asyncio.to_thread(gateway.trajectory, request.path_params["sid"])
 
     async def delete(request: Request):
+        gateway.sweeping()
         return await asyncio.to_thread(gateway.delete, request.path_params["sid"])
 
     app.add_route(PREFIX, route(create), methods=["POST"])

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import exposure_problem, is_loopback
@@ -42,6 +42,7 @@ class ServerHandle:
     port: int
     server: Any = field(repr=False)
     thread: threading.Thread = field(repr=False)
+    on_stop: Callable[[], None] | None = field(default=None, repr=False)  # the gateway lets go of its directory
 
     @property
     def running(self) -> bool:
@@ -55,6 +56,9 @@ class ServerHandle:
             self.thread.join(2.0)
         if self.thread.is_alive():  # pragma: no cover - uvicorn ignored both
             log.warning("the HTTP server thread did not stop within %.0fs", timeout_s + 2.0)
+        if self.on_stop is not None:
+            self.on_stop()
+            self.on_stop = None
         gc.unfreeze()  # back in the collector's view, so the interpreter's exit frees it as usual
 
     def __enter__(self) -> "ServerHandle":
@@ -106,8 +110,13 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
         from nemo_gen.fleet.resolve import load_tokenizer
 
         tokenizer = load_tokenizer(fleet.resolved.tokenizer_dir)
-    app = build_app(fleet, settings, tokenizer)
-    sock = _bind(host, port)
+    sock = _bind(host, port)  # a taken port is named before the gateway takes its sessions directory
+    try:
+        app = build_app(fleet, settings, tokenizer)
+    except BaseException:
+        sock.close()
+        raise
+    close_gateway = app.app.state.gateway.close
     # As vLLM's own server does after start: what the process holds now (torch, transformers,
     # vLLM, Ray: millions of objects) leaves the collector's view. A full collection over it takes
     # ~0.4 s here, and a server's allocations set one off every few hundred requests.
@@ -139,11 +148,12 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
             thread.join(2.0)
+            close_gateway()
             raise RuntimeError(f"the HTTP server did not start: {errors[0] if errors else 'timed out'}")
         time.sleep(0.01)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     handle = ServerHandle(url=f"http://{shown}:{bound_port}", host=bound_host, port=bound_port,
-                          server=server, thread=thread)
+                          server=server, thread=thread, on_stop=close_gateway)
     log.info("OpenAI-compatible server for fleet %r at %s", getattr(settings.fleet, "name", "?"), handle.url)
     if not settings.server.api_key and not is_loopback(host):
         log.warning("the server at %s (server.host %r) can be reached from other machines and asks no key: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -88,7 +89,8 @@ class NemoGenSettings(BaseSettings):
 
     home: Path = Field(
         Path(".nemo-gen"),
-        description="Working directory for the tiny model, the managed Prefect server and outputs.",
+        description="Working directory for the tiny model, the managed Prefect server, outputs and the "
+        "trajectory gateway's sessions (server.sessions_dir).",
     )
     model: ModelSettings = Field(default_factory=ModelSettings, description="The model to serve.")
     generation: GenerationSettings = Field(
@@ -221,6 +223,12 @@ class NemoGenSettings(BaseSettings):
 
     def tokenizer_dir(self) -> Path:
         return Path(self.model.tokenizer) if self.model.tokenizer else self.model_dir()
+
+    def sessions_dir(self) -> Path:
+        """Where the trajectory gateway keeps its sessions (``server.sessions_dir``, else under ``home``)."""
+        if self.server.sessions_dir:
+            return Path(self.server.sessions_dir)
+        return self.home / "sessions" / (re.sub(r"[^A-Za-z0-9_.-]", "_", self.fleet.name).lstrip(".") or "_")
 
     def model_name(self) -> str:
         return self.model.name or self.generation.model_name or self.model_dir().name

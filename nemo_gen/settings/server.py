@@ -4,6 +4,7 @@ exposure rule it and the server share: ``is_loopback``, ``exposure_problem``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -92,6 +93,12 @@ class ServerSettings(Section):
         "JSON and their token ids, masks and logprobs); a turn that would pass it is answered 413 naming "
         "this setting and not recorded, and the session stays readable.",
     )
+    sessions_dir: Path | None = Field(
+        None, description="Directory where the trajectory gateway keeps its sessions (one append-only "
+        "file each; every turn fsync'd before its response is sent), so a restarted server serves the same "
+        "sessions and trajectories. Unset: `home`/sessions/<fleet.name>. Made 0700 if missing; a symlink, a "
+        "file or another user's directory there is refused, never followed. One server writes it at a time.",
+    )
 
     tool_call_parser: str | None = Field(
         None, description="vLLM's tool-call parser (its ToolParserManager name: hermes, llama3_json, "
@@ -114,6 +121,21 @@ class ServerSettings(Section):
         None, description="vLLM's reasoning parser (its ReasoningParserManager name: deepseek_r1, qwen3...) "
         "that splits the model's reasoning out of a chat answer into message.reasoning; unset: none is split.",
     )
+
+    @field_validator("sessions_dir")
+    @classmethod
+    def _a_directory_of_ours(cls, value: Path | None) -> Path | None:
+        """Refused now rather than at the server's start: a symlink (never followed: it could point
+        the records anywhere) or something other than a directory."""
+        if value is None:
+            return value
+        if not str(value).strip():
+            raise ValueError("must name a directory (unset it for `home`/sessions/<fleet.name>)")
+        if value.is_symlink():
+            raise ValueError(f"{value} is a symlink; name the directory itself (a symlink is never followed)")
+        if value.exists() and not value.is_dir():
+            raise ValueError(f"{value} exists and is not a directory")
+        return value
 
     @field_validator("tool_call_parser")
     @classmethod
