@@ -4,6 +4,7 @@ Prefect refit flow, `fleet status`, `fleet down` — and every process stopped b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -134,6 +135,8 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
     # A shard that cannot load is quarantined: listed, exit 3, the other serves v9. Its EngineCore
     # is frozen, so its actor still answers when the command attaches but the load never ends.
     # refit.timeout_s=10 is a bound with its reason: a healthy shard loads this model in ~0.03 s.
+    # The command's fleet heals what it quarantined (a loss, like any other): the frozen actor and
+    # its EngineCore are reaped, by the time it exits or after.
     import psutil
 
     core = next(p for p in second["engine_pids"] if "EngineCore" in psutil.Process(p).name())
@@ -142,7 +145,8 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
         partial = nemo_gen(["refit", "--checkpoint", str(other), "--version", "9", "--no-prefect",
                             "--set", "refit.timeout_s=10", *human], ray_head, tmp_path)
     finally:
-        os.kill(core, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # already reaped by the heal
+            os.kill(core, signal.SIGKILL)
     assert partial.returncode == 3, partial.stdout + partial.stderr[-3000:]
     first, *per_shard = partial.stdout.strip().splitlines()
     assert first.startswith("refit to weight version 9: "), first
@@ -150,7 +154,9 @@ def test_fleet_up_refit_status_down(ray_head, tiny_model_dir, tmp_path):
     assert per_shard[0] == "  shard 0: ok" and per_shard[1].startswith("  shard 1: QUARANTINED: "), per_shard
     rows = {r["index"]: r for r in json.loads(nemo_gen(["fleet", "status", *common], ray_head, tmp_path).stdout)["shards"]}
     assert rows[0]["state"] == "healthy" and rows[0]["weight_version"] == 9
-    assert rows[1]["state"] != "healthy" and rows[1]["weight_version"] != 9, rows[1]  # it never serves
+    # the quarantined actor never serves again: slot 1 is out of service, or a new actor serves v9
+    assert rows[1]["state"] != "healthy" or (
+        rows[1]["weight_version"] == 9 and rows[1]["actor_pid"] != second["actor_pid"]), rows[1]
 
     bad = nemo_gen(["refit", "--checkpoint", str(tmp_path / "nowhere"), "--no-prefect", *common], ray_head, tmp_path)
     assert bad.returncode == 2 and "nowhere" in bad.stderr
