@@ -227,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             big = start_server(fleet, roomy)
             phases["big+streams"] = phase(big.url, model, args.streams, args, stream=True, prompt_chars=chars)
         if "abuse" in wanted:
-            vocab = json.loads((settings.model_dir() / "config.json").read_text())["vocab_size"]
-            phases["abuse"] = abuse_phase(server.url, model, vocab, args)
+            phases["abuse"] = abuse_phase(server.url, model, fleet.resolved.vocab_size, args)
             phases["abuse"]["restarts"] = [s.restart_attempts for s in fleet.health.snapshot()]
             phases["abuse"]["condemned"] = condemned(fleet)
     finally:

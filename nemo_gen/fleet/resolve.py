@@ -161,14 +161,19 @@ def resolve_generation(
     )
 
 
+def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The model directory's config.json (``ensure_model`` checked that it is there)."""
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
 def _resolve_max_model_len(gen_cfg: dict[str, Any], model_dir: Path) -> None:
     """Make max_model_len explicit (from the model's config when unset) so the driver can
     reject a too-long prompt before dispatching it."""
     vc = gen_cfg["vllm_cfg"]
     if vc.get("max_model_len") is None:
-        import json
-
-        cfg = json.loads((model_dir / "config.json").read_text())
+        cfg = _model_config(model_dir)
         if "max_position_embeddings" in cfg:
             vc["max_model_len"] = int(cfg["max_position_embeddings"])
 
@@ -176,9 +181,7 @@ def _resolve_max_model_len(gen_cfg: dict[str, Any], model_dir: Path) -> None:
 def model_vocab_size(model_dir: str | os.PathLike) -> int | None:
     """The model config's ``vocab_size`` (its text model's, for a config that nests one), as vLLM
     reads it (``ModelConfig.get_vocab_size``); None when the config has none."""
-    import json
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = _model_config(model_dir)
     for section in (cfg.get("text_config"), cfg):
         if isinstance(section, dict) and isinstance(section.get("vocab_size"), int):
             return section["vocab_size"]
