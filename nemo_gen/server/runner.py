@@ -116,7 +116,12 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
     except BaseException:
         sock.close()
         raise
-    close_gateway = app.app.state.gateway.close
+    gateway = app.app.state.gateway
+
+    def close_gateway() -> None:  # what the app holds: its sessions directory, its tokenizing threads
+        gateway.close()
+        gateway.api.tokens.close()
+
     # As vLLM's own server does after start: what the process holds now (torch, transformers,
     # vLLM, Ray: millions of objects) leaves the collector's view. A full collection over it takes
     # ~0.4 s here, and a server's allocations set one off every few hundred requests.

@@ -45,6 +45,10 @@ class Tokens:
         self.max_prompt_chars = max_prompt_chars
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nemo-gen-tokenize")
 
+    def close(self) -> None:
+        """The server stopped: its tokenizing threads end once idle (work already on them finishes)."""
+        self.pool.shutdown(wait=False)
+
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizing threads (queued while they are all busy)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
