@@ -1,10 +1,11 @@
-"""A fake ``ShardDriver`` for the fleet-logic tier: it hosts real shards (``nemo_gen.shard.rules.Shard``,
-the rules the Ray actor runs) in this process, each over a ``FakeEngine`` that dies, hangs or slows down on
-command, so routing, re-routing, spare promotion, quarantine and refit settling are tested in milliseconds
-against the shard's own rules, not a copy of them. It has the real driver's shape (the fleet cannot tell
-them apart) and answers the way a real shard does: a dead shard's calls fail with ``ShardDiedError``, a
-hung one's never answer, a slow one's answer late. The same paths are tested on real vLLM engines in
-tests/engine/.
+"""The fleet-logic tier's driver: the real ``ShardDriver`` over the in-process transport
+(``nemo_gen.fleet.transport_local``), which hosts real shards (``nemo_gen.shard.host.ShardHost`` around
+``nemo_gen.shard.rules.Shard``, what the Ray actor runs) in this process, each over a ``FakeEngine`` that
+dies, hangs or slows down on command (``FakeTransport``). So routing, re-routing, spare promotion,
+quarantine and refit settling are tested in milliseconds against the shard's own rules and the driver's
+own fan-out, deadlines and outcome mapping, not a copy of them: a dead shard's calls fail with
+``ShardDiedError``, a hung one's never answer, a slow one's answer late. The same paths are tested on
+real vLLM engines in tests/engine/.
 
     driver = FakeDriver()
     fleet = fake_fleet(settings, driver)
@@ -20,7 +21,7 @@ Every argument and answer that crosses the fake actor boundary is checked to hol
 the wire's frozen messages only, vLLM's own payloads aside); a crossing dict fails the call and, at
 ``close``, the test (``wire_violations``).
 
-Like a Ray async actor, every shard's calls run on one event loop (the driver's own thread), so a
+Like a Ray async actor, every shard's calls run on one event loop (the transport's own thread), so a
 probe answers while a batch generates. A shard generating with ``token_s`` makes its tokens one by one
 on ``driver.clock`` and stops when its call is cancelled (``tokens_made`` says how far each request
 got); its probes answer by the real engine's liveness rule (``nemo_gen.core.liveness``).
