@@ -3,7 +3,7 @@ weight version, the warm spares, and the queue of losses that recovery drains.
 
 Only this module writes the ledger (``GenerationFleetHealth``); every other part gets the table,
 reads the ledger through ``SlotTable.ledger`` (its read side only), and changes state through the
-table's transactions (tests/unit/test_structure.py holds every module to it; the model is Ray
+table's transactions (tests/tooling/test_structure.py holds every module to it; the model is Ray
 Serve's ``DeploymentState``, the only writer of replica state). Each is all-or-nothing, under one
 lock:
 

@@ -3,7 +3,7 @@ direct line), both ways, as a frozen dataclass or an enum. The driver (``nemo_ge
 the shard's rules (``nemo_gen.shard.rules``) and the fake tier (``tests/fakes.py``) import
 these and nothing else, so a change to a message is a change to one class that the type checker
 and every tier see. No dict of the fleet's crosses the boundary (the fake tier checks every call:
-``tests/unit/test_wire_no_dicts.py``); what vLLM defines stays vLLM's, and only these fields carry
+``tests/fake/test_wire_no_dicts.py``); what vLLM defines stays vLLM's, and only these fields carry
 a mapping (``VLLM_OWNED``): a weight-sync ``init_info`` or ``update_info``, a LoRA adapter's
 PEFT ``config``; and ``vllm_metrics`` answers vLLM's own stats rows as it reads them.
 

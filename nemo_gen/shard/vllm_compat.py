@@ -3,7 +3,7 @@ its documented ``LLM``/``AsyncLLM`` calls: building an engine and its sampling p
 sync engine's core client (a send lock, marked output waits, utility calls sent without waiting,
 a wake-up), and reading the output processor's request state (a cut's partial outputs, staleness,
 the requests held, stats). When vLLM changes one of these, this is the module that follows it;
-tests/unit/test_structure.py's list of private accesses names it alone for the engines.
+tests/tooling/test_structure.py's list of private accesses names it alone for the engines.
 
 vLLM is imported inside the functions: this module is imported where vLLM is not installed.
 """

@@ -1,5 +1,5 @@
 """``core.delta_queue.DeltaQueue``: what a slow stream reader has not taken waits merged, one delta
-per choice, in order (pure logic; the server's side: tests/unit/test_server_streams.py)."""
+per choice, in order (pure logic; the server's side: tests/fake/test_server_streams.py)."""
 
 from __future__ import annotations
 
