@@ -44,6 +44,7 @@ from nemo_gen.core.wire import (
     CheckRefit, EngineManifest, InFlight, LoadRefit, RequestResult, SampleDelta, SampleResult, Sampling, ShardInfo, StepGaps, StreamDeltas,
     StreamEnd, SyncRequest, Unfinished,
 )
+from nemo_gen.core.sleep import SleepOrder, WakeOrder
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
 from nemo_gen.shard.gate import Gate
@@ -115,6 +116,9 @@ class FakeEngine:
         self.crash_exit = 1  # that core's exit code (1: an error in its step; -9: killed from outside)
         self.exit_code: int | None = None  # its core's, once it died
         self.crashes = 0  # times its core died of a request
+        self.sleeps: list[tuple[int, int]] = []  # each vLLM sleep: (level, requests running then)
+        self.wakes: list[list[str]] = []  # the tags of each wake_up it got
+        self.fail_sleep: str | None = None  # vLLM's sleep raises this
         # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
         self.gate = Gate()
         self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
@@ -293,6 +297,15 @@ class FakeEngine:
         self._frozen = False
         await self.gate.release()
 
+    async def sleep(self, level: int) -> None:
+        if self.fail_sleep:
+            raise RuntimeError(self.fail_sleep)
+        self.sleeps.append((int(level), self.running))  # (the level, requests running as it fell asleep)
+        self.rpcs.append("reset_prefix_cache")
+
+    async def wake(self, tags: list[str]) -> None:
+        self.wakes.append(list(tags))
+
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
         if not self.keeps_stats:
@@ -315,7 +328,8 @@ class FakeEngine:
 
 
 # What a fake shard answers for each refit message (the real driver's ``_METHODS``).
-_REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync"}
+_REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
+                SleepOrder: "sleep", WakeOrder: "wake"}
 
 
 class FakeDriver:

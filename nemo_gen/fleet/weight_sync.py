@@ -196,6 +196,7 @@ class FleetWeightSyncClient:
                              "(generation.vllm_kwargs.speculative_config)")
         with contextlib.ExitStack() as lock:
             lock.enter_context(self.weights.refitting())
+            self.refitter.ready_weights()
             version = next_version(self.weights.version, self.version)
             handles = self._admit(self._members())
             if not handles:

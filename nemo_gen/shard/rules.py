@@ -22,6 +22,10 @@ from typing import Any, AsyncIterator, Mapping
 from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
+from nemo_gen.core.sleep import (
+    AWAKE, SleepOrder, SleepPhase, WakeOrder, after_sleep, after_wake, draining, tags_to_wake,
+    wake_tags,
+)
 from nemo_gen.core.wire import (
     AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
@@ -127,6 +131,7 @@ class Shard:
         self.engine_core_start: str | None = None
         self.sync: SyncSession | None = None
         self.calls = 0  # generate calls in the engine now (``calls_answered``)
+        self.sleep_state = AWAKE  # ``sleep`` / ``wake`` (nemo_gen.core.sleep): asleep, it admits nothing
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -203,6 +208,8 @@ class Shard:
         router sends them to no other engine); killed from outside, or its end unknown within
         ``CORE_EXIT_WAIT_S``, the death is an ordinary one and its requests are re-routed."""
         slot = -1 if self.slot is None else self.slot
+        if not self.sleep_state.awake:  # (the router refuses first; one already on its way lands here)
+            raise ShardBusy(slot, f"the shard is {self.sleep_state.label()}")
         self.calls += 1
         try:
             yield
@@ -236,12 +243,17 @@ class Shard:
         """A real generation of one token (or, while a batch runs, proof of a recent step)."""
         if self.engine is None:
             return ProbeReply(ProbeStatus.FAILED, "no engine")
+        if not self.sleep_state.awake:  # its scheduler is paused: a token would never come
+            return ProbeReply(ProbeStatus.SKIPPED, f"the shard is {self.sleep_state.label()}")
         return probe_reply(await self.engine.probe(sampling, token_ids, stall_s, warmup_s))
 
     # -- a checkpoint refit ----------------------------------------------------------------------
 
     async def check_refit(self, msg: CheckRefit) -> int:
         """Phase 1: every worker can read the staged tensors. Changes nothing."""
+        if not self.sleep_state.weights_resident:  # (the fleet wakes them first: NeMo-RL's order)
+            raise RuntimeError(f"the shard is {self.sleep_state.label()}: its weights must be woken "
+                               "(wake tags=['weights']) before a refit")
         seen = await self._engine().rpc("nemo_gen_check_staged", msg.path, msg.total, list(msg.entries),
                                         timeout=msg.timeout_s)
         return min(seen)
@@ -271,6 +283,35 @@ class Shard:
                 raise
             await engine.end_swap(msg.version, msg.in_flight)
         self.claim = Claim(msg.version, msg.source)
+        return time.perf_counter() - t0
+
+    # -- sleep and wake (the colocated layout) ----------------------------------------------------
+
+    async def sleep(self, order: SleepOrder) -> float:
+        """Sleep at ``order.level`` once the running requests finished (new ones are refused from
+        the start): the prefix cache is reset, then vLLM's sleep. Asleep already: nothing to do."""
+        engine = self._engine()
+        if self.sleep_state.phase is SleepPhase.ASLEEP and self.sleep_state.level >= order.level:
+            return 0.0
+        t0 = time.perf_counter()
+        before, self.sleep_state = self.sleep_state, draining(self.sleep_state, order.level)
+        try:
+            async with engine.exclusive():
+                await engine.sleep(order.level)
+        except BaseException:
+            self.sleep_state = before
+            raise
+        self.sleep_state = after_sleep(before, order.level, self.claim.version)
+        return time.perf_counter() - t0
+
+    async def wake(self, order: WakeOrder) -> float:
+        """Bring ``order.tags`` back (all when empty); awake already: nothing to do."""
+        tags = wake_tags(order.tags or None)
+        wanted = tags_to_wake(self.sleep_state, tags)
+        t0 = time.perf_counter()
+        if wanted:
+            await self._engine().wake(wanted)
+        self.sleep_state = after_wake(self.sleep_state, tags)
         return time.perf_counter() - t0
 
     # -- LoRA adapters --------------------------------------------------------------------------
