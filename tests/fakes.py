@@ -44,7 +44,7 @@ from nemo_gen.core.wire import (
     CheckRefit, EngineManifest, InFlight, LoadRefit, RequestResult, SampleDelta, SampleResult, Sampling, ShardInfo, StepGaps, StreamDeltas,
     StreamEnd, SyncRequest, Unfinished,
 )
-from nemo_gen.core.sleep import SleepOrder, WakeOrder
+from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
 from nemo_gen.shard.gate import Gate
@@ -306,6 +306,10 @@ class FakeEngine:
     async def wake(self, tags: list[str]) -> None:
         self.wakes.append(list(tags))
 
+    async def reset_prefix_cache(self) -> bool:
+        self.rpcs.append("reset_prefix_cache")
+        return not self.running  # vLLM's answer: no reset while requests run
+
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
         if not self.keeps_stats:
@@ -329,7 +333,7 @@ class FakeEngine:
 
 # What a fake shard answers for each refit message (the real driver's ``_METHODS``).
 _REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
-                SleepOrder: "sleep", WakeOrder: "wake"}
+                SleepOrder: "sleep", WakeOrder: "wake", ResetPrefixCache: "reset_prefix_cache"}
 
 
 class FakeDriver:

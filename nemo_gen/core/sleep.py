@@ -158,3 +158,9 @@ class WakeOrder:
     """The fleet tells a shard to bring ``tags`` back (empty: all of them)."""
 
     tags: tuple[WakeTag, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """The fleet tells a shard to drop its prefix cache (NeMo-RL's ``invalidate_kv_cache``, and a
+    non-colocated ``finish_generation``): cached blocks computed on old weights are not reused."""

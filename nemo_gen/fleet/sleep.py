@@ -29,7 +29,7 @@ from typing import Any, Iterable
 from nemo_gen.core.fleet_health import ABSENT_STATES
 from nemo_gen.core.members import Member
 from nemo_gen.core.sleep import (
-    SleepLevel, SleepOrder, SleepState, WakeOrder, WakeTag, sleep_level, tags_to_wake, wake_tags,
+    ResetPrefixCache, SleepLevel, SleepOrder, SleepState, WakeOrder, WakeTag, sleep_level, tags_to_wake, wake_tags,
 )
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.errors import ConfigError, ShardDiedError
@@ -95,6 +95,12 @@ class FleetSleep:
             report = self._send(self._engines(), WakeOrder(tuple(sorted(wanted))), "wake")
             report.state = self.slots.record_wake(wanted)
         return report
+
+    def reset_prefix_cache(self) -> bool:
+        """Every engine drops its prefix cache (NeMo-RL's ``invalidate_kv_cache``); True only when all
+        did. A refusal is not a fault (vLLM refuses while requests run): nothing is quarantined."""
+        answers = self.driver.fan_out(self._engines(), ResetPrefixCache(), _MARGIN_S)
+        return bool(answers) and all(a.ok and a.value for a in answers.values())
 
     def weights_for_refit(self) -> None:
         """``Refitter.before_refit``: a refit needs the weights resident; wake them (only them)."""

@@ -219,6 +219,11 @@ class BaseEngine(abc.ABC):
             await asyncio.to_thread(self._llm.reset_prefix_cache)
             await asyncio.to_thread(self._llm.sleep, level, "wait")
 
+    async def reset_prefix_cache(self) -> bool:
+        if self.async_engine:
+            return await self._llm.reset_prefix_cache()
+        return await asyncio.to_thread(self._llm.reset_prefix_cache)
+
     async def wake(self, tags: list[str]) -> None:
         if self.async_engine:
             await self._llm.wake_up(tags=tags)

@@ -70,6 +70,8 @@ class EngineLike(Protocol):
 
     async def wake(self, tags: list[str]) -> None: ...  # bring ``tags`` ("weights", "kv_cache") back
 
+    async def reset_prefix_cache(self) -> bool: ...  # False: vLLM could not (requests were running)
+
     # -- the rest --------------------------------------------------------------------------------
     def vllm_metrics(self) -> list[dict[str, Any]]: ...
 

@@ -23,7 +23,7 @@ from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
 from nemo_gen.core.sleep import (
-    AWAKE, SleepOrder, SleepPhase, WakeOrder, after_sleep, after_wake, draining, tags_to_wake,
+    AWAKE, ResetPrefixCache, SleepOrder, SleepPhase, WakeOrder, after_sleep, after_wake, draining, tags_to_wake,
     wake_tags,
 )
 from nemo_gen.core.wire import (
@@ -313,6 +313,12 @@ class Shard:
             await self._engine().wake(wanted)
         self.sleep_state = after_wake(self.sleep_state, tags)
         return time.perf_counter() - t0
+
+    async def reset_prefix_cache(self, order: ResetPrefixCache) -> bool:
+        """Drop the prefix cache (asleep: it holds none). False when vLLM refused (requests ran)."""
+        if not self.sleep_state.awake:
+            return True
+        return bool(await self._engine().reset_prefix_cache())
 
     # -- LoRA adapters --------------------------------------------------------------------------
 

@@ -270,3 +270,39 @@ def test_a_sleep_drains_running_requests_first_and_refuses_new_ones_meanwhile(co
         # every engine fell asleep with nothing running: the batch finished first
         assert [driver.shard(h).sleeps for h in fleet.shards] == [[(1, 0)]] * 2
         assert fleet.sleep_state.phase is SleepPhase.ASLEEP
+
+
+# -- the seed API's hooks (NeMo-RL's semantics) ------------------------------------------------------
+
+def test_vllm_generation_finish_sleeps_and_prepare_wakes_when_colocated(colocated, driver):
+    from nemo_gen.generation.vllm import VllmGeneration
+
+    with fake_fleet(colocated(), driver) as fleet:
+        gen = VllmGeneration(fleet=fleet)
+        assert gen.colocated and gen.blocks_training()
+        assert gen.finish_generation(release_gpu=True) is True
+        assert [driver.shard(h).sleeps for h in fleet.shards] == [[(1, 0)]] * 2
+        with pytest.raises(FleetAsleep):
+            fleet.generate(PROMPTS)
+        assert gen.prepare_for_generation(tags=["weights"]) and fleet.sleep_state.resident == {WakeTag.WEIGHTS}
+        assert gen.prepare_for_generation(tags=["kv_cache"]) and fleet.sleep_state.awake
+        assert gen.prepare_for_generation()  # awake: cheap, nothing sent
+        assert [driver.shard(h).wakes for h in fleet.shards] == [[["weights"], ["kv_cache"]]] * 2
+        assert gen.prepare_for_generation(tags=["bogus"]) is False  # NeMo-RL: logged, False
+
+
+def test_vllm_generation_not_colocated_finish_resets_the_prefix_cache_and_prepare_does_nothing(
+        fake_fleet_settings, driver):
+    from nemo_gen.generation.vllm import VllmGeneration
+
+    with fake_fleet(fake_fleet_settings(), driver) as fleet:
+        gen = VllmGeneration(fleet=fleet)
+        assert not gen.colocated and not gen.blocks_training()
+        assert gen.finish_generation() is True
+        assert all(driver.shard(h).rpcs == ["reset_prefix_cache"] for h in fleet.shards)
+        assert all(not driver.shard(h).sleeps for h in fleet.shards)
+        assert gen.prepare_for_generation(tags=["kv_cache"]) is True
+        assert all(not driver.shard(h).wakes for h in fleet.shards)
+        assert gen.invalidate_kv_cache() is True
+        assert all(driver.shard(h).rpcs.count("reset_prefix_cache") == 2 for h in fleet.shards)
+        assert all(r.ok for r in fleet.generate(PROMPTS))

@@ -7,10 +7,13 @@ fleet do the work (routing, health, per-shard weight versions).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from nemo_gen.errors import RequestError
 from nemo_gen.generation.interfaces import GenerationInterface, verify_right_padding
+
+log = logging.getLogger(__name__)
 
 
 class VllmGeneration(GenerationInterface):
@@ -75,13 +78,42 @@ class VllmGeneration(GenerationInterface):
             "truncated": torch.tensor([r.finish_reason == "length" for r in results]),
         }
 
-    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        # Engines stay loaded between phases (no sleep mode): already awake.
-        return True
+    @property
+    def colocated(self) -> bool:
+        """The engines share their GPUs with a trainer and sleep between phases
+        (``generation.colocated.enabled``)."""
+        return self.fleet.sleeper.enabled
+
+    def prepare_for_generation(self, *args: Any, tags: list[str] | None = None, **kwargs: Any) -> bool:
+        """Colocated: wake ``tags`` (``["weights"]``, ``["kv_cache"]``; None: both), a no-op on an
+        awake fleet. Not colocated: nothing to do (NeMo-RL's semantics). A failure is logged and
+        returns False, as NeMo-RL's does."""
+        if not self.colocated:
+            return True
+        try:
+            return not self.fleet.wake(tags).failed
+        except Exception:
+            log.exception("prepare_for_generation(tags=%s) failed", tags)
+            return False
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        # Dedicated engines hold their devices between phases; release_gpu does not apply.
-        return True
+        """Colocated: the engines sleep (level 1; prefix cache reset, running requests finish
+        first). Not colocated: only the prefix cache is reset. ``release_gpu`` is NeMo-RL's
+        Megatron-only flag: vLLM engines sleep whenever colocated."""
+        try:
+            if self.colocated:
+                return not self.fleet.sleep(1).failed
+            return self.fleet.sleeper.reset_prefix_cache()
+        except Exception:
+            log.exception("finish_generation failed")
+            return False
+
+    def invalidate_kv_cache(self) -> bool:
+        """Every engine drops its prefix cache; True only when all did (a sleeping one holds none)."""
+        return self.fleet.sleeper.reset_prefix_cache()
+
+    def blocks_training(self) -> bool:
+        return self.colocated
 
     def shutdown(self) -> bool:
         if self._owns_fleet:
