@@ -44,6 +44,7 @@ from nemo_gen.core.wire import (
     CheckRefit, EngineManifest, InFlight, LoadRefit, RequestResult, SampleDelta, SampleResult, Sampling, ShardInfo, StepGaps, StreamDeltas,
     StreamEnd, SyncRequest, Unfinished,
 )
+from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
@@ -262,7 +263,8 @@ class FakeEngine:
             if self.refuse_refit:
                 raise ValueError(self.refuse_refit)
             return [1]
-        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights"):
+        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights",
+                      "nemo_gen_update_weights_via_ipc_zmq"):
             if self.fail_load:
                 raise RuntimeError(self.fail_load)
             return [0.001]
@@ -333,7 +335,8 @@ class FakeEngine:
 
 # What a fake shard answers for each refit message (the real driver's ``_METHODS``).
 _REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
-                SleepOrder: "sleep", WakeOrder: "wake", ResetPrefixCache: "reset_prefix_cache"}
+                SleepOrder: "sleep", WakeOrder: "wake", ResetPrefixCache: "reset_prefix_cache",
+                IpcZmqRefit: "load_refit"}
 
 
 class FakeDriver:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
+from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
@@ -258,7 +259,7 @@ class Shard:
                                         timeout=msg.timeout_s)
         return min(seen)
 
-    async def load_refit(self, msg: LoadRefit) -> float:
+    async def load_refit(self, msg: LoadRefit | IpcZmqRefit) -> float:
         """Phase 2: load each (target, entries) group, then serve as ``msg.version``. ``drain``
         holds requests back until the running ones finish; ``keep`` / ``abort`` swap the weights
         under the running batch. On failure the shard keeps no claim to any version."""
@@ -267,6 +268,9 @@ class Shard:
 
         async def load():
             self.claim = NO_CLAIM  # half-loaded weights must never be stamped as a version
+            if isinstance(msg, IpcZmqRefit):  # NeMo-RL's stream: its workers receive it (vllm_ext.ipc_zmq)
+                await engine.rpc("nemo_gen_update_weights_via_ipc_zmq", list(msg.entries), msg.timeout_s, msg.address)
+                return
             for target, entries in msg.groups:
                 await engine.rpc("nemo_gen_load_staged", msg.path, msg.total, entries, target, timeout=msg.timeout_s)
 
@@ -282,7 +286,7 @@ class Shard:
                 await engine.end_swap(None, msg.in_flight, failed=f"refit to version {msg.version} failed: {exc}")
                 raise
             await engine.end_swap(msg.version, msg.in_flight)
-        self.claim = Claim(msg.version, msg.source)
+        self.claim = Claim(msg.version, getattr(msg, "source", None))
         return time.perf_counter() - t0
 
     # -- sleep and wake (the colocated layout) ----------------------------------------------------

@@ -306,3 +306,95 @@ def test_vllm_generation_not_colocated_finish_resets_the_prefix_cache_and_prepar
         assert gen.invalidate_kv_cache() is True
         assert all(driver.shard(h).rpcs.count("reset_prefix_cache") == 2 for h in fleet.shards)
         assert all(r.ok for r in fleet.generate(PROMPTS))
+
+
+# -- NeMo-RL's refit calls on VllmGeneration ----------------------------------------------------------
+
+def state_dict_info(driver):
+    import torch
+
+    return {name: (torch.Size(shape), getattr(torch, dtype)) for name, (shape, dtype) in driver.manifest.items()}
+
+
+def test_prepare_refit_info_is_checked_against_the_engines(colocated, driver):
+    import torch
+
+    from nemo_gen.core.manifest import RefitError
+    from nemo_gen.generation.vllm import VllmGeneration
+
+    with fake_fleet(colocated(), driver) as fleet:
+        gen = VllmGeneration(fleet=fleet)
+        with pytest.raises(RefitError, match="prepare_refit_info"):
+            gen.update_weights_via_ipc_zmq()
+        with pytest.raises(RefitError, match="w"):
+            gen.prepare_refit_info({"w": (torch.Size([3, 4]), torch.float32), "b": (torch.Size([4]), torch.float32)})
+        gen.prepare_refit_info(state_dict_info(driver))  # bf16 from the trainer is fine for a float engine
+        gen.prepare_refit_info({**state_dict_info(driver), "w": (torch.Size([4, 4]), torch.bfloat16)})
+
+
+def test_ipc_zmq_refit_in_nemo_rls_order_on_a_sleeping_fleet(colocated, driver):
+    from nemo_gen.core.ipc_zmq import IpcZmqRefit
+    from nemo_gen.generation.vllm import VllmGeneration
+
+    with fake_fleet(colocated(), driver) as fleet:
+        gen = VllmGeneration(fleet=fleet)
+        gen.prepare_refit_info(state_dict_info(driver))
+        assert gen.finish_generation()  # NeMo-RL: asleep after construction / each rollout
+        assert gen.prepare_for_generation(tags=["weights"])
+        assert gen.update_weights_via_ipc_zmq() == [True, True]
+        assert gen.prepare_for_generation(tags=["kv_cache"])
+        sent = [m for _, method, m in driver.remote_calls if isinstance(m, IpcZmqRefit)]
+        assert len(sent) == 2 and {m.version for m in sent} == {1}
+        assert sent[0].entries == (("w", (4, 4), "float32"), ("b", (4,), "float32"))
+        for h in fleet.shards:
+            engine = driver.shard(h)
+            assert engine.weight_version == 1 and "nemo_gen_update_weights_via_ipc_zmq" in engine.rpcs
+            assert engine.wakes == [["weights"], ["kv_cache"]]  # weights woken before the stream
+        assert {r.weight_version for r in fleet.generate(PROMPTS)} == {1}
+        # the fleet's own rule: asleep at the next refit, the weights are woken by the refit itself
+        gen.finish_generation()
+        assert gen.update_weights_via_ipc_zmq() == [True, True] and fleet.weight_version == 2
+        assert all(driver.shard(h).wakes[-1] == ["weights"] for h in fleet.shards)
+
+
+def test_a_shard_failing_the_ipc_stream_is_quarantined_and_reported_false(colocated, driver):
+    from nemo_gen.generation.vllm import VllmGeneration
+
+    with fake_fleet(colocated(health__auto_recover=False), driver) as fleet:
+        gen = VllmGeneration(fleet=fleet)
+        gen.prepare_refit_info(state_dict_info(driver))
+        driver.shard(fleet.handle(1)).fail_load = "IpcManifestError: missing keys (1): ['b']"
+        assert gen.update_weights_via_ipc_zmq() == [True, False]  # NeMo-RL's caller raises on a False
+        assert fleet.health.state_of(1) is ShardState.DEAD and fleet.weight_version == 1
+        assert {r.shard for r in fleet.generate(PROMPTS)} == {0}
+
+
+def test_init_collective_maps_nemo_rls_ranks_onto_vllms_nccl_transfer(fake_fleet_settings, driver):
+    from nemo_gen.core.nemo_rl_collective import collective_init_info, collective_update_info
+    from nemo_gen.core.wire import SyncInit, SyncRequest
+    from nemo_gen.generation.vllm import VllmGeneration
+
+    info = collective_init_info("10.0.0.1", 29500, world_size=6, train_world_size=4, engine_ranks=2)
+    assert info["rank_offset"] == 4 and info["world_size"] == 6 and info["packed"] is True
+    with pytest.raises(ValueError, match="train_world_size=4 trainer rank\\(s\\) \\+ 2 engine worker"):
+        collective_init_info("10.0.0.1", 29500, world_size=5, train_world_size=4, engine_ranks=2)
+    assert collective_update_info((("w", (4, 4), "bfloat16"),)) == {
+        "names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 4]]}
+
+    with fake_fleet(fake_fleet_settings(), driver) as fleet:  # refit.backend is not nccl: refused
+        with pytest.raises(ConfigError, match="refit.backend=nccl") as err:
+            VllmGeneration(fleet=fleet).init_collective("10.0.0.1", 29500, 6, train_world_size=4)
+        assert err.value.field == "refit.backend"
+    with fake_fleet(fake_fleet_settings(refit__backend="nccl"), driver) as fleet:
+        gen = VllmGeneration(fleet=fleet)
+        gen.prepare_refit_info(state_dict_info(driver))
+        with pytest.raises(Exception, match="world_size=5"):
+            gen.init_collective("10.0.0.1", 29500, 5, train_world_size=4)
+        assert gen.init_collective("10.0.0.1", 29500, 6, train_world_size=4) == [True]
+        inits = {name: m.payload.init_info for name, _, m in driver.remote_calls
+                 if isinstance(m, SyncRequest) and isinstance(m.payload, SyncInit)}
+        # NeMo-RL's layout: trainer ranks 0..3, then each shard's worker
+        assert sorted(i["rank_offset"] for i in inits.values()) == [4, 5]
+        assert {i["world_size"] for i in inits.values()} == {6}
+        assert gen.update_weights_from_collective() == [True, True] and fleet.weight_version == 1
+        assert {r.weight_version for r in fleet.generate(PROMPTS)} == {1}
