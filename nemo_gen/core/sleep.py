@@ -114,6 +114,13 @@ class SleepState:
 AWAKE = SleepState()
 
 
+def of_shard(level: int | None, resident: tuple[str, ...]) -> SleepState:
+    """A shard's state as its info reports it (``ShardInfo.sleep_level`` / ``sleep_resident``)."""
+    if level is None:
+        return AWAKE
+    return SleepState(SleepPhase.ASLEEP, SleepLevel(level), frozenset(WakeTag(t) for t in resident))
+
+
 def draining(state: SleepState, level: SleepLevel) -> SleepState:
     """A sleep began: requests are refused from here while the running ones finish."""
     return replace(state, phase=SleepPhase.DRAINING, level=level)

@@ -295,6 +295,11 @@ class SlotTable(Generic[H]):
             self._sleep = after_sleep(self._sleep, level, version)
             return self._sleep
 
+    def adopt_sleep(self, state: SleepState) -> None:
+        """Attaching to a running fleet: its engines' sleep state, as they report it."""
+        with self._lock:
+            self._sleep = state
+
     def record_wake(self, tags: frozenset[WakeTag]) -> SleepState:
         """``tags`` are resident again on the slots' engines."""
         with self._lock:

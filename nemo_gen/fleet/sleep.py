@@ -29,7 +29,8 @@ from typing import Any, Iterable
 from nemo_gen.core.fleet_health import ABSENT_STATES
 from nemo_gen.core.members import Member
 from nemo_gen.core.sleep import (
-    ResetPrefixCache, SleepLevel, SleepOrder, SleepState, WakeOrder, WakeTag, sleep_level, tags_to_wake, wake_tags,
+    ResetPrefixCache, SleepLevel, SleepOrder, SleepState, WakeOrder, WakeTag, of_shard, sleep_level, tags_to_wake,
+    wake_tags,
 )
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.errors import ConfigError, ShardDiedError
@@ -63,6 +64,11 @@ class FleetSleep:
         self.weights = weights
         self.enabled = enabled
         self.fleet_name = fleet_name
+        # An attached fleet's engines may sleep already: the deepest state they report is the fleet's
+        # (a wake brings every engine to the same state again).
+        reported = [of_shard(h.info.sleep_level, h.info.sleep_resident) for h in members.slots()]
+        if asleep := [s for s in reported if not s.awake]:
+            slots.adopt_sleep(min(asleep, key=lambda s: (-int(s.level), len(s.resident))))
 
     @property
     def state(self) -> SleepState:

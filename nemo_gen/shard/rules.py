@@ -23,10 +23,7 @@ from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
-from nemo_gen.core.sleep import (
-    AWAKE, ResetPrefixCache, SleepOrder, SleepPhase, WakeOrder, after_sleep, after_wake, draining, tags_to_wake,
-    wake_tags,
-)
+from nemo_gen.core.sleep import AWAKE
 from nemo_gen.core.wire import (
     AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
@@ -35,6 +32,7 @@ from nemo_gen.core.wire import (
 from nemo_gen.errors import EngineCrashError, ShardBusy
 from nemo_gen.shard.adapters import adapter_call
 from nemo_gen.shard.engine_protocol import EngineLike
+from nemo_gen.shard.sleep_rules import SleepRules
 
 # vLLM's weight-sync RPCs on the workers, by step (``apply`` is nemo_gen's one-call form).
 _RPC = {SyncInit: "init_weight_transfer_engine", SyncStart: "start_weight_update",
@@ -114,7 +112,7 @@ class SyncSession:
             await self.engine.end_swap(version, in_flight, failed=failed)
 
 
-class Shard:
+class Shard(SleepRules):
     """One shard = one vLLM engine, as ``vllm serve`` would run it, serving slot ``slot`` of
     fleet ``fleet`` (``slot`` None: a warm spare). Built before its engine starts (``attach``),
     so it answers ``info`` while the engine loads."""
@@ -160,6 +158,8 @@ class Shard:
             dtype=engine.dtype if engine else None, load_s=engine.load_s if engine else None,
             async_engine=self.async_engine, engine_core_start=self.engine_core_start, direct_calls=direct_calls,
             generating=bool(engine and engine.generating), batch_steps=engine.steps_made if engine else 0,
+            sleep_level=None if self.sleep_state.awake else int(self.sleep_state.level),
+            sleep_resident=tuple(sorted(self.sleep_state.resident)),
         )
 
     def assign(self, slot: int, restarts: int = 0) -> ShardInfo:
@@ -288,41 +288,6 @@ class Shard:
             await engine.end_swap(msg.version, msg.in_flight)
         self.claim = Claim(msg.version, getattr(msg, "source", None))
         return time.perf_counter() - t0
-
-    # -- sleep and wake (the colocated layout) ----------------------------------------------------
-
-    async def sleep(self, order: SleepOrder) -> float:
-        """Sleep at ``order.level`` once the running requests finished (new ones are refused from
-        the start): the prefix cache is reset, then vLLM's sleep. Asleep already: nothing to do."""
-        engine = self._engine()
-        if self.sleep_state.phase is SleepPhase.ASLEEP and self.sleep_state.level >= order.level:
-            return 0.0
-        t0 = time.perf_counter()
-        before, self.sleep_state = self.sleep_state, draining(self.sleep_state, order.level)
-        try:
-            async with engine.exclusive():
-                await engine.sleep(order.level)
-        except BaseException:
-            self.sleep_state = before
-            raise
-        self.sleep_state = after_sleep(before, order.level, self.claim.version)
-        return time.perf_counter() - t0
-
-    async def wake(self, order: WakeOrder) -> float:
-        """Bring ``order.tags`` back (all when empty); awake already: nothing to do."""
-        tags = wake_tags(order.tags or None)
-        wanted = tags_to_wake(self.sleep_state, tags)
-        t0 = time.perf_counter()
-        if wanted:
-            await self._engine().wake(wanted)
-        self.sleep_state = after_wake(self.sleep_state, tags)
-        return time.perf_counter() - t0
-
-    async def reset_prefix_cache(self, order: ResetPrefixCache) -> bool:
-        """Drop the prefix cache (asleep: it holds none). False when vLLM refused (requests ran)."""
-        if not self.sleep_state.awake:
-            return True
-        return bool(await self._engine().reset_prefix_cache())
 
     # -- LoRA adapters --------------------------------------------------------------------------
 

@@ -398,3 +398,21 @@ def test_init_collective_maps_nemo_rls_ranks_onto_vllms_nccl_transfer(fake_fleet
         assert {i["world_size"] for i in inits.values()} == {6}
         assert gen.update_weights_from_collective() == [True, True] and fleet.weight_version == 1
         assert {r.weight_version for r in fleet.generate(PROMPTS)} == {1}
+
+
+def test_attaching_to_a_sleeping_fleet_adopts_its_state(colocated, driver):
+    from nemo_gen.fleet.fleet import GenerationFleet
+
+    with fake_fleet(colocated(), driver) as fleet:
+        fleet.sleep(1)
+        fleet.wake(["weights"])
+        infos = [driver.info(h) for h in fleet.shards]
+        assert {(i.sleep_level, i.sleep_resident) for i in infos} == {(1, ("weights",))}
+        other = GenerationFleet(fleet.resolved, fleet.shards, driver=driver, attached=True, watch=False)
+        try:
+            assert other.sleep_state == fleet.sleep_state
+            with pytest.raises(FleetAsleep, match="kv_cache"):
+                other.generate(PROMPTS)
+            assert {s.sleep for s in other.status()} == {"asleep (level 1; weights resident)"}
+        finally:
+            other._close_background(detached=True)
