@@ -92,7 +92,7 @@ class SleepState:
         ``asleep (level 2; weights resident)``."""
         if self.awake:
             return "awake"
-        text = f"{self.phase.value} (level {int(self.level)}"
+        text = f"{self.phase.value} (level {int(self.level or 0)}"  # (set whenever not awake)
         woken = sorted(t.value for t in self.resident) if self.phase is SleepPhase.ASLEEP else []
         return text + (f"; {', '.join(woken)} resident)" if woken else ")")
 
