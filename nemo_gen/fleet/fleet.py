@@ -94,6 +94,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
                              vocab_size=resolved.vocab_size)
         self.sleeper = FleetSleep(**parts, weights=self.weights, enabled=s.generation.colocated.enabled, fleet_name=s.fleet.name)
         self.refitter.before_refit.append(self.sleeper.weights_for_refit)
+        self.refitter.before_catch_up.append(self.sleeper.weights_for_catch_up)
         self.refitter.after_catch_up.append(self.sleeper.catch_up)  # (a newcomer sleeps as the fleet does)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         self.prober = Prober(**parts, sampling=resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0}),

@@ -76,8 +76,10 @@ class Refitter:
         self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
         # Run on a newcomer after it caught up, under the refit lock (the fleet's LoRA adapters).
         self.after_catch_up: list[Callable[[Member, ShardHandle], None]] = []
-        # Run before weights move, under the refit lock (a sleeping fleet wakes its weights: nemo_gen.fleet.sleep).
+        # Run before weights move, under the refit lock (a sleeping fleet wakes its weights: nemo_gen.fleet.sleep);
+        # before_catch_up: the same for one newcomer (a sleep may have reached it before its catch-up).
         self.before_refit: list[Callable[[], None]] = []
+        self.before_catch_up: list[Callable[[Member, ShardHandle], None]] = []
 
     @property
     def draft_full(self) -> bool:
@@ -290,6 +292,8 @@ class Refitter:
                     # Another process did the last refit (its staging is gone): stage it again.
                     staged = self.stage(self.weights.source, version)
                     self.weights.keep_staged(staged)
+                for hook in self.before_catch_up:
+                    hook(member, handle)
                 # A fresh engine runs nothing: there is no request to keep or cut.
                 ok, _, error = self.apply_staged(staged, {member: handle}, _DRAIN)[member]
                 if not ok:

@@ -133,6 +133,15 @@ class FleetSleep:
             self.slots.quarantine(member, reason)
         return reason
 
+    def weights_for_catch_up(self, member: Member, handle: ShardHandle) -> None:
+        """``Refitter.before_catch_up``: a newcomer a sleep reached before its catch-up (it was
+        installed, so the sleep found it) needs its weights back to load the fleet's."""
+        if self.slots.sleep_state().awake or member.is_spare:
+            return
+        answer = self.driver.fan_out({member: handle}, WakeOrder((WakeTag.WEIGHTS,)), _MARGIN_S)[member]
+        if not answer.ok:
+            raise ShardDiedError(member.slot, f"could not wake its weights to catch up: {answer.error}")
+
     def catch_up(self, member: Member, handle: ShardHandle) -> None:
         """``Refitter.after_catch_up``: a newcomer that caught up takes the fleet's sleep state
         (asleep at its level, with what the fleet has woken resident again)."""

@@ -25,8 +25,9 @@ class SleepRules:
         """Sleep at ``order.level`` once the running requests finished (new ones are refused from
         the start): the prefix cache is reset, then vLLM's sleep. Asleep already: nothing to do."""
         engine = self._engine()
-        if self.sleep_state.phase is SleepPhase.ASLEEP and self.sleep_state.level >= order.level:
-            return 0.0
+        state = self.sleep_state
+        if state.phase is SleepPhase.ASLEEP and state.level >= order.level and not state.resident:
+            return 0.0  # (half awake, it sleeps again: what it woke goes back)
         t0 = time.perf_counter()
         before, self.sleep_state = self.sleep_state, draining(self.sleep_state, order.level)
         try:

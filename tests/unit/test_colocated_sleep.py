@@ -416,3 +416,21 @@ def test_attaching_to_a_sleeping_fleet_adopts_its_state(colocated, driver):
             assert {s.sleep for s in other.status()} == {"asleep (level 1; weights resident)"}
         finally:
             other._close_background(detached=True)
+
+
+def test_a_newcomer_a_sleep_reached_before_its_catch_up_still_catches_up_and_sleeps(colocated, driver):
+    # Recovery installs a replacement, a sleep reaches it (it holds a slot), then its catch-up runs:
+    # its weights are woken for the load and it ends asleep like the others.
+    from nemo_gen.core.members import Member
+
+    with fake_fleet(colocated(), driver) as fleet:
+        fleet.refit(tensors(), version=4)
+        fleet.sleep(1)
+        handle = fleet.handle(0)
+        shard = driver.rules(handle)
+        shard.claim = type(shard.claim)(None)  # as a fresh replacement: no version yet
+        assert fleet.refitter.catch_up(Member(handle.name, 0), handle)
+        engine = driver.shard(handle)
+        assert engine.weight_version == 4 and engine.wakes[-1] == ["weights"]
+        assert shard.sleep_state.phase is SleepPhase.ASLEEP and not shard.sleep_state.resident
+        assert [lvl for lvl, _ in engine.sleeps] == [1, 1]  # asleep again after the load
