@@ -120,6 +120,7 @@ class FakeEngine:
         self.sleeps: list[tuple[int, int]] = []  # each vLLM sleep: (level, requests running then)
         self.wakes: list[list[str]] = []  # the tags of each wake_up it got
         self.fail_sleep: str | None = None  # vLLM's sleep raises this
+        self.swaps = 0  # keep / abort swaps begun (vLLM's pause_scheduler under a running batch)
         # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
         self.gate = Gate()
         self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
@@ -288,6 +289,7 @@ class FakeEngine:
         self.version = version
 
     async def begin_swap(self) -> None:
+        self.swaps += 1
         await self.gate.claim()  # as the real swap (``nemo_gen.shard.swap``): new requests wait
         self._frozen = True
 

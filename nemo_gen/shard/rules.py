@@ -274,7 +274,7 @@ class Shard(SleepRules):
             for target, entries in msg.groups:
                 await engine.rpc("nemo_gen_load_staged", msg.path, msg.total, entries, target, timeout=msg.timeout_s)
 
-        if msg.in_flight.drain:
+        if msg.in_flight.drain or not self.sleep_state.awake:  # (asleep: nothing runs, its scheduler is paused)
             async with engine.exclusive():
                 await load()
                 await engine.set_version(msg.version)

@@ -434,3 +434,16 @@ def test_a_newcomer_a_sleep_reached_before_its_catch_up_still_catches_up_and_sle
         assert engine.weight_version == 4 and engine.wakes[-1] == ["weights"]
         assert shard.sleep_state.phase is SleepPhase.ASLEEP and not shard.sleep_state.resident
         assert [lvl for lvl, _ in engine.sleeps] == [1, 1]  # asleep again after the load
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_refit_of_a_sleeping_fleet_swaps_nothing_under_a_paused_scheduler(colocated, driver, mode):
+    # keep / abort pause the scheduler under a running batch; a sleeping engine runs none and its
+    # scheduler is paused already: the load goes in as a drain would.
+    with fake_fleet(colocated(), driver) as fleet:
+        fleet.sleep(1)
+        assert all(s.ok for s in fleet.refit(tensors(), in_flight=mode).shards)
+        assert [driver.shard(h).swaps for h in fleet.shards] == [0, 0]
+        fleet.wake()
+        fleet.refit(tensors(), in_flight=mode)  # awake: the mode acts as it says
+        assert [driver.shard(h).swaps for h in fleet.shards] == [1, 1]
