@@ -44,6 +44,8 @@ from nemo_gen.core.wire import (
     CheckRefit, EngineManifest, InFlight, LoadRefit, RequestResult, SampleDelta, SampleResult, Sampling, ShardInfo, StepGaps, StreamDeltas,
     StreamEnd, SyncRequest, Unfinished,
 )
+from nemo_gen.core.ipc_zmq import IpcZmqRefit
+from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
 from nemo_gen.shard.gate import Gate
@@ -115,6 +117,10 @@ class FakeEngine:
         self.crash_exit = 1  # that core's exit code (1: an error in its step; -9: killed from outside)
         self.exit_code: int | None = None  # its core's, once it died
         self.crashes = 0  # times its core died of a request
+        self.sleeps: list[tuple[int, int]] = []  # each vLLM sleep: (level, requests running then)
+        self.wakes: list[list[str]] = []  # the tags of each wake_up it got
+        self.fail_sleep: str | None = None  # vLLM's sleep raises this
+        self.swaps = 0  # keep / abort swaps begun (vLLM's pause_scheduler under a running batch)
         # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
         self.gate = Gate()
         self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
@@ -258,7 +264,8 @@ class FakeEngine:
             if self.refuse_refit:
                 raise ValueError(self.refuse_refit)
             return [1]
-        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights"):
+        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights",
+                      "nemo_gen_update_weights_via_ipc_zmq"):
             if self.fail_load:
                 raise RuntimeError(self.fail_load)
             return [0.001]
@@ -282,6 +289,7 @@ class FakeEngine:
         self.version = version
 
     async def begin_swap(self) -> None:
+        self.swaps += 1
         await self.gate.claim()  # as the real swap (``nemo_gen.shard.swap``): new requests wait
         self._frozen = True
 
@@ -292,6 +300,19 @@ class FakeEngine:
             self.version = version
         self._frozen = False
         await self.gate.release()
+
+    async def sleep(self, level: int) -> None:
+        if self.fail_sleep:
+            raise RuntimeError(self.fail_sleep)
+        self.sleeps.append((int(level), self.running))  # (the level, requests running as it fell asleep)
+        self.rpcs.append("reset_prefix_cache")
+
+    async def wake(self, tags: list[str]) -> None:
+        self.wakes.append(list(tags))
+
+    async def reset_prefix_cache(self) -> bool:
+        self.rpcs.append("reset_prefix_cache")
+        return not self.running  # vLLM's answer: no reset while requests run
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
@@ -315,7 +336,9 @@ class FakeEngine:
 
 
 # What a fake shard answers for each refit message (the real driver's ``_METHODS``).
-_REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync"}
+_REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
+                SleepOrder: "sleep", WakeOrder: "wake", ResetPrefixCache: "reset_prefix_cache",
+                IpcZmqRefit: "load_refit"}
 
 
 class FakeDriver:

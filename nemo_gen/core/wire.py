@@ -108,6 +108,8 @@ class ShardInfo:
     generating: bool = False  # a batch is running now
     batch_steps: int = 0  # that batch's engine steps so far
     unresponsive: str | None = None
+    sleep_level: int | None = None  # asleep at this vLLM level (nemo_gen.core.sleep); None: awake
+    sleep_resident: tuple[str, ...] = ()  # while asleep, the wake tags brought back already
 
     def with_version(self, version: int | None) -> "ShardInfo":
         return dataclasses.replace(self, weight_version=version)

@@ -38,6 +38,7 @@ from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.router import Prompt, Router
 from nemo_gen.fleet.session import SessionVerbs
+from nemo_gen.fleet.sleep import FleetSleep, SleepVerbs
 from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
@@ -48,7 +49,7 @@ from nemo_gen.settings import NemoGenSettings
 __all__ = ["GenerationFleet", "ShardStatus"]
 
 
-class GenerationFleet(AdapterVerbs, SessionVerbs):
+class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
     """A running fleet. Build it with ``GenerationFleet.launch(settings)``; use as a context
     manager, or call ``shutdown()`` (idempotent)."""
 
@@ -91,6 +92,10 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
                              limits=policies.request_limits(s), decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
                              serving_version=lambda: self.weights.version, fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack,
                              vocab_size=resolved.vocab_size)
+        self.sleeper = FleetSleep(**parts, weights=self.weights, enabled=s.generation.colocated.enabled, fleet_name=s.fleet.name)
+        self.refitter.before_refit.append(self.sleeper.weights_for_refit)
+        self.refitter.before_catch_up.append(self.sleeper.weights_for_catch_up)
+        self.refitter.after_catch_up.append(self.sleeper.catch_up)  # (a newcomer sleeps as the fleet does)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         self.prober = Prober(**parts, sampling=resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0}),
                              tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)

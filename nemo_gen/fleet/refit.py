@@ -76,6 +76,10 @@ class Refitter:
         self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
         # Run on a newcomer after it caught up, under the refit lock (the fleet's LoRA adapters).
         self.after_catch_up: list[Callable[[Member, ShardHandle], None]] = []
+        # Run before weights move, under the refit lock (a sleeping fleet wakes its weights: nemo_gen.fleet.sleep);
+        # before_catch_up: the same for one newcomer (a sleep may have reached it before its catch-up).
+        self.before_refit: list[Callable[[], None]] = []
+        self.before_catch_up: list[Callable[[Member, ShardHandle], None]] = []
 
     @property
     def draft_full(self) -> bool:
@@ -96,6 +100,11 @@ class Refitter:
     def refit_members(self) -> dict[Member, ShardHandle]:
         """Every refittable slot and every warm spare (so one can serve the moment it is promoted)."""
         return self.members.members(self.targets())
+
+    def ready_weights(self) -> None:
+        """Make every member's weights loadable (the ``before_refit`` hooks), under the refit lock."""
+        for hook in self.before_refit:
+            hook()
 
     def expected(self, target: str) -> EngineManifest:
         """The engine's own manifest for ``target``, asked of each refittable shard in turn (so
@@ -123,6 +132,7 @@ class Refitter:
         """``in_flight``: what the shards do to running requests (``policies.in_flight``)."""
         with self.weights.refitting():
             new_version = next_version(self.weights.version, version)
+            self.ready_weights()
             members = self.refit_members()
             staged = self.stage(source, new_version)
             report = RefitReport(version=new_version, bytes=staged.total, tensors=staged.tensors,
@@ -282,6 +292,8 @@ class Refitter:
                     # Another process did the last refit (its staging is gone): stage it again.
                     staged = self.stage(self.weights.source, version)
                     self.weights.keep_staged(staged)
+                for hook in self.before_catch_up:
+                    hook(member, handle)
                 # A fresh engine runs nothing: there is no request to keep or cut.
                 ok, _, error = self.apply_staged(staged, {member: handle}, _DRAIN)[member]
                 if not ok:

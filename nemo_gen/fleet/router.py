@@ -40,7 +40,7 @@ from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import GenerateReply, RequestResult, Sampling, StreamDeltas
-from nemo_gen.errors import RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
@@ -139,7 +139,13 @@ class Router:
         """The session ended: its shard is released."""
         return self.affinity.close(session)
 
+    def _check_awake(self) -> None:
+        """A sleeping fleet (``nemo_gen.fleet.sleep``) admits nothing: a state, not a fault."""
+        if (why := self.slots.sleep_state().refusal(self._fleet_name, self._version())) is not None:
+            raise FleetAsleep(why, retry_after_s=self.tries.retry_after_s)
+
     def _pick(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
+        self._check_awake()
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             time.sleep(_POLL_S)
@@ -147,6 +153,7 @@ class Router:
         return shard
 
     async def _pick_async(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
+        self._check_awake()
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             await asyncio.sleep(_POLL_S)

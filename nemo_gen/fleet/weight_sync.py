@@ -130,7 +130,8 @@ class FleetWeightSyncClient:
         members = self._members()
         per_shard = {k: dict(init_info) for k in members}
         if _is_group(init_info):  # NCCL: one group, each shard's workers after the last
-            want = self.nccl_world_size()
+            # (the trainer's ranks come first: rank_offset of them; vLLM's trainer engine has one)
+            want = self.nccl_world_size() - 1 + int(init_info["rank_offset"])
             if init_info.get("world_size") != want:
                 raise RefitError(
                     f"the NCCL group has world_size {init_info.get('world_size')}, but this fleet needs {want} "
@@ -196,6 +197,7 @@ class FleetWeightSyncClient:
                              "(generation.vllm_kwargs.speculative_config)")
         with contextlib.ExitStack() as lock:
             lock.enter_context(self.weights.refitting())
+            self.refitter.ready_weights()
             version = next_version(self.weights.version, self.version)
             handles = self._admit(self._members())
             if not handles:

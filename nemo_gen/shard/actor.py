@@ -16,6 +16,7 @@ import ray
 from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
 from nemo_gen.core.wire import (
     AdapterCall, AdapterState, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, LoadStats, ProbeReply, Sampling,
     ShardInfo, StepGaps, SyncReply, SyncRequest, Unfinished,
@@ -154,6 +155,15 @@ class ShardActor:
 
     async def weight_sync(self, req: SyncRequest) -> SyncReply:
         return await self.shard.weight_sync(req)
+
+    async def sleep(self, order: SleepOrder) -> float:
+        return await self.shard.sleep(order)
+
+    async def wake(self, order: WakeOrder) -> float:
+        return await self.shard.wake(order)
+
+    async def reset_prefix_cache(self, order: ResetPrefixCache) -> bool:
+        return await self.shard.reset_prefix_cache(order)
 
     async def adapter_call(self, call: AdapterCall) -> AdapterState:
         return await self.shard.adapter_call(call)

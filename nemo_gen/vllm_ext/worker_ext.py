@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from nemo_gen.vllm_ext.copy_plan import CopyPlan
 from nemo_gen.vllm_ext.direct_load import DirectLoad, ScratchPool
+from nemo_gen.vllm_ext.ipc_zmq import IpcZmqWorkerMixin
 from nemo_gen.vllm_ext.lora import LoraWorkerMixin
 
 Entry = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset
@@ -63,7 +64,7 @@ def split_stacked(model: Any, names: list[str]) -> list[str]:
     return sorted(problems)
 
 
-class NemoGenWorkerExtension(LoraWorkerMixin):
+class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     def _drafter(self):
@@ -163,6 +164,11 @@ class NemoGenWorkerExtension(LoraWorkerMixin):
             raise
         self.finish_weight_update()
         return time.perf_counter() - t0
+
+    def nemo_gen_weight_load(self, target: str = "policy") -> "WeightLoad":
+        """A ``WeightLoad`` into ``target`` (the policy, or the drafter), for a refit path to drive."""
+        model, model_config = self._model_and_config(target)
+        return WeightLoad(model, self.vllm_config, model_config, _scratch_pool(self))
 
     def _model_and_config(self, target: str):
         """(model, its ModelConfig) for ``target``: the policy, or the speculative drafter."""
