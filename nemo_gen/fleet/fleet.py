@@ -90,7 +90,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         self.router = Router(**parts, tokenizer=self._tokenizer, max_model_len=int(resolved.max_model_len or 0),
                              limits=policies.request_limits(s), decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
                              serving_version=lambda: self.weights.version, fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack,
-                             vocab_size=resolved.vocab_size)
+                             vocab_size=resolved.vocab_size, digest_of=self.weights.digests.of)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         self.prober = Prober(**parts, sampling=resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0}),
                              tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)
