@@ -78,7 +78,8 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         self.watches = DeathWatch(driver=self.driver, interval_s=s.health.watch_interval_s)
         gen_cfg = resolved.generation_config
         parts = dict(slots=self.members.table, members=self.members, driver=self.driver)
-        self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes)
+        self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes,
+                                 digest=s.refit.digest)
         self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,
                                 template=(resolved.spares or resolved.shards)[0], fleet_name=s.fleet.name,
                                 num_slots=s.fleet.num_shards, wanted=lambda: self.settings.fleet.spares,

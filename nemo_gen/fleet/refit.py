@@ -65,7 +65,7 @@ def metas_of(expected: EngineManifest) -> dict[str, TensorMeta]:
 
 class Refitter:
     def __init__(self, *, slots: SlotTable, members: Membership, weights: FleetWeights,
-                 driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int):
+                 driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int, digest: bool = True):
         self.slots = slots
         self.health = slots.ledger  # read only: every write is a table transaction
         self.members = members
@@ -73,6 +73,7 @@ class Refitter:
         self.driver = driver
         self._generation_config = generation_config
         self.bucket_bytes = bucket_bytes
+        self.digest = digest  # refit.digest: hash what is staged, and have every shard check it
         # Refits that landed (on at least one shard), their seconds and bytes: metrics.
         self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
         # Run on a newcomer after it caught up, under the refit lock (the fleet's LoRA adapters).
@@ -207,21 +208,24 @@ class Refitter:
         for bucket in buckets(staged, self.bucket_bytes):
             for name, tensor in src.read([m.name for m in bucket]):
                 tensor = staged_form(tensor, engine_dtype)
-                t_digest = time.perf_counter()
-                digests[name] = tensor_digest(tensor)  # the trainer's side, on the tensor's device
-                digest_s += time.perf_counter() - t_digest
+                if self.digest:
+                    t_digest = time.perf_counter()
+                    digests[name] = tensor_digest(tensor)  # the trainer's side, on the tensor's device
+                    digest_s += time.perf_counter() - t_digest
                 staging.write(where[name], tensor, engine_dtype)
         # Workers get target-space names: the drafter's tensors without their prefix.
         entry_groups = [
             (target, [(m.name, m.shape, m.dtype, where[src_name].offset) for t, src_name, m in items if t == target])
             for target, _ in groups
         ]
-        ordered = WeightDigest(tuple(m.name for _, _, m in items), tuple(digests[src_name] for _, src_name, _ in items))
+        ordered = WeightDigest(tuple(m.name for _, _, m in items), tuple(digests[src_name] for _, src_name, _ in items)
+                               ) if self.digest else None
         return StagedRefit(
             version=version, path=str(staging.path), total=total, groups=entry_groups, tensors=len(items),
             stage_seconds=time.perf_counter() - t0,
             source=str(source) if isinstance(source, (str, os.PathLike)) else None,
-            digests=ordered.values, digest=ordered.digest, digest_seconds=digest_s,
+            digests=ordered.values if ordered else (), digest=ordered.digest if ordered else None,
+            digest_seconds=digest_s,
         )
 
     def apply_staged(self, staged: StagedRefit, handles: dict[Member, ShardHandle],

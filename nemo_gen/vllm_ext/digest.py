@@ -33,9 +33,9 @@ def _chunk_sum(words: Any, start: Any) -> Any:
     return (v * _K3).sum()
 
 
-def _summer(device_type: str):
+def _summer(device_type: str, fused: bool):
     global _compiled
-    if device_type != "cuda":
+    if device_type != "cuda" or not fused:
         return _chunk_sum
     if _compiled is None:
         try:
@@ -59,8 +59,9 @@ def _words(flat: Any) -> Any:
         return body.clone().view(torch.int32)
 
 
-def tensor_digest(tensor: Any) -> int:
-    """The ``wd1`` digest of ``tensor``'s bytes (any dtype, any device; never copied to the host)."""
+def tensor_digest(tensor: Any, fused: bool = True) -> int:
+    """The ``wd1`` digest of ``tensor``'s bytes (any dtype, any device; never copied to the host).
+    ``fused`` False: eager even on CUDA (the same bits; benchmarks compare the two)."""
     import torch
 
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -68,7 +69,7 @@ def tensor_digest(tensor: Any) -> int:
     words = _words(flat)
     total = None
     if words.numel():
-        summer = _summer(words.device.type)
+        summer = _summer(words.device.type, fused)
         for start in range(0, words.numel(), CHUNK_WORDS):
             part = summer(words[start:start + CHUNK_WORDS], start)
             total = part if total is None else total + part

@@ -74,3 +74,11 @@ def test_when_no_shard_reads_the_trainers_bytes_the_refit_is_refused_and_the_fle
             fleet.refit(_tensors())
         assert fleet.weight_version == 0 and fleet.health.serving_shards() == [0, 1]
         assert {r.weight_version for r in fleet.generate(PROMPTS)} == {0}
+
+
+def test_refit_digest_off_checks_nothing_and_claims_nothing(settings, driver, tmp_path):
+    with fake_fleet(settings(refit__staging_dir=str(tmp_path), refit__digest=False), driver) as fleet:
+        driver.shard(fleet.handle(1)).corrupt_staged = "b"  # not checked: the setting is off
+        report = fleet.refit(_tensors())
+        assert report.ok and report.digest is None and report.digest_seconds == 0.0
+        assert {tuple(r.weight_digests) for r in fleet.generate(PROMPTS)} == {(None,)}
