@@ -3,7 +3,7 @@ how two sets are compared, and how results are stamped with it. Pure logic: the 
 that computes it on the weights' own device is ``nemo_gen.vllm_ext.digest``, held to the
 reference here (``reference_digest``) by tests.
 
-A tensor's digest is a 64-bit hash of its bytes: the bytes as little-endian signed 32-bit words
+A tensor's digest is a 64-bit hash of its bytes: the bytes as little-endian signed 64-bit words
 ``w_j`` (the tail, if any, zero-padded to one more word), each mixed with its position,
 ``v_j = mix(w_j XOR j*K1)`` where ``mix`` is splitmix64's multiply / xor-shift / multiply, summed
 modulo 2**64, and the sum finished with the byte length (``finish``). Why this and not a
@@ -33,6 +33,7 @@ K1 = 0x9E3779B97F4A7C15
 K2 = 0xBF58476D1CE4E5B9
 K3 = 0x94D049BB133111EB
 SHIFT = 31
+WORD = 8  # bytes a word
 # The words of one tensor that a device reduces at once: bounds the temporaries (8 bytes a word).
 CHUNK_WORDS = 1 << 24
 # How a shard's refusal of mismatched bytes starts: the driver tells it from other refusals by it.
@@ -61,10 +62,10 @@ def finish(total: int, nbytes: int) -> int:
 
 def reference_digest(data: bytes) -> int:
     """The definition, in plain Python (slow: for tests of the torch kernel, and small tensors)."""
-    padded = data + b"\0" * (-len(data) % 4)
+    padded = data + b"\0" * (-len(data) % WORD)
     total = 0
-    for j in range(len(padded) // 4):
-        w = int.from_bytes(padded[4 * j:4 * j + 4], "little", signed=True) & MASK
+    for j in range(len(padded) // WORD):
+        w = int.from_bytes(padded[WORD * j:WORD * (j + 1)], "little", signed=True) & MASK
         total += mix(w ^ ((j * K1) & MASK))
     return finish(total & MASK, len(data))
 

@@ -19,14 +19,22 @@ def test_the_kernel_is_the_definition(dtype, shape):
     assert tensor_digest(t) == d.reference_digest(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def test_chunks_and_unaligned_views_give_the_same_bits(monkeypatch):
+def test_chunks_the_fused_form_and_unaligned_views_give_the_same_bits(monkeypatch):
+    from nemo_gen.vllm_ext import digest as kernel
+
     t = torch.randn(1001, dtype=torch.float32)
     whole = tensor_digest(t)
-    monkeypatch.setattr("nemo_gen.vllm_ext.digest.CHUNK_WORDS", 64)  # many chunks, one sum
+    assert whole == d.reference_digest(t.numpy().tobytes())
+    monkeypatch.setattr(kernel, "_EAGER_CHUNK", 64)  # many steps over reused buffers, one sum
+    monkeypatch.setattr(kernel._scratch, "by_device", {})
     assert tensor_digest(t) == whole
+    words = t.view(torch.uint8)[:4000].view(torch.int64)
+    # the form torch.compile fuses on CUDA, run eagerly here in two chunks: the same sum
+    fused_form = (kernel._chunk_sum(words[:100], 0) + kernel._chunk_sum(words[100:], 100)).item() & d.MASK
+    assert fused_form == kernel._eager_sum(words).item() & d.MASK
     raw = torch.zeros(4 * 1001 + 1, dtype=torch.uint8)
     raw[1:] = t.view(torch.uint8)
-    assert tensor_digest(raw[1:]) == whole  # at byte offset 1 its words are not aligned: copied once
+    assert tensor_digest(raw[1:]) == whole  # at byte offset 1 no word is aligned: copied once
 
 
 def test_every_single_byte_flip_changes_the_digest():
