@@ -22,6 +22,7 @@ from nemo_gen.core.planner import Seed, attach_seeds
 from nemo_gen.core.wire import FleetRecordState
 from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
+from nemo_gen.core.request_policy import honour
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet import services
@@ -162,7 +163,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         conversation on its last turn's shard. ``timeout_s`` (default ``fleet.request_timeout_s``): see
         ``Router.generate``. ``adapter``: that LoRA adapter's newest version. One result per prompt."""
         self.background.check_open()
-        with self.adapters.selected(adapter, resolve_sampling(self.resolved.generation_config, sampling)) as (chosen, p):
+        with self.adapters.selected(adapter, self._sampling(sampling)) as (chosen, p):
             return chosen.stamp(self.router.generate(prompts, p, session_id, timeout_s))
 
     async def generate_async(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
@@ -170,15 +171,20 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         """The per-request awaitable for async RL loops; cancelling it aborts the request on its
         engine; past ``timeout_s`` (default ``fleet.request_timeout_s``): ``RequestTimeout``."""
         self.background.check_open()
-        with self.adapters.selected(adapter, resolve_sampling(self.resolved.generation_config, sampling)) as (chosen, p):
+        with self.adapters.selected(adapter, self._sampling(sampling)) as (chosen, p):
             return chosen.stamp(await self.router.generate_async(prompt, p, session_id, timeout_s))
 
     def generate_stream(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
                         adapter: str | None = None, **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
         """``Delta``s as generated, then the result; ``timeout_s``: the longest wait between two."""
         self.background.check_open()
-        return self.adapters.stream(adapter, resolve_sampling(self.resolved.generation_config, sampling),
+        return self.adapters.stream(adapter, self._sampling(sampling),
                                     lambda p: self.router.generate_stream(prompt, p, session_id, timeout_s))
+
+    def _sampling(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """Sampling keywords, once the call's min_version / max_staleness are ones the fleet honours."""
+        rest = honour(sampling, self.weight_version, policies.in_flight(self.settings))  # RequestError naming the field
+        return resolve_sampling(self.resolved.generation_config, rest)
 
     # -- weights -----------------------------------------------------------------------------
     @property
