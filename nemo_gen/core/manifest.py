@@ -296,7 +296,8 @@ def layout_only(update_info: Mapping[str, Any]) -> dict[str, Any] | None:
     layout = update_info.get("layout")
     if layout is None or update_info.get("layout_only"):
         return None
-    return {"layout": layout, "layout_only": True}
+    digests = {k: update_info[k] for k in ("digests", "digest") if k in update_info}  # new values, checked
+    return {"layout": layout, "layout_only": True, **digests}
 
 
 def needs_whole(update_info: Mapping[str, Any], held_layout: object) -> bool:

@@ -108,13 +108,14 @@ class FleetWeights:
         """The staging file is about to be overwritten: it no longer holds the current version."""
         self._staged = None
 
-    def landed(self, version: int, source: str | None, staged: StagedRefit | None) -> None:
+    def landed(self, version: int, source: str | None, staged: StagedRefit | None, digest: str | None = None) -> None:
         """A refit landed on at least one shard: the fleet serves ``version`` now. ``staged``:
-        its bytes, when they are in the staging file (None for a weight-sync refit)."""
+        its bytes, when they are in the staging file (None for a weight-sync refit, whose
+        trainer's ``digest`` the shards checked, if any)."""
         self._version = version
         self._source = source
         self._staged = staged
-        self.digests.record(version, staged.digest if staged is not None else None)
+        self.digests.record(version, staged.digest if staged is not None else digest)
         self._record.write_version(version, source)
 
     def note_slot(self, slot: int, restarts: int, retired: str | None) -> None:

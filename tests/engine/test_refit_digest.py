@@ -48,6 +48,33 @@ def trainer_digest(model_dir, dtype_name):
     return combine((n, tensor_digest(t.to(dtype) if t.is_floating_point() else t)) for n, t in tensors.items())
 
 
+def test_a_trainer_engine_sends_its_digest_the_shards_check_it_and_results_carry_it(fleet, tmp_path_factory):
+    """vLLM's trainer API (nemo_gen_shm from a torch module): the trainer engine hashes what it
+    stages, every shard's workers check it before loading, and results carry it."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from nemo_gen.vllm_ext.vllm_backend import SharedMemoryTrainerInitInfo
+
+    model = make_tiny_model(tmp_path_factory.mktemp("digest") / "trainer", seed=13)
+    policy = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    want = combine((n, tensor_digest(t)) for n, t in ModuleSource(policy))  # float32: staged as it is
+    client = fleet.weight_sync_client()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SharedMemoryTrainerInitInfo(staging_dir=str(tmp_path_factory.mktemp("trainer-staging"))), client=client,
+        source=ModuleSource(policy))
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    report = client.report
+    assert report.ok and report.digest == want
+    results = fleet.generate(PROMPTS, temperature=0)
+    assert all(r.weight_versions == [(report.version, len(r.token_ids))] and r.weight_digests == [want]
+               for r in results)
+
+
 def test_every_result_carries_the_trainers_digest_and_a_corrupted_shard_keeps_its_old_weights(
         fleet, tmp_path_factory, tiny_model_dir):
     dtype = fleet.refitter.engine_dtype

@@ -87,3 +87,22 @@ def test_span_digests_and_the_book():
     assert book.of(1) is None and book.of(3) == "wd1:three"
     book.record(3, None)  # a version whose weights were not digested here: no claim
     assert book.of(3) is None
+
+
+def test_a_weight_sync_update_is_checked_before_loading():
+    from nemo_gen.vllm_ext.vllm_backend import check_digests, digest_fields
+
+    named = [("a", torch.ones(3)), ("b", torch.zeros(2, 2))]
+    fields = digest_fields(["a", "b"], {n: tensor_digest(t) for n, t in named})
+    assert fields["digest"] == d.combine((n, tensor_digest(t)) for n, t in named)
+    check_digests(iter(named), fields["digests"])  # the same bytes: nothing to say
+    with pytest.raises(ValueError, match="weight digest mismatch at tensor 'b'"):
+        check_digests([("a", torch.ones(3)), ("b", torch.eye(2))], fields["digests"])
+    assert digest_fields(["a"], {}) == {}  # not digested: the update carries nothing
+
+
+def test_a_layouts_short_form_keeps_the_new_digests():
+    from nemo_gen.core.manifest import layout_only
+
+    short = layout_only({"layout": "L3", "names": ["a"], "digests": [7], "digest": "wd1:x"})
+    assert short == {"layout": "L3", "layout_only": True, "digests": [7], "digest": "wd1:x"}
