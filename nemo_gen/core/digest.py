@@ -108,7 +108,7 @@ def first_mismatch(names: Sequence[str], expected: Sequence[int], got: Sequence[
 
 def is_mismatch(error: str | None) -> bool:
     """A shard's refusal says its bytes are not the trainer's (``first_mismatch``)."""
-    return bool(error) and MISMATCH in error
+    return error is not None and MISMATCH in error
 
 
 def span_digests(spans: Sequence[Sequence[object]], digest_of: Callable[[int | None], str | None]
