@@ -100,6 +100,7 @@ class FakeEngine:
         self.token_s = 0.0  # time between tokens
         self.stopped = False
         self.refuse_refit: str | None = None  # a data failure while reading the staged weights
+        self.corrupt_staged: str | None = None  # this tensor reads here with other bytes than staged
         self.fail_load: str | None = None  # a failure while loading them
         self.poisoned: str | None = None  # a load broke off under a swap: weights half-loaded
         self.generated = 0  # requests served
@@ -263,6 +264,7 @@ class FakeEngine:
         if method == "nemo_gen_check_staged":
             if self.refuse_refit:
                 raise ValueError(self.refuse_refit)
+            self._check_digests(*args)
             return [1]
         if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights",
                       "nemo_gen_update_weights_via_ipc_zmq"):
@@ -275,6 +277,22 @@ class FakeEngine:
                       "finish_weight_update", "shutdown_weight_transfer_engine"):
             return [None]
         raise AssertionError(f"the fake engine has no RPC {method!r}")
+
+    def _check_digests(self, path: str, total: int, entries: list, digests: list = ()) -> None:
+        """The real worker's digest check (``nemo_gen_check_staged``) on the real staging file."""
+        if not digests:
+            return
+        from nemo_gen.core.digest import first_mismatch
+        from nemo_gen.vllm_ext.digest import tensor_digests
+        from nemo_gen.vllm_ext.worker_ext import open_staged
+
+        got = tensor_digests(t for _, t in open_staged(path, total, entries))
+        names = [e[0] for e in entries]
+        if self.corrupt_staged in names:
+            got[names.index(self.corrupt_staged)] ^= 1
+        problem = first_mismatch(names, list(digests), got)
+        if problem:
+            raise ValueError(problem)
 
     def exclusive(self):
         return self.gate.exclusive()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -71,3 +72,20 @@ def load_example(name: str):
     sys.modules[spec.name] = module  # (its dataclasses look their module up while the class is made)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def served_fake_fleet(settings):
+    """A fake-tier fleet (tests/fakes.py) behind the real HTTP server: yields (fleet, handle)."""
+    from nemo_gen.server import start_server
+    from tests.fakes import FakeDriver, fake_fleet
+
+    driver = FakeDriver()
+    fleet = fake_fleet(settings, driver)
+    handle = start_server(fleet)
+    try:
+        yield fleet, handle
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()

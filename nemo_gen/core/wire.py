@@ -174,12 +174,16 @@ class InFlight:
 @dataclass(frozen=True)
 class CheckRefit:
     """Phase 1: every worker can read the staged tensors (``entries`` of the file at ``path``,
-    ``total`` bytes). Changes nothing; answered with the fewest entries any worker saw."""
+    ``total`` bytes), and they are the trainer's (``digests``). Changes nothing; answered with
+    the fewest entries any worker saw."""
 
     path: str
     total: int
     entries: tuple[Any, ...]
     timeout_s: float
+    # The trainer's digest of each entry's bytes (``nemo_gen.core.digest``), in entries' order: a
+    # shard whose bytes differ refuses, naming the first tensor. Empty: nothing to check.
+    digests: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from nemo_gen.errors import ConfigError, ShardDiedError
 from nemo_gen.fleet.driver import Outcome, ShardDriver
 from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.weights import FleetWeights
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class SleepReport:
 
 class FleetSleep:
     def __init__(self, *, slots: SlotTable, members: Membership, driver: ShardDriver, weights: FleetWeights,
-                 enabled: bool, fleet_name: str):
+                 refitter: Refitter, enabled: bool, fleet_name: str):
         self.slots = slots
         self.health = slots.ledger  # read only
         self.members = members
@@ -69,6 +70,11 @@ class FleetSleep:
         reported = [of_shard(h.info.sleep_level, h.info.sleep_resident) for h in members.slots()]
         if asleep := [s for s in reported if not s.awake]:
             slots.adopt_sleep(min(asleep, key=lambda s: (-int(s.level), len(s.resident))))
+        # NeMo-RL's order around a refit: the weights woken before it loads; a newcomer caught up
+        # while the fleet sleeps gets its weights woken for the catch-up, then sleeps as the fleet does.
+        refitter.before_refit.append(self.weights_for_refit)
+        refitter.before_catch_up.append(self.weights_for_catch_up)
+        refitter.after_catch_up.append(self.catch_up)
 
     @property
     def state(self) -> SleepState:

@@ -251,12 +251,13 @@ class Shard(SleepRules):
     # -- a checkpoint refit ----------------------------------------------------------------------
 
     async def check_refit(self, msg: CheckRefit) -> int:
-        """Phase 1: every worker can read the staged tensors. Changes nothing."""
+        """Phase 1: every worker can read the staged tensors, and their digests are the trainer's
+        (a mismatch refuses, naming the first tensor that differs). Changes nothing."""
         if not self.sleep_state.weights_resident:  # (the fleet wakes them first: NeMo-RL's order)
             raise RuntimeError(f"the shard is {self.sleep_state.label()}: its weights must be woken "
                                "(wake tags=['weights']) before a refit")
         seen = await self._engine().rpc("nemo_gen_check_staged", msg.path, msg.total, list(msg.entries),
-                                        timeout=msg.timeout_s)
+                                        list(msg.digests), timeout=msg.timeout_s)
         return min(seen)
 
     async def load_refit(self, msg: LoadRefit | IpcZmqRefit) -> float:
