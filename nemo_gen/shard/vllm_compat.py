@@ -94,6 +94,22 @@ def freeze_heap() -> None:
     freeze_gc_heap()
 
 
+def on_core_outputs(llm: Any, callback: Callable[[], None]) -> None:
+    """``callback()`` each time ``AsyncLLM``'s output handler takes a step's request outputs from
+    its engine core: one call a step, however many requests it carries. The async engine's
+    evidence of progress, since its batches ask vLLM for each request's final output only."""
+    core = llm.engine_core
+    get = core.get_output_async
+
+    async def stamped_get():
+        outputs = await get()
+        if outputs.outputs:
+            callback()
+        return outputs
+
+    core.get_output_async = stamped_get
+
+
 class CoreClient:
     """The sync engine's client of its EngineCore process, with two guards installed: its input
     socket is used by the step thread (aborts on stop strings) and by a swap's control calls, so
