@@ -71,3 +71,36 @@ def load_example(name: str):
     sys.modules[spec.name] = module  # (its dataclasses look their module up while the class is made)
     spec.loader.exec_module(module)
     return module
+
+
+class SharedFleet:
+    """One fleet a module's tests share without depending on their order (an engine start costs
+    ~30 s, so each test cannot have its own). ``get()`` hands it to a test after ``check(fleet)``
+    has passed on entry: the state every test of the module may assume (slots HEALTHY at the
+    fleet's version, the original weights...), so a test that leaked state fails there, naming
+    it, not later with a puzzling answer. A test that leaves the fleet unfit for the next (recovery
+    switched off and every slot killed, a restart budget spent) calls ``spend()`` first: the next
+    test to ask gets a fresh launch. In file order the spenders come last and nothing relaunches."""
+
+    def __init__(self, launch, check=None, first=None):
+        """``first``: a fleet already launched (beside others, in parallel) to hand out first."""
+        self._launch, self._check = launch, check
+        self._fleet, self._spent = first, False
+
+    def get(self):
+        if self._spent:
+            self.close()
+        if self._fleet is None:
+            self._fleet, self._spent = self._launch(), False
+        if self._check is not None:
+            self._check(self._fleet)
+        return self._fleet
+
+    def spend(self) -> None:
+        """The caller's test may break the fleet for good: no later test is handed it."""
+        self._spent = True
+
+    def close(self) -> None:
+        fleet, self._fleet = self._fleet, None
+        if fleet is not None:
+            fleet.shutdown()
