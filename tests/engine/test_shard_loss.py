@@ -127,7 +127,6 @@ def engine_core_pid(status_row) -> int:
 
 
 def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
-    expected = fleet.generate(PROMPTS, temperature=0, max_new_tokens=200, ignore_eos=True)
     status = {s.name: s for s in fleet.status()}
     victim = next(s for s in status.values() if s.index == 1 and s.state == "healthy")
     spare = next(s for s in status.values() if s.state == "spare")
@@ -139,9 +138,9 @@ def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
     results = running.result(timeout=120)
 
     assert_answered_once(results, fleet)
-    # Every answer is whole, re-routed ones included (their tokens may differ in the last bits of
-    # float32 batching, so lengths, not token ids, are compared with the reference run).
-    assert [len(r.token_ids) for r in results] == [len(r.token_ids) for r in expected] == [200] * len(PROMPTS)
+    # Every answer is whole, re-routed ones included: all 200 tokens (EOS ignored; their tokens may
+    # differ in the last bits of float32 batching, so lengths, not token ids, are compared).
+    assert [len(r.token_ids) for r in results] == [200] * len(PROMPTS)
     # 30 s: a bound for a wait, not a latency target (bench/recovery.py measures detection).
     detection = wait_until(lambda: next((d for d in fleet.monitor.detections if d["name"] == victim.name), None),
                            30, "the death watch")
