@@ -96,6 +96,11 @@ class SharedFleet:
             self._check(self._fleet)
         return self._fleet
 
+    def take(self):
+        """The fleet as it is, spent or not, unchecked (a fresh one only when there is none): for a
+        test whose subject is ending it, which any running fleet serves."""
+        return self._fleet if self._fleet is not None else self.get()
+
     def spend(self) -> None:
         """The caller's test may break the fleet for good: no later test is handed it."""
         self._spent = True
