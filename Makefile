@@ -47,13 +47,16 @@ run: setup
 # reorder is off: it sorted files by their number of tests, so the single-test two-minute e2e
 # files went last). The suite is CPU-bound: two workers pay off on an idle 2-core machine, gain
 # nothing on a saturated one, and hold more memory at once (docs/testing.md has the figures).
-# TEST_WORKERS=0: one process.
+# TEST_WORKERS=0: one process. pyproject's testpaths name only the fast tiers (a bare `pytest`),
+# so every tier is named here; `make check`'s three come first for a one-process run.
+FAST_TIERS := tests/core tests/fake tests/tooling
+ALL_TIERS := $(FAST_TIERS) tests/engine tests/flows tests/e2e tests/gpu
 TEST_WORKERS ?= 2
 test: setup chromium postgresql lint
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(PY) -m pytest $(ALL_TIERS) $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 unit: setup
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest $(FAST_TIERS) $(PYTEST_ARGS)
 
 # The linter (ruff: pyflakes and pycodestyle's errors, everywhere) and the type checker (mypy, strict
 # on nemo_gen/core and the driver's transports): their settings are pyproject.toml's. Part of `make check` and `make test`.
@@ -61,10 +64,11 @@ lint: setup
 	$(VENV)/bin/ruff check nemo_gen flows tasks bench tests examples
 	$(VENV)/bin/mypy
 
-# The loop to run while working: the linter and type checker, then the unit and fake tiers (pure
-# logic, the real Shard rules over a fake engine), no Ray, no vLLM engine; two workers.
+# The loop to run while working: the linter and type checker, then the fast tiers (core: pure
+# logic; fake: the real Shard rules over a fake engine; tooling: the CLI, bench tool, structure,
+# docs and subprocess checks), no Ray, no vLLM engine; two workers.
 check: setup lint
-	$(PY) -m pytest tests/unit -q -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest $(FAST_TIERS) -q -n 2 $(PYTEST_ARGS)
 
 # Every benchmark runs through one entry point, `python -m bench NAME [flags]` (bench/README.md
 # lists them with their targets). `make bench-list` prints that list; `make bench-run NAME=x ARGS=...`

@@ -42,6 +42,10 @@ are DROPPED from the loss, not down-weighted: a clean cut, so that every gradien
 samples at most --max-lag versions behind the weights it updates. With one rollout in flight at
 a time no sample is more than one step old, so the rule acts only if a refit goes missing.
 
+``--colocated`` (GPU, sync): NeMo-RL's colocated layout. The engines sleep (vLLM's sleep mode,
+level 1: weights to CPU memory, KV cache dropped) through each train step, so the trainer has
+their memory; then wake(weights) -> refit -> wake(kv_cache), NeMo-RL's order.
+
 Writes ``OUT/steps.jsonl`` (one line per step, appended as it ends) and ``OUT/run.png`` (the
 reward curve, and each step's time stacked by phase).
 """
@@ -336,16 +340,23 @@ def run(fleet: GenerationFleet, model_dir: Path, args, out: Path) -> list[dict]:
             used = [c for c, s in zip(batch.completions, stale) if bound is None or s <= bound]
 
             t1 = time.perf_counter()
+            if args.colocated:  # the engines give the trainer their memory (vLLM's sleep, level 1)
+                fleet.sleep(1)
+            t_slept = time.perf_counter()
             stats = trainer.step(used, version) if used else {"logprob_mismatch": None}
             t2 = time.perf_counter()
+            if args.colocated:  # NeMo-RL's order: wake(weights) -> refit -> wake(kv_cache)
+                fleet.wake(["weights"])
             pusher.push(version + 1)  # in async mode it lands on the running rollout (keep)
+            if args.colocated:
+                fleet.wake(["kv_cache"])
             t3 = time.perf_counter()
             busy += [(batch.started, batch.ended), (t1, t2), (t2, t3)]
             if pending is not None:  # the next step's rollout, running since it was submitted (or done)
                 busy.append((submitted, pending.result().ended if pending.done() else t3))
             record = {"step": step, "mode": args.mode, "weight_version": fleet.weight_version,
                       "trainer_version": version, **describe(batch, stale, used), "wait_s": waited,
-                      "train_s": t2 - t1, "refit_s": t3 - t2, "step_s": t3 - t0,
+                      "train_s": t2 - t_slept, "refit_s": t3 - t2, "step_s": t3 - t0, "sleep_s": t_slept - t1,
                       "idle_s": (t3 - t0) - covered(busy, t0, t3), **stats}
             version += 1
             records.append(record)
@@ -353,7 +364,7 @@ def run(fleet: GenerationFleet, model_dir: Path, args, out: Path) -> list[dict]:
                 f.write(json.dumps(record) + "\n")
             if not args.quiet:
                 print(f"step {step:3d}  reward {record['reward_mean']:.3f}  trained v{record['trainer_version']}  "
-                      f"{record['step_s']:.2f}s (wait {waited:.2f} train {t2 - t1:.2f} refit {t3 - t2:.3f})  "
+                      f"{record['step_s']:.2f}s (wait {waited:.2f} train {t2 - t_slept:.2f} refit {t3 - t2:.3f})  "
                       f"staleness {record['staleness']}  mismatch {fmt(record['logprob_mismatch'])}", flush=True)
             if last:
                 break
@@ -410,6 +421,8 @@ def fleet_settings(args, model_dir: Path, overrides: dict | None = None) -> Nemo
         "refit.recompute_kv": args.recompute_kv, "generation.vllm_cfg.max_model_len": args.max_model_len,
         "generation.vllm_cfg.async_engine": args.engine == "async",
     }
+    if args.colocated:  # engines with vLLM's sleep mode: asleep while the trainer steps
+        base["generation.colocated.enabled"] = True
     if args.device == "gpu":
         base.update({"refit.backend": "nemo_gen_ipc", "generation.vllm_cfg.precision": "bfloat16",
                      "generation.vllm_cfg.enforce_eager": False, "fleet.shards_per_gpu": args.shards,
@@ -521,12 +534,19 @@ def parser() -> argparse.ArgumentParser:
     fleet.add_argument("--max-model-len", type=int, default=256)
     fleet.add_argument("--gpu-memory-utilization", type=float, default=0.35,
                        help="the engine's share of the GPU (the trainer lives in the rest)")
+    fleet.add_argument("--colocated", action="store_true",
+                       help="NeMo-RL's colocated layout (GPU, sync): the engines sleep through each train step "
+                       "and wake for the refit and the next rollout (generation.colocated.enabled)")
     p.add_argument("-q", "--quiet", action="store_true", help="no line per step")
     return p
 
 
 def parse_args(argv=None, p: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    args = (p or parser()).parse_args(argv)
+    p = p or parser()
+    args = p.parse_args(argv)
+    if args.colocated and (args.device != "gpu" or args.mode != "sync"):
+        p.error("--colocated needs --device gpu (vLLM's CPU worker ignores sleep) and --mode sync "
+                "(the engines sleep while the trainer steps: no rollout can overlap it)")
     if args.lr is None:
         args.lr = MODEL_SIZES[args.model_size]["lr"]
     return args

@@ -7,6 +7,8 @@
     │   │                          request may be the cause, so it is sent to no other engine
     │   ├── ShardBusy              busy: one shard refused admission (its queue is full)
     │   ├── FleetBusy              busy: no shard admits the request now (HTTP 503 + Retry-After)
+    │   │   └── FleetAsleep        the fleet sleeps (colocated layout): nothing is admitted until
+    │   │                          it is woken; no shard is at fault (HTTP 503 + Retry-After)
     │   ├── ShardUnavailableError  no shard can take the request right now (NoHealthyShards)
     │   ├── EngineStartError       an engine failed to come up (timeout, crash while loading)
     │   └── FleetExhausted         fewer serving shards than health.min_healthy_shards
@@ -80,6 +82,11 @@ class FleetBusy(InfraError):
 
     def __reduce__(self):
         return type(self), (str(self), self.retry_after_s)
+
+
+class FleetAsleep(FleetBusy):
+    """The fleet is asleep, or going to sleep (``fleet.sleep``, ``VllmGeneration.finish_generation``):
+    a state, not a fault. The message names the state and the call that wakes it."""
 
 
 class RequestTimeout(NemoGenError, TimeoutError):

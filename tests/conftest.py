@@ -102,23 +102,13 @@ def _harness_server_fixed():
         yield
 
 
-@pytest.fixture
-def driver():
-    """A fresh ``tests.fakes.FakeDriver`` (the fake-driver tier's shards), closed after the test."""
-    from tests.fakes import FakeDriver
-
-    d = FakeDriver()
-    yield d
-    d.close()
-
-
 # Under pytest-xdist (make test's --dist loadfile --no-loadscope-reorder) files are handed out in
 # collection order, one whole file to whichever worker is free. The slow tiers go first so that
-# the last files handed out are the seconds-long unit ones and neither worker is left finishing
+# the last files handed out are the seconds-long fast-tier ones and neither worker is left finishing
 # a two-minute end-to-end file alone. (xdist's own reorder, by number of tests per file, sends
-# the single-test end-to-end files last: the worst order here.) One process keeps the
-# testpaths order: fast tiers first, so a broken unit test shows in seconds.
-_TIERS = ("tests/e2e/", "tests/engine/", "tests/flows/", "tests/gpu/", "tests/unit/")
+# the single-test end-to-end files last: the worst order here.) One process keeps the order the
+# folders are named in: fast tiers first, so a broken core test shows in seconds.
+_TIERS = ("tests/e2e/", "tests/engine/", "tests/flows/", "tests/gpu/", "tests/fake/", "tests/tooling/", "tests/core/")
 
 
 def _tier(item) -> int:

@@ -99,6 +99,7 @@ class FakeEngine:
         self.token_s = 0.0  # time between tokens
         self.stopped = False
         self.refuse_refit: str | None = None  # a data failure while reading the staged weights
+        self.corrupt_staged: str | None = None  # this tensor reads here with other bytes than staged
         self.fail_load: str | None = None  # a failure while loading them
         self.adapters: set[int] = set()  # the LoRA adapter ids its workers hold
         self.refuse_adapter: str | None = None  # a failure while loading an adapter
@@ -118,6 +119,10 @@ class FakeEngine:
         self.crash_exit = 1  # that core's exit code (1: an error in its step; -9: killed from outside)
         self.exit_code: int | None = None  # its core's, once it died
         self.crashes = 0  # times its core died of a request
+        self.sleeps: list[tuple[int, int]] = []  # each vLLM sleep: (level, requests running then)
+        self.wakes: list[list[str]] = []  # the tags of each wake_up it got
+        self.fail_sleep: str | None = None  # vLLM's sleep raises this
+        self.swaps = 0  # keep / abort swaps begun (vLLM's pause_scheduler under a running batch)
         # The real admission gate (``nemo_gen.shard.gate``): a drain holds it, a swap claims it.
         self.gate = Gate()
         self._frozen = False  # the running batch waits (a swap: vLLM's paused scheduler)
@@ -260,8 +265,10 @@ class FakeEngine:
         if method == "nemo_gen_check_staged":
             if self.refuse_refit:
                 raise ValueError(self.refuse_refit)
+            self._check_digests(*args)
             return [1]
-        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights"):
+        if method in ("nemo_gen_load_staged", "nemo_gen_weight_update", "update_weights",
+                      "nemo_gen_update_weights_via_ipc_zmq"):
             if self.fail_load:
                 raise RuntimeError(self.fail_load)
             return [0.001]
@@ -283,6 +290,22 @@ class FakeEngine:
             return [None]
         raise AssertionError(f"the fake engine has no RPC {method!r}")
 
+    def _check_digests(self, path: str, total: int, entries: list, digests: list = ()) -> None:
+        """The real worker's digest check (``nemo_gen_check_staged``) on the real staging file."""
+        if not digests:
+            return
+        from nemo_gen.core.digest import first_mismatch
+        from nemo_gen.vllm_ext.digest import tensor_digests
+        from nemo_gen.vllm_ext.worker_ext import open_staged
+
+        got = tensor_digests(t for _, t in open_staged(path, total, entries))
+        names = [e[0] for e in entries]
+        if self.corrupt_staged in names:
+            got[names.index(self.corrupt_staged)] ^= 1
+        problem = first_mismatch(names, list(digests), got)
+        if problem:
+            raise ValueError(problem)
+
     def exclusive(self):
         return self.gate.exclusive()
 
@@ -296,6 +319,7 @@ class FakeEngine:
         self.version = version
 
     async def begin_swap(self) -> None:
+        self.swaps += 1
         await self.gate.claim()  # as the real swap (``nemo_gen.shard.swap``): new requests wait
         self._frozen = True
 
@@ -306,6 +330,19 @@ class FakeEngine:
             self.version = version
         self._frozen = False
         await self.gate.release()
+
+    async def sleep(self, level: int) -> None:
+        if self.fail_sleep:
+            raise RuntimeError(self.fail_sleep)
+        self.sleeps.append((int(level), self.running))  # (the level, requests running as it fell asleep)
+        self.rpcs.append("reset_prefix_cache")
+
+    async def wake(self, tags: list[str]) -> None:
+        self.wakes.append(list(tags))
+
+    async def reset_prefix_cache(self) -> bool:
+        self.rpcs.append("reset_prefix_cache")
+        return not self.running  # vLLM's answer: no reset while requests run
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         """vLLM's stats as ``Engine.vllm_metrics`` gives them: none unless the engine keeps them."""
@@ -328,8 +365,8 @@ class FakeEngine:
         self.stopped = True
 
 
-# The shard calls that carry a refit message (``ShardDriver.fan_out``): noted in ``remote_calls``.
-_REFIT_CALLS = frozenset({"check_refit", "load_refit", "weight_sync", "adapter_call"})
+# The shard calls that carry a refit or sleep message (``ShardDriver.fan_out``): noted in ``remote_calls``.
+_REFIT_CALLS = frozenset({"check_refit", "load_refit", "weight_sync", "adapter_call", "sleep", "wake", "reset_prefix_cache"})
 
 
 class FakeTransport(InProcessTransport):

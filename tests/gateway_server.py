@@ -1,5 +1,5 @@
 """A server over fake shards (tests/fakes.py) in a process of its own, for the gateway's restart
-tests (tests/unit/test_gateway_restart.py): ``python -m tests.gateway_server '<overrides as JSON>'``
+tests (tests/fake/test_gateway_restart.py): ``python -m tests.gateway_server '<overrides as JSON>'``
 prints its URL on one line, then serves until it is killed. The fake engine's tokens are a
 function of the prompt (``fakes.fake_token``), so two runs of one conversation compare."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -71,3 +72,58 @@ def load_example(name: str):
     sys.modules[spec.name] = module  # (its dataclasses look their module up while the class is made)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def served_fake_fleet(settings):
+    """A fake-tier fleet (tests/fakes.py) behind the real HTTP server: yields (fleet, handle)."""
+    from nemo_gen.server import start_server
+    from tests.fakes import FakeDriver, fake_fleet
+
+    driver = FakeDriver()
+    fleet = fake_fleet(settings, driver)
+    handle = start_server(fleet)
+    try:
+        yield fleet, handle
+    finally:
+        handle.stop()
+        fleet.shutdown()
+        driver.close()
+
+
+class SharedFleet:
+    """One fleet a module's tests share without depending on their order (an engine start costs
+    ~30 s, so each test cannot have its own). ``get()`` hands it to a test after ``check(fleet)``
+    has passed on entry: the state every test of the module may assume (slots HEALTHY at the
+    fleet's version, the original weights...), so a test that leaked state fails there, naming
+    it, not later with a puzzling answer. A test that leaves the fleet unfit for the next (recovery
+    switched off and every slot killed, a restart budget spent) calls ``spend()`` first: the next
+    test to ask gets a fresh launch. In file order the spenders come last and nothing relaunches."""
+
+    def __init__(self, launch, check=None, first=None):
+        """``first``: a fleet already launched (beside others, in parallel) to hand out first."""
+        self._launch, self._check = launch, check
+        self._fleet, self._spent = first, False
+
+    def get(self):
+        if self._spent:
+            self.close()
+        if self._fleet is None:
+            self._fleet, self._spent = self._launch(), False
+        if self._check is not None:
+            self._check(self._fleet)
+        return self._fleet
+
+    def take(self):
+        """The fleet as it is, spent or not, unchecked (a fresh one only when there is none): for a
+        test whose subject is ending it, which any running fleet serves."""
+        return self._fleet if self._fleet is not None else self.get()
+
+    def spend(self) -> None:
+        """The caller's test may break the fleet for good: no later test is handed it."""
+        self._spent = True
+
+    def close(self) -> None:
+        fleet, self._fleet = self._fleet, None
+        if fleet is not None:
+            fleet.shutdown()

@@ -224,8 +224,8 @@ def _split_foreign(data: dict[str, Any], not_used: list[NotUsed], gen_at: str, k
                 if holder.get(t_key) not in (None, value):
                     problems.append((alias, f"{alias} and {target} are both set and differ"))
                 holder[t_key] = value
-    for scope in ("generation", "generation.vllm_cfg"):
-        holder = gen if scope == "generation" else gen.get("vllm_cfg")
+    for scope in ("generation", "generation.vllm_cfg", "generation.colocated"):
+        holder = gen if scope == "generation" else gen.get(scope.removeprefix("generation."))
         if not isinstance(holder, dict):
             continue
         shown = gen_at + scope[len("generation"):]

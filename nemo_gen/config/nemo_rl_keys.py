@@ -38,10 +38,9 @@ _QUANT = ("NeMo-RL's ModelOpt quantization is not supported; vllm_cfg.precision=
 
 #: Dotted keys under nemo_gen's tree (``generation.…``) that NeMo-RL defines and nemo_gen does not.
 NEMO_RL_KEYS: dict[str, ForeignKey] = {
-    "generation.colocated": ForeignKey(
-        "NeMo-RL's trainer/generation GPU sharing (engines sleep while the trainer runs); a nemo_gen "
-        "fleet owns its devices, and a trainer on the engines' GPU refits them through "
-        "refit.backend=nemo_gen_ipc"),
+    "generation.colocated.resources": ForeignKey(
+        "NeMo-RL's separate cluster for non-colocated engines; nemo_gen places its engines by fleet.* "
+        "(num_shards, device, shards_per_gpu) on the Ray cluster it runs on"),
     "generation.port_range_low": ForeignKey("ports of NeMo-RL's per-worker servers; nemo_gen's engines open none"),
     "generation.port_range_high": ForeignKey("ports of NeMo-RL's per-worker servers; nemo_gen's engines open none"),
     "generation.use_async_rollouts": ForeignKey("SGLang's switch; with vLLM, vllm_cfg.async_engine decides"),

@@ -3,7 +3,7 @@
 Owns the fleet ledger (shard states, serving set, least-loaded selection), the fault model
 (dead / busy / slow / data), retry backoff and placement planning. Everything here imports only the
 standard library and ``nemo_gen.errors`` — never ray, vllm, prefect, torch or transformers
-(``tests/unit/test_core_purity.py`` enforces it) — so it is tested in milliseconds and the
+(``tests/tooling/test_core_purity.py`` enforces it) — so it is tested in milliseconds and the
 adapters that do touch those systems stay thin.
 """
 

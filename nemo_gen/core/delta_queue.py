@@ -31,16 +31,20 @@ class _Pending:
         if not self.owned:  # the caller's delta is never changed: extend a copy
             first = self.event
             self.event = Delta(first.sample, list(first.token_ids), "", list(first.logprobs),
-                               list(first.weight_versions), first.finish_reason, first.shard)
+                               list(first.weight_versions), first.finish_reason, first.shard,
+                               list(first.weight_digests))
             self.texts, self.owned = [first.text], True
         merged = self.event
         merged.token_ids.extend(later.token_ids)
         merged.logprobs.extend(later.logprobs)
-        for version, count in later.weight_versions:
+        digests = later.weight_digests if len(later.weight_digests) == len(later.weight_versions) else None
+        for i, (version, count) in enumerate(later.weight_versions):
             if merged.weight_versions and merged.weight_versions[-1][0] == version:
                 merged.weight_versions[-1] = (version, merged.weight_versions[-1][1] + count)
             elif count:
                 merged.weight_versions.append((version, count))
+                if len(merged.weight_digests) == len(merged.weight_versions) - 1:  # kept beside them
+                    merged.weight_digests.append(digests[i] if digests is not None else None)
         merged.finish_reason = later.finish_reason or merged.finish_reason
         merged.shard = later.shard
         if later.text:

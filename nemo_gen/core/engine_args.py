@@ -135,6 +135,16 @@ def engine_kwargs(
         kwargs["enable_prefix_caching"] = vc["enable_prefix_caching"]
     if device == "gpu":
         kwargs["gpu_memory_utilization"] = vc.get("gpu_memory_utilization", 0.6)
+    if (gen_cfg.get("colocated") or {}).get("enabled"):
+        if device == "cpu":
+            # vLLM's CPU worker logs "sleep mode is not supported on CPU" and keeps its memory:
+            # a trainer counting on it would find none freed.
+            raise ConfigError(
+                "generation.colocated.enabled=true needs GPU engines: vLLM's CPU worker ignores sleep "
+                "(nothing would be freed for a trainer); set it false on fleet.device=cpu",
+                field="generation.colocated.enabled")
+        # vLLM's CuMem allocator tags weights and KV cache so sleep can offload / drop them.
+        kwargs["enable_sleep_mode"] = True
     if vc.get("expert_parallel_size", 1) > 1:
         # vLLM's EP group is the engine's TP ranks (settings allow EP = TP only): MoE layers are
         # sharded by expert instead of by tensor.

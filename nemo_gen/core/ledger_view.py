@@ -3,7 +3,7 @@
 ``GenerationFleetHealth`` keeps NeMo-RL's public shape, reads and writes on one object. In the
 fleet only the ``SlotTable`` (``nemo_gen.core.slots``) writes it, so slot state changes in its
 transactions; the router, prober, refit, recovery and status read it through this view, which
-has no write method to call by mistake (tests/unit/test_structure.py holds the source to it).
+has no write method to call by mistake (tests/tooling/test_structure.py holds the source to it).
 """
 
 from __future__ import annotations

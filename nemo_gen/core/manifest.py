@@ -203,6 +203,10 @@ class RefitReport:
     stage_seconds: float
     load_seconds: float
     shards: list[ShardRefit] = field(default_factory=list)
+    # The trainer's digest of the weights (``nemo_gen.core.digest``), which every shard that took
+    # them matched before loading; the seconds the trainer side spent computing it (in stage_seconds).
+    digest: str | None = None
+    digest_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -230,6 +234,8 @@ class RefitReport:
             "seconds": self.seconds,
             "gb_per_s": self.gb_per_s,
             "ok": self.ok,
+            "digest": self.digest,
+            "digest_seconds": self.digest_seconds,
             "shards": [s.__dict__ for s in self.shards],
         }
 
@@ -290,7 +296,8 @@ def layout_only(update_info: Mapping[str, Any]) -> dict[str, Any] | None:
     layout = update_info.get("layout")
     if layout is None or update_info.get("layout_only"):
         return None
-    return {"layout": layout, "layout_only": True}
+    digests = {k: update_info[k] for k in ("digests", "digest") if k in update_info}  # new values, checked
+    return {"layout": layout, "layout_only": True, **digests}
 
 
 def needs_whole(update_info: Mapping[str, Any], held_layout: object) -> bool:

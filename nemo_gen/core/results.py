@@ -29,6 +29,9 @@ class Sample:
     logprobs: list[float]
     finish_reason: str | None
     weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
+    # The content digest of the weights that made each span (``nemo_gen.core.digest``), in the
+    # spans' order; None for a version whose weights this fleet did not digest.
+    weight_digests: list[str | None] = field(default_factory=list)
     # Each token's {token id: logprob} for it and its top alternatives; None: not asked (sampling "logprobs").
     top_logprobs: list[dict[int, float]] | None = None
 
@@ -48,6 +51,7 @@ class Delta:
     weight_versions: list[tuple[int | None, int]]
     finish_reason: str | None
     shard: int | None
+    weight_digests: list[str | None] = field(default_factory=list)  # beside each of weight_versions
 
 
 @dataclass
@@ -69,6 +73,8 @@ class GenerationResult:
     # (version, token count) spans in generation order, covering every generated token: two
     # or more when a refit landed while the request ran (refit.in_flight keep / abort).
     weight_versions: list[tuple[int | None, int]] = field(default_factory=list)
+    # Beside each span, the content digest of the weights that made it (``Sample.weight_digests``).
+    weight_digests: list[str | None] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     # The LoRA adapter that produced it (``generate(..., adapter=name)``) and its version; None: the base model.
     adapter: str | None = None

@@ -39,7 +39,7 @@ FailureKind = Literal["dead", "busy", "slow", "data"]
 # (ActorDiedError under RayActorError, OwnerDiedError under ObjectLostError) are covered.
 # OutOfMemoryError also matches torch's CUDA OOM by name: another shard may have memory.
 # Every name is one the installed Ray defines, and every exception class Ray defines has a
-# recorded verdict: tests/unit/test_retry_taxonomy.py walks Ray's modules to check both.
+# recorded verdict: tests/tooling/test_retry_taxonomy.py walks Ray's modules to check both.
 RAY_INFRA_NAMES: Final[frozenset[str]] = frozenset(
     {
         "RayActorError",

@@ -3,7 +3,7 @@ weight version, the warm spares, and the queue of losses that recovery drains.
 
 Only this module writes the ledger (``GenerationFleetHealth``); every other part gets the table,
 reads the ledger through ``SlotTable.ledger`` (its read side only), and changes state through the
-table's transactions (tests/unit/test_structure.py holds every module to it; the model is Ray
+table's transactions (tests/tooling/test_structure.py holds every module to it; the model is Ray
 Serve's ``DeploymentState``, the only writer of replica state). Each is all-or-nothing, under one
 lock:
 
@@ -19,7 +19,11 @@ lock:
 - ``record_refit`` / ``keep_stale``: a member's refit outcome (its version, HEALTHY; or STALE
   with the reason on record); ``record_probe_answer``, ``record_success``: what probes and
   requests saw; ``begin_restart``, ``retire_slot``, ``restart_failed``: recovery's steps;
-  ``seed``: a fleet's opening state.
+  ``seed``: a fleet's opening state;
+- ``begin_sleep`` / ``record_sleep`` / ``record_wake``: the fleet's sleep state
+  (``nemo_gen.core.sleep``; the colocated layout). Sleep is a state, not a fault: it leaves every
+  slot's ledger state as it is (a sleeping slot keeps its version and its place), and the router,
+  prober and status read it here (``sleep_state``).
 
 The driver's record of each member's weight version is the entry here (the shard's own is its
 engine's).
@@ -41,6 +45,7 @@ from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.ledger_view import LedgerView
 from nemo_gen.core.members import Member
 from nemo_gen.core.planner import Seed
+from nemo_gen.core.sleep import AWAKE, SleepLevel, SleepState, WakeTag, after_sleep, after_wake, draining
 
 H = TypeVar("H")
 
@@ -75,6 +80,7 @@ class SlotTable(Generic[H]):
         self._losses: deque[ShardLost] = deque()
         self._news = threading.Condition(self._lock)
         self._closed = False  # the fleet is going away: its actors' deaths are no news
+        self._sleep: SleepState = AWAKE  # the fleet's (every slot's engine follows it)
         self.ledger = LedgerView(health)  # what every other part reads
 
     # -- reads (never write) ---------------------------------------------------------------------
@@ -102,6 +108,10 @@ class SlotTable(Generic[H]):
         with self._lock:
             entry = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
             return entry.version if entry is not None and entry.name == member.name else None
+
+    def sleep_state(self) -> SleepState:
+        with self._lock:
+            return self._sleep
 
     def ready_spares(self, version: int | None) -> list[str]:
         """Spares believed to be at ``version``."""
@@ -272,6 +282,29 @@ class SlotTable(Generic[H]):
                     self._health.mark_loaded(seed.slot)
                 elif version is not None:
                     self._health.report_refit(seed.slot, version)
+
+    def begin_sleep(self, level: SleepLevel) -> SleepState:
+        """A sleep began: from here the fleet admits no new request (its running ones finish)."""
+        with self._lock:
+            self._sleep = draining(self._sleep, level)
+            return self._sleep
+
+    def record_sleep(self, level: SleepLevel, version: int | None) -> SleepState:
+        """The slots' engines sleep at ``level`` (``version``: the fleet's weights, discarded at level 2)."""
+        with self._lock:
+            self._sleep = after_sleep(self._sleep, level, version)
+            return self._sleep
+
+    def adopt_sleep(self, state: SleepState) -> None:
+        """Attaching to a running fleet: its engines' sleep state, as they report it."""
+        with self._lock:
+            self._sleep = state
+
+    def record_wake(self, tags: frozenset[WakeTag]) -> SleepState:
+        """``tags`` are resident again on the slots' engines."""
+        with self._lock:
+            self._sleep = after_wake(self._sleep, tags)
+            return self._sleep
 
     # -- the loss queue ----------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ direct line), both ways, as a frozen dataclass or an enum. The driver (``nemo_ge
 the shard's rules (``nemo_gen.shard.rules``) and the fake tier (``tests/fakes.py``) import
 these and nothing else, so a change to a message is a change to one class that the type checker
 and every tier see. No dict of the fleet's crosses the boundary (the fake tier checks every call:
-``tests/unit/test_wire_no_dicts.py``); what vLLM defines stays vLLM's, and only these fields carry
+``tests/fake/test_wire_no_dicts.py``); what vLLM defines stays vLLM's, and only these fields carry
 a mapping (``VLLM_OWNED``): a weight-sync ``init_info`` or ``update_info``, a LoRA adapter's
 PEFT ``config``; and ``vllm_metrics`` answers vLLM's own stats rows as it reads them.
 
@@ -108,6 +108,8 @@ class ShardInfo:
     generating: bool = False  # a batch is running now
     batch_steps: int = 0  # that batch's engine steps so far
     unresponsive: str | None = None
+    sleep_level: int | None = None  # asleep at this vLLM level (nemo_gen.core.sleep); None: awake
+    sleep_resident: tuple[str, ...] = ()  # while asleep, the wake tags brought back already
 
     def with_version(self, version: int | None) -> "ShardInfo":
         return dataclasses.replace(self, weight_version=version)
@@ -172,12 +174,16 @@ class InFlight:
 @dataclass(frozen=True)
 class CheckRefit:
     """Phase 1: every worker can read the staged tensors (``entries`` of the file at ``path``,
-    ``total`` bytes). Changes nothing; answered with the fewest entries any worker saw."""
+    ``total`` bytes), and they are the trainer's (``digests``). Changes nothing; answered with
+    the fewest entries any worker saw."""
 
     path: str
     total: int
     entries: tuple[Any, ...]
     timeout_s: float
+    # The trainer's digest of each entry's bytes (``nemo_gen.core.digest``), in entries' order: a
+    # shard whose bytes differ refuses, naming the first tensor. Empty: nothing to check.
+    digests: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -12,29 +12,39 @@ to the text its final result carries. Which shard answers is ``router.py``'s bus
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
+
+from nemo_gen.core.digest import span_digests
 
 from nemo_gen.core.detokenize import IncrementalText, completion_text
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, Sample
 from nemo_gen.core.wire import RequestResult, SampleDelta, SampleResult, TokenLogprobs
 
 
+def _no_digest(version: int | None) -> str | None:
+    return None
+
+
 def decode_result(req: GenerationRequest, raw: RequestResult, shard: int, version: int | None,
-                  tokenizer: Any | None, engines_decode: bool = True) -> GenerationResult:
+                  tokenizer: Any | None, engines_decode: bool = True,
+                  digest_of: Callable[[int | None], str | None] = _no_digest) -> GenerationResult:
     """The result of ``req`` from its shard's answer ``raw``; ``tokenizer`` decodes the text of
     each sample the engine did not decode (its text is None), or of every sample where the
-    engines have no tokenizer (``engines_decode`` False)."""
+    engines have no tokenizer (``engines_decode`` False). ``digest_of``: each version's weight
+    digest, stamped beside its spans."""
     if raw.error:
         return GenerationResult.failed(req, raw.error, shard=shard)
     if not raw.samples:
         return GenerationResult.failed(req, "RuntimeError: the shard answered no sample", shard=shard)
-    samples = [decode_sample(s, version, tokenizer, engines_decode, req.prompt_token_ids) for s in raw.samples]
+    samples = [decode_sample(s, version, tokenizer, engines_decode, req.prompt_token_ids, digest_of)
+               for s in raw.samples]
     first = samples[0]
     return GenerationResult(
         index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids), text=first.text,
         token_ids=first.token_ids, logprobs=first.logprobs, finish_reason=first.finish_reason, shard=shard,
         weight_version=first.weight_versions[-1][0] if first.weight_versions else version,
-        weight_versions=first.weight_versions, samples=samples, top_logprobs=first.top_logprobs,
+        weight_versions=first.weight_versions, weight_digests=first.weight_digests, samples=samples,
+        top_logprobs=first.top_logprobs,
         prompt_logprobs=None if raw.prompt_logprobs is None else [
             None if entry is None else as_dict(entry) for entry in raw.prompt_logprobs],
     )
@@ -46,28 +56,32 @@ def as_dict(entry: TokenLogprobs) -> dict[int, float]:
 
 
 def decode_sample(raw: SampleResult, version: int | None, tokenizer: Any | None,
-                  engines_decode: bool = True, prompt_ids: Sequence[int] = ()) -> Sample:
+                  engines_decode: bool = True, prompt_ids: Sequence[int] = (),
+                  digest_of: Callable[[int | None], str | None] = _no_digest) -> Sample:
     text = raw.text
     if (text is None or not engines_decode) and raw.token_ids and tokenizer is not None:
         text = completion_text(tokenizer, prompt_ids, raw.token_ids)
     spans = [(v, n) for v, n in raw.weight_versions or [(version, len(raw.token_ids))]]
     top = None if raw.top_logprobs is None else [as_dict(entry) for entry in raw.top_logprobs]
     return Sample(text=text or "", token_ids=list(raw.token_ids), logprobs=list(raw.logprobs),
-                  finish_reason=raw.finish_reason, weight_versions=spans, top_logprobs=top)
+                  finish_reason=raw.finish_reason, weight_versions=spans,
+                  weight_digests=span_digests(spans, digest_of), top_logprobs=top)
 
 
 class StreamDecoder:
     """One stream try's deltas: each sample's text decoded as its tokens come (``SampleText``)."""
 
-    def __init__(self, tokenizer: Any | None):
+    def __init__(self, tokenizer: Any | None, digest_of: Callable[[int | None], str | None] = _no_digest):
         self.tokenizer = tokenizer
+        self.digest_of = digest_of
         self.texts: dict[int, SampleText] = {}
 
     def delta(self, raw: SampleDelta, shard: int) -> Delta:
         text = self.texts.setdefault(raw.sample, SampleText(self.tokenizer))
+        spans = [(v, n) for v, n in raw.weight_versions]
         return Delta(sample=raw.sample, token_ids=list(raw.token_ids), text=text.add(raw),
-                     logprobs=list(raw.logprobs), weight_versions=[(v, n) for v, n in raw.weight_versions],
-                     finish_reason=raw.finish_reason, shard=shard)
+                     logprobs=list(raw.logprobs), weight_versions=spans,
+                     finish_reason=raw.finish_reason, shard=shard, weight_digests=span_digests(spans, self.digest_of))
 
 
 class SampleText:

@@ -35,6 +35,8 @@ from nemo_gen.core.wire import (
     AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, Sampling, ShardInfo,
     SyncRequest,
 )
+from nemo_gen.core.ipc_zmq import IpcZmqRefit
+from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread
 from nemo_gen.fleet.faults import classify, failure_of, root_cause, unanswered
@@ -59,7 +61,9 @@ class DriverTimeouts:
 
 # The shard actor's method for each refit message (``fan_out``): the message's type names the call.
 _METHODS: dict[type, str] = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
-                             AdapterModules: "adapter_call", AdapterLoad: "adapter_call", AdapterRemove: "adapter_call"}
+                             AdapterModules: "adapter_call", AdapterLoad: "adapter_call", AdapterRemove: "adapter_call",
+                             SleepOrder: "sleep", WakeOrder: "wake", ResetPrefixCache: "reset_prefix_cache",
+                             IpcZmqRefit: "load_refit"}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from nemo_gen.core.planner import Seed, attach_seeds
 from nemo_gen.core.wire import FleetRecordState
 from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
+from nemo_gen.core.request_policy import honour
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet import services
@@ -38,6 +39,7 @@ from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.router import Prompt, Router
 from nemo_gen.fleet.session import SessionVerbs
+from nemo_gen.fleet.sleep import FleetSleep, SleepVerbs
 from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
@@ -48,7 +50,7 @@ from nemo_gen.settings import NemoGenSettings
 __all__ = ["GenerationFleet", "ShardStatus"]
 
 
-class GenerationFleet(AdapterVerbs, SessionVerbs):
+class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
     """A running fleet. Build it with ``GenerationFleet.launch(settings)``; use as a context
     manager, or call ``shutdown()`` (idempotent)."""
 
@@ -78,7 +80,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         self.watches = DeathWatch(driver=self.driver, interval_s=s.health.watch_interval_s)
         gen_cfg = resolved.generation_config
         parts = dict(slots=self.members.table, members=self.members, driver=self.driver)
-        self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes)
+        self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes, digest=s.refit.digest)
         self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,
                                 template=(resolved.spares or resolved.shards)[0], fleet_name=s.fleet.name,
                                 num_slots=s.fleet.num_shards, wanted=lambda: self.settings.fleet.spares,
@@ -90,7 +92,8 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         self.router = Router(**parts, tokenizer=self._tokenizer, max_model_len=int(resolved.max_model_len or 0),
                              limits=policies.request_limits(s), decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
                              serving_version=lambda: self.weights.version, fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack,
-                             vocab_size=resolved.vocab_size)
+                             vocab_size=resolved.vocab_size, digest_of=self.weights.digests.of)
+        self.sleeper = FleetSleep(**parts, weights=self.weights, refitter=self.refitter, enabled=s.generation.colocated.enabled, fleet_name=s.fleet.name)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         self.prober = Prober(**parts, sampling=resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0}),
                              tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)
@@ -161,7 +164,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         conversation on its last turn's shard. ``timeout_s`` (default ``fleet.request_timeout_s``): see
         ``Router.generate``. ``adapter``: that LoRA adapter's newest version. One result per prompt."""
         self.background.check_open()
-        with self.adapters.selected(adapter, resolve_sampling(self.resolved.generation_config, sampling)) as (chosen, p):
+        with self.adapters.selected(adapter, self._sampling(sampling)) as (chosen, p):
             return chosen.stamp(self.router.generate(prompts, p, session_id, timeout_s))
 
     async def generate_async(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
@@ -169,15 +172,19 @@ class GenerationFleet(AdapterVerbs, SessionVerbs):
         """The per-request awaitable for async RL loops; cancelling it aborts the request on its
         engine; past ``timeout_s`` (default ``fleet.request_timeout_s``): ``RequestTimeout``."""
         self.background.check_open()
-        with self.adapters.selected(adapter, resolve_sampling(self.resolved.generation_config, sampling)) as (chosen, p):
+        with self.adapters.selected(adapter, self._sampling(sampling)) as (chosen, p):
             return chosen.stamp(await self.router.generate_async(prompt, p, session_id, timeout_s))
 
     def generate_stream(self, prompt: Prompt, session_id: str | None = None, timeout_s: float | None = None,
                         adapter: str | None = None, **sampling: Any) -> AsyncIterator[Delta | GenerationResult]:
         """``Delta``s as generated, then the result; ``timeout_s``: the longest wait between two."""
         self.background.check_open()
-        return self.adapters.stream(adapter, resolve_sampling(self.resolved.generation_config, sampling),
+        return self.adapters.stream(adapter, self._sampling(sampling),
                                     lambda p: self.router.generate_stream(prompt, p, session_id, timeout_s))
+
+    def _sampling(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """Sampling keywords, once the call's min_version / max_staleness are ones the fleet honours."""
+        return resolve_sampling(self.resolved.generation_config, honour(sampling, self.weight_version, policies.in_flight(self.settings)))
 
     # -- weights -----------------------------------------------------------------------------
     @property

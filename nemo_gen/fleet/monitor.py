@@ -7,7 +7,8 @@ process is certain). Hang: every ``health.probe_interval_s`` each serving shard 
 (one real token, or proof of a recent engine step while it runs a batch); no answer within
 ``health.probe_timeout_s`` is a failure, and ``health.unhealthy_threshold`` of them in a row
 condemn the shard (NeMo-RL's streak rules, in the ledger). A SIGSTOPped engine answers
-nothing and is condemned this way.
+nothing and is condemned this way. A sleeping fleet (``nemo_gen.fleet.sleep``) is not probed and
+late answers count for nothing (its schedulers are paused); its death watch runs on.
 
 ``DeathWatch`` owns the watch calls: whoever installs a member (the spare pool, recovery) hands it
 to the death watch, which starts its call once a monitor runs; the monitor waits on them and
@@ -82,6 +83,8 @@ class Prober:
         if answer.status is ProbeStatus.DEAD:
             self.detected(member, "probe", answer.detail or "probe found the shard dead")
             return
+        if not self.slots.sleep_state().awake:  # sent before a sleep paused its scheduler: no news
+            return
         alive = answer.status.alive
         state = self.slots.record_probe_answer(slot, alive, None if alive else answer.detail)
         if not alive:
@@ -99,6 +102,8 @@ class Prober:
         a failing shard is probed up to ``unhealthy_threshold`` times in a row; a dead actor or
         engine is condemned at once."""
         out = []
+        if not self.slots.sleep_state().awake:  # asleep is a state, not a fault: nothing to probe
+            return out
         for slot in self.health.serving_shards():
             handle = self.members.handle(slot)
             member = Member(handle.name, slot)
@@ -301,6 +306,8 @@ class FleetMonitor:
         prober = self.prober
         with self._lock:
             probing = {p[0].slot for p in self._probes.values()}
+        if not prober.slots.sleep_state().awake:  # a sleeping engine's scheduler is paused: the death
+            return                                  # watch still sees it killed
         deadline = time.monotonic() + prober.timeout_s
         serving = self._serving()
         for slot, handle in serving.items():

@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any, Callable
 
+from nemo_gen.core.digest import WeightDigest, is_mismatch
 from nemo_gen.core.fleet_health import ABSENT_STATES
 from nemo_gen.core.members import Member
 from nemo_gen.core.slots import SlotTable
@@ -64,7 +65,7 @@ def metas_of(expected: EngineManifest) -> dict[str, TensorMeta]:
 
 class Refitter:
     def __init__(self, *, slots: SlotTable, members: Membership, weights: FleetWeights,
-                 driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int):
+                 driver: ShardDriver, generation_config: dict[str, Any], bucket_bytes: int, digest: bool = True):
         self.slots = slots
         self.health = slots.ledger  # read only: every write is a table transaction
         self.members = members
@@ -72,10 +73,15 @@ class Refitter:
         self.driver = driver
         self._generation_config = generation_config
         self.bucket_bytes = bucket_bytes
+        self.digest = digest  # refit.digest: hash what is staged, and have every shard check it
         # Refits that landed (on at least one shard), their seconds and bytes: metrics.
         self.totals = {"refits": 0, "seconds": 0.0, "bytes": 0}
         # Run on a newcomer after it caught up, under the refit lock (the fleet's LoRA adapters).
         self.after_catch_up: list[Callable[[Member, ShardHandle], None]] = []
+        # Run before weights move, under the refit lock (a sleeping fleet wakes its weights: nemo_gen.fleet.sleep);
+        # before_catch_up: the same for one newcomer (a sleep may have reached it before its catch-up).
+        self.before_refit: list[Callable[[], None]] = []
+        self.before_catch_up: list[Callable[[Member, ShardHandle], None]] = []
 
     @property
     def draft_full(self) -> bool:
@@ -96,6 +102,11 @@ class Refitter:
     def refit_members(self) -> dict[Member, ShardHandle]:
         """Every refittable slot and every warm spare (so one can serve the moment it is promoted)."""
         return self.members.members(self.targets())
+
+    def ready_weights(self) -> None:
+        """Make every member's weights loadable (the ``before_refit`` hooks), under the refit lock."""
+        for hook in self.before_refit:
+            hook()
 
     def expected(self, target: str) -> EngineManifest:
         """The engine's own manifest for ``target``, asked of each refittable shard in turn (so
@@ -123,12 +134,19 @@ class Refitter:
         """``in_flight``: what the shards do to running requests (``policies.in_flight``)."""
         with self.weights.refitting():
             new_version = next_version(self.weights.version, version)
+            self.ready_weights()
             members = self.refit_members()
             staged = self.stage(source, new_version)
             report = RefitReport(version=new_version, bytes=staged.total, tensors=staged.tensors,
-                                 stage_seconds=staged.stage_seconds, load_seconds=0.0)
+                                 stage_seconds=staged.stage_seconds, load_seconds=0.0, digest=staged.digest,
+                                 digest_seconds=staged.digest_seconds)
             t1 = time.perf_counter()
-            for member, (ok, seconds, error) in self.apply_staged(staged, members, in_flight).items():
+            outcome = self.apply_staged(staged, members, in_flight)
+            refused = [error for ok, _, error in outcome.values() if not ok]
+            if refused and len(refused) == len(outcome) and all(map(is_mismatch, refused)):
+                # no shard read the trainer's bytes, and none loaded any: the fleet serves on
+                raise RefitError(f"refit refused, no weight was changed: {refused[0]}")
+            for member, (ok, seconds, error) in outcome.items():
                 self.settle(report, member, new_version, None if ok else error, seconds)
             report.load_seconds = time.perf_counter() - t1
             if any(s.ok for s in report.shards):
@@ -173,6 +191,8 @@ class Refitter:
         fleet's staging file (one copy per node). Raises ``RefitError`` before a byte moves."""
         import torch
 
+        from nemo_gen.vllm_ext.digest import staged_form, tensor_digest
+
         src = as_source(source)
         dtype_name = self.engine_dtype
         engine_dtype = getattr(torch, dtype_name)
@@ -193,18 +213,29 @@ class Refitter:
         # the current version intact (a newcomer still catches up from them).
         staging.ensure(total)
         self.weights.begin_staging()
+        digests: dict[str, int] = {}
+        digest_s = 0.0
         for bucket in buckets(staged, self.bucket_bytes):
             for name, tensor in src.read([m.name for m in bucket]):
+                tensor = staged_form(tensor, engine_dtype)
+                if self.digest:
+                    t_digest = time.perf_counter()
+                    digests[name] = tensor_digest(tensor)  # the trainer's side, on the tensor's device
+                    digest_s += time.perf_counter() - t_digest
                 staging.write(where[name], tensor, engine_dtype)
         # Workers get target-space names: the drafter's tensors without their prefix.
         entry_groups = [
             (target, [(m.name, m.shape, m.dtype, where[src_name].offset) for t, src_name, m in items if t == target])
             for target, _ in groups
         ]
+        ordered = WeightDigest(tuple(m.name for _, _, m in items), tuple(digests[src_name] for _, src_name, _ in items)
+                               ) if self.digest else None
         return StagedRefit(
             version=version, path=str(staging.path), total=total, groups=entry_groups, tensors=len(items),
             stage_seconds=time.perf_counter() - t0,
             source=str(source) if isinstance(source, (str, os.PathLike)) else None,
+            digests=ordered.values if ordered else (), digest=ordered.digest if ordered else None,
+            digest_seconds=digest_s,
         )
 
     def apply_staged(self, staged: StagedRefit, handles: dict[Member, ShardHandle],
@@ -215,10 +246,14 @@ class Refitter:
         load at once; a failure there leaves that shard with no version."""
         timeout = self.driver.timeouts.refit_s
         outcome: dict[Member, tuple[bool, float, str | None]] = {}
-        checks = self.driver.fan_out(handles, CheckRefit(staged.path, staged.total, staged.entries, timeout),
-                                     _CHECK_MARGIN_S)
+        checks = self.driver.fan_out(handles, CheckRefit(staged.path, staged.total, staged.entries, timeout,
+                                                         staged.digests), _CHECK_MARGIN_S)
         for member, answer in checks.items():
             if answer.ok:
+                continue
+            if is_mismatch(answer.error):  # this shard's bytes are not the trainer's: it loads nothing
+                outcome[member] = (False, 0.0, f"refit to version {staged.version} refused on this shard, "
+                                               f"nothing loaded: {answer.error}")
                 continue
             if not answer.infra:
                 raise RefitError(
@@ -282,6 +317,8 @@ class Refitter:
                     # Another process did the last refit (its staging is gone): stage it again.
                     staged = self.stage(self.weights.source, version)
                     self.weights.keep_staged(staged)
+                for hook in self.before_catch_up:
+                    hook(member, handle)
                 # A fresh engine runs nothing: there is no request to keep or cut.
                 ok, _, error = self.apply_staged(staged, {member: handle}, _DRAIN)[member]
                 if not ok:

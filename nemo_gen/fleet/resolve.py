@@ -92,6 +92,10 @@ def resolve_generation(
     _resolve_max_model_len(gen_cfg, model_dir)
 
     device = _device(settings, cluster)
+    if settings.generation.colocated.enabled and settings.fleet.spares:
+        # (a spare is not in the slots a sleep reaches; awake, it would keep its memory from the trainer)
+        raise ConfigError("fleet.spares must be 0 with generation.colocated.enabled: a warm spare stays awake "
+                          "and holds the GPU memory the sleeping engines give the trainer", field="fleet.spares")
     vc = gen_cfg["vllm_cfg"]
     # Spares are engines like the others: they are planned, and must fit, with the fleet.
     plan = plan_fleet_placement(

@@ -40,7 +40,7 @@ from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import GenerateReply, RequestResult, Sampling, StreamDeltas
-from nemo_gen.errors import RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
@@ -60,7 +60,7 @@ class Router:
     def __init__(self, *, slots: SlotTable, members: Membership, driver: ShardDriver, tokenizer: Any,
                  max_model_len: int, decode_text: bool, limits: RequestLimits, serving_version: Callable[[], int | None],
                  fleet_name: str, session_slack: int, vocab_size: int | None = None,
-                 clock: Clock = time.monotonic):
+                 clock: Clock = time.monotonic, digest_of: Callable[[int | None], str | None] | None = None):
         self.slots = slots
         self.health = health = slots.ledger  # read only: every write is a table transaction
         self.selector = HealthyShardSelector(health)
@@ -75,6 +75,7 @@ class Router:
         self.admission = Admission(limits.max_pending, limits.tries.retry_after_s)
         self.clock = clock  # requests' deadlines run on it (a test may turn it fast)
         self._version = serving_version
+        self._digest_of = digest_of or (lambda version: None)  # each version's weight digest (results)
         self._fleet_name = fleet_name
         self.affinity = SessionAffinity(health, members, self.selector, session_slack)  # sessions' shards
         self.rerouted = 0  # requests sent again after their shard was lost (a metric)
@@ -101,7 +102,8 @@ class Router:
         return await asyncio.to_thread(self.requests, prompts)
 
     def result(self, req: GenerationRequest, raw: RequestResult, shard: int, version: int | None) -> GenerationResult:
-        return decode_result(req, raw, shard, version, self.tokenizer, engines_decode=not self._decode_text)
+        return decode_result(req, raw, shard, version, self.tokenizer, engines_decode=not self._decode_text,
+                             digest_of=self._digest_of)
 
     def _text_tokenizer(self) -> Any | None:
         """The tokenizer to decode a stream's text with here: engines without one send none."""
@@ -139,7 +141,13 @@ class Router:
         """The session ended: its shard is released."""
         return self.affinity.close(session)
 
+    def _check_awake(self) -> None:
+        """A sleeping fleet (``nemo_gen.fleet.sleep``) admits nothing: a state, not a fault."""
+        if (why := self.slots.sleep_state().refusal(self._fleet_name, self._version())) is not None:
+            raise FleetAsleep(why, retry_after_s=self.tries.retry_after_s)
+
     def _pick(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
+        self._check_awake()
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             time.sleep(_POLL_S)
@@ -147,6 +155,7 @@ class Router:
         return shard
 
     async def _pick_async(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
+        self._check_awake()
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
             await asyncio.sleep(_POLL_S)
@@ -355,7 +364,7 @@ class Router:
                 shard = await self._pick_async(deadline, session_id, avoid)
                 handle = self.members.handle(shard)
                 member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
-                decoder = StreamDecoder(self._text_tokenizer())
+                decoder = StreamDecoder(self._text_tokenizer(), self._digest_of)
                 try:
                     stream = self.driver.generate_stream(handle, req, sampling)
                     deadline.restart()

@@ -35,6 +35,7 @@ class ShardStatus:
     # each with the GPU memory it still holds.
     orphans: list[dict[str, Any]] = field(default_factory=list)
     gpu_memory_bytes: int | None = None  # what the shard's processes hold on GPUs (NVML); None: no GPU
+    sleep: str = "awake"  # the colocated layout's state (nemo_gen.core.sleep): "asleep (level 1)", ...
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -48,6 +49,7 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
     asked = {s.dp_shard_idx: h for s in snaps if (h := members.handle(s.dp_shard_idx)) is not None
              and s.state not in (ShardState.RETIRED, ShardState.DEAD)} if live else {}
     spares = {spare.name: spare for spare in members.spares()}
+    sleep = members.table.sleep_state().label()  # every slot's engine is in the fleet's state
     answers = driver.infos({**asked, **(spares if live else {})})  # one wait for all of them
     for snap in snaps:
         slot = snap.dp_shard_idx
@@ -67,7 +69,7 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
             actor_pid=info.actor_pid, engine_pids=list(info.engine_pids),
             node_id=info.node_id, restarts=snap.restart_attempts, last_error=snap.last_error or None,
             name=handle.name if handle else None, orphans=_with_gpu(left),
-            gpu_memory_bytes=_gpu_bytes([info.actor_pid, *info.engine_pids]),
+            gpu_memory_bytes=_gpu_bytes([info.actor_pid, *info.engine_pids]), sleep=sleep,
         ))
     for spare in spares.values():
         answer = answers.get(spare.name)

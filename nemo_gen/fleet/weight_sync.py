@@ -72,6 +72,7 @@ class _Session:
     chunks: int = 0
     bytes: int = 0
     failed: dict[Member, str] = field(default_factory=dict)
+    digest: str | None = None  # the trainer's, of a one-chunk update (every shard checked it)
 
 
 class FleetWeightSyncClient:
@@ -86,6 +87,7 @@ class FleetWeightSyncClient:
                  quantize: str = "engine"):
         self.refitter = refitter
         self.weights = refitter.weights
+        self.digest = refitter.digest  # refit.digest: trainer engines send their digests, shards check them
         self._vllm_cfg = generation_config.get("vllm_cfg", {})
         self._backend = backend
         self._check_open = check_open
@@ -130,7 +132,8 @@ class FleetWeightSyncClient:
         members = self._members()
         per_shard = {k: dict(init_info) for k in members}
         if _is_group(init_info):  # NCCL: one group, each shard's workers after the last
-            want = self.nccl_world_size()
+            # (the trainer's ranks come first: rank_offset of them; vLLM's trainer engine has one)
+            want = self.nccl_world_size() - 1 + int(init_info["rank_offset"])
             if init_info.get("world_size") != want:
                 raise RefitError(
                     f"the NCCL group has world_size {init_info.get('world_size')}, but this fleet needs {want} "
@@ -196,6 +199,7 @@ class FleetWeightSyncClient:
                              "(generation.vllm_kwargs.speculative_config)")
         with contextlib.ExitStack() as lock:
             lock.enter_context(self.weights.refitting())
+            self.refitter.ready_weights()
             version = next_version(self.weights.version, self.version)
             handles = self._admit(self._members())
             if not handles:
@@ -289,13 +293,13 @@ class FleetWeightSyncClient:
     def _complete(self, session: _Session, version: int) -> RefitReport:
         """Settle every shard of an ended update (``session.failed``: those that must not serve
         it) and move the fleet's version when one took it."""
-        report = RefitReport(version=version, bytes=session.bytes, tensors=len(session.seen),
-                             stage_seconds=0.0, load_seconds=time.perf_counter() - session.started)
+        report = RefitReport(version=version, bytes=session.bytes, tensors=len(session.seen), stage_seconds=0.0,
+                             load_seconds=time.perf_counter() - session.started, digest=session.digest)
         for key in session.handles:
             self._settle(report, key, version, session.failed.get(key))
         if any(s.ok for s in report.shards):
             # No staged bytes: the staging file, if any, holds an older version.
-            self.weights.landed(version, None, None)
+            self.weights.landed(version, None, None, session.digest)
             self.refitter.count(report)
         self.report = report
         return report
@@ -380,6 +384,7 @@ class FleetWeightSyncClient:
         after all (another client refit it since) answers so before touching anything, and is
         sent the whole update."""
         handles = {k: h for k, h in session.handles.items() if k not in session.failed}
+        session.digest = update_info.get("digest") if session.chunks <= 1 else None
         short = layout_only(update_info)
         timeout = self._driver.timeouts.refit_s
 

@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from nemo_gen.core.digest import DigestBook
+
 
 @dataclass
 class StagedRefit:
@@ -27,6 +29,11 @@ class StagedRefit:
     tensors: int
     stage_seconds: float
     source: str | None  # the checkpoint directory, when the weights came from one
+    # The trainer's digest of each tensor, in ``entries`` order (``nemo_gen.core.digest``), and
+    # their combined digest; the seconds computing them took. Empty: not digested.
+    digests: tuple[int, ...] = ()
+    digest: str | None = None
+    digest_seconds: float = 0.0
 
     @property
     def entries(self) -> list:
@@ -44,6 +51,7 @@ class FleetWeights:
         self._fleet_name = fleet_name
         self._record = record  # a RecordWriter
         self._lock = threading.RLock()
+        self.digests = DigestBook()  # each version's digest, what results' spans are stamped with
         self.reclaim_staging()
 
     def reclaim_staging(self) -> list:
@@ -100,12 +108,14 @@ class FleetWeights:
         """The staging file is about to be overwritten: it no longer holds the current version."""
         self._staged = None
 
-    def landed(self, version: int, source: str | None, staged: StagedRefit | None) -> None:
+    def landed(self, version: int, source: str | None, staged: StagedRefit | None, digest: str | None = None) -> None:
         """A refit landed on at least one shard: the fleet serves ``version`` now. ``staged``:
-        its bytes, when they are in the staging file (None for a weight-sync refit)."""
+        its bytes, when they are in the staging file (None for a weight-sync refit, whose
+        trainer's ``digest`` the shards checked, if any)."""
         self._version = version
         self._source = source
         self._staged = staged
+        self.digests.record(version, staged.digest if staged is not None else digest)
         self._record.write_version(version, source)
 
     def note_slot(self, slot: int, restarts: int, retired: str | None) -> None:

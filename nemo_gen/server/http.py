@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
 
 from nemo_gen.core.wire import exception_line
-from nemo_gen.errors import DataError, EngineCrashError, FleetBusy, InfraError, NemoGenError, RequestError, RequestTimeout, ShardRetired, StaleShard
+from nemo_gen.errors import DataError, EngineCrashError, FleetAsleep, FleetBusy, InfraError, NemoGenError, RequestError, RequestTimeout, ShardRetired, StaleShard
 from nemo_gen.server import protocol
 from nemo_gen.server.metrics import ServerMetrics
 from nemo_gen.server.protocol import ApiError
@@ -47,6 +47,8 @@ def error_for(exc: BaseException) -> ApiError:
         return protocol.bad(f"{type(exc).__name__}: {exc}", getattr(exc, "field", None))
     if isinstance(exc, RequestTimeout):
         return ApiError(504, f"RequestTimeout: {exc}")
+    if isinstance(exc, FleetAsleep):  # a state, not a load: named as such
+        return ApiError(503, f"FleetAsleep: {exc}", retry_after_s=int(round(exc.retry_after_s)))
     if isinstance(exc, FleetBusy):
         return ApiError(503, f"FleetBusy: {exc}", retry_after_s=int(round(exc.retry_after_s)))
     if isinstance(exc, EngineCrashError):  # the request may have killed it: sending it again would kill another

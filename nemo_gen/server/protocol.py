@@ -51,8 +51,11 @@ SAMPLING = {
 # Fields acted on besides sampling. request_id names the response; user / session_id pick the session;
 # timeout_s (nemo-gen's) is the request's deadline (a stream's: between two tokens).
 # structured_outputs / response_format constrain decoding; prompt_logprobs asks for the prompt's.
+# min_version / max_staleness (nemo-gen's): the weights the request must run on, passed to the
+# fleet, which refuses what it cannot honour naming the field (nemo_gen.core.request_policy).
+POLICY = ("min_version", "max_staleness")
 _COMMON = {"model", "stream", "stream_options", "user", "session_id", "request_id", "return_token_ids", "logprobs",
-           "timeout_s", "structured_outputs", "response_format", "prompt_logprobs"}
+           "timeout_s", "structured_outputs", "response_format", "prompt_logprobs", *POLICY}
 COMPLETION_FIELDS = frozenset(_COMMON | set(SAMPLING) - {"max_completion_tokens"} | {"prompt"})
 CHAT_FIELDS = frozenset(_COMMON | set(SAMPLING) | {"messages", "top_logprobs", "tools", "tool_choice",
                                                     "parallel_tool_calls", "include_reasoning"})
@@ -219,6 +222,7 @@ def _sampling(body: Mapping[str, Any], req: Any = None, top_logprobs: int = 0) -
         out[key] = value
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         out["max_new_tokens"] = body["max_completion_tokens"]
+    out.update((field, body[field]) for field in POLICY if body.get(field) is not None)
     return out
 
 
@@ -379,6 +383,8 @@ def field_for(message: str, call: Call, prompt_field: str) -> str | None:
     sampling keyword, or it is about the prompt)."""
     head = message.split(":", 1)[-1].strip() if message.startswith("RequestError") else message
     word = head.split(" ", 1)[0].strip("'\"`[],")
+    if word.rstrip(":") in POLICY:
+        return word.rstrip(":")
     if word in SAMPLING.values():
         name = _REQUEST_FIELD.get(word, word)
         if word == "max_new_tokens" and "max_completion_tokens" in call.sent:

@@ -47,6 +47,12 @@ def spans_of(item: Any) -> list[list[Any]]:
     return [[v, n] for v, n in (getattr(item, "weight_versions", None) or [])]
 
 
+def digests_of(item: Any) -> list[str | None]:
+    """The weight digest beside each of ``spans_of(item)`` (None: not digested)."""
+    spans, digests = spans_of(item), list(getattr(item, "weight_digests", None) or [])
+    return digests if len(digests) == len(spans) else [None] * len(spans)
+
+
 def provenance(results: Sequence[Any]) -> dict[str, Any]:
     """The body's ``nemo_gen`` object: the weight version that produced the response (the oldest
     of its results, when several prompts were served under different versions), the shard (None
@@ -58,6 +64,7 @@ def provenance(results: Sequence[Any]) -> dict[str, Any]:
            "shard": next(iter(shards)) if len(shards) == 1 else None}
     if len(results) == 1:
         out["weight_versions"] = spans_of(results[0])
+        out["weight_digests"] = digests_of(results[0])
     adapters = {(r.adapter, r.adapter_version) for r in results if getattr(r, "adapter", None) is not None}
     if adapters:  # a LoRA adapter's request (the ``model`` field): its name and version
         out["adapter"], out["adapter_version"] = min(adapters)
@@ -65,9 +72,10 @@ def provenance(results: Sequence[Any]) -> dict[str, Any]:
 
 
 def _choice_provenance(result: Any, sample: Any) -> dict[str, Any]:
-    spans = spans_of(sample) or spans_of(result)
+    item = sample if spans_of(sample) else result
+    spans = spans_of(item)
     return {"shard": result.shard, "weight_version": spans[-1][0] if spans else result.weight_version,
-            "weight_versions": spans}
+            "weight_versions": spans, "weight_digests": digests_of(item)}
 
 
 def _usage(results: Sequence[Any]) -> UsageInfo:
@@ -249,6 +257,7 @@ class StreamFormat:
         self.call, self.model, self.detok, self.id, self.chat = call, model, detok, response_id, chat
         self.created = int(time.time())
         self.spans: dict[int, list[list[Any]]] = {}  # choice index -> its tokens' version spans so far
+        self.digests: dict[Any, str | None] = {}  # version -> the digest of its weights (deltas say)
         self.chars: dict[int, int] = {}  # choice index -> text characters sent (completion logprob offsets)
         self.turns: dict[int, Any] = {}  # choice index -> its tools.StreamedTurn (a parser per choice)
 
@@ -278,10 +287,12 @@ class StreamFormat:
         spans = self.spans.setdefault(index, [])
         for version, count in d.weight_versions:
             add_span(spans, version, count)
+        self.digests.update((v, dg) for (v, _), dg in zip(d.weight_versions, digests_of(d)) if dg is not None)
         prov = None
         if d.finish_reason is not None:
             prov = {"shard": d.shard, "weight_version": spans[-1][0] if spans else None,
-                    "weight_versions": [list(s) for s in spans]}
+                    "weight_versions": [list(s) for s in spans],
+                    "weight_digests": [self.digests.get(s[0]) for s in spans]}
         ids = list(d.token_ids) if self.call.token_ids else None
         if self.chat:
             logprobs = _chat_logprobs(self.detok, d.token_ids, d.logprobs) if self.call.logprobs else None

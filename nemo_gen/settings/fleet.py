@@ -123,6 +123,13 @@ class RefitSettings(Section):
         "each process's file, 0600 under a random name, lies in nemo_gen-<fleet>-uid<uid>/ (0700) "
         "here; it must hold the whole model, or a refit is refused before a byte is written.",
     )
+    digest: bool = Field(
+        True, description="A staged refit hashes every tensor on the trainer's side and every shard "
+        "hashes the bytes it would load (the wd1 content digest, on the weights' own device): a shard "
+        "whose bytes differ loads nothing and is quarantined, naming the tensor, and every result "
+        "carries the digest of the weights that made each span (weight_digests). Off: no check, and "
+        "results carry no digest; it saves one more read of the weights per side.",
+    )
     timeout_s: float = Field(
         600.0, gt=0, description="Deadline for each refit phase on a shard, the load's wait for running "
         "requests (in_flight drain) included: a shard that has not answered by then is quarantined and "

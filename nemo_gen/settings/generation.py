@@ -33,7 +33,7 @@ class ModelSettings(Section):
 
 # --------------------------------------------------------------------------------------------
 # generation: NeMo-RL's GenerationConfig + VllmConfig, the keys nemo_gen acts on. NeMo-RL's
-# other keys (colocation, HTTP server, its refit transports, ...) are nemo_gen.config.loader's
+# other keys (colocation resources, HTTP server, its refit transports, ...) are nemo_gen.config.loader's
 # NEMO_RL_KEYS: read, shown as not used, or refused when they ask for something missing.
 
 
@@ -48,6 +48,15 @@ class LoraCfg(Section):
     max_adapters: int = Field(
         4, ge=1, description="Adapters held by every engine at once, all servable in one batch (vLLM's max_loras "
         "and max_cpu_loras). A refit past it evicts the least recently used adapter with no request in flight.",
+    )
+
+
+class ColocatedCfg(Section):
+    enabled: bool = Field(
+        False, description="NeMo-RL's colocated layout: the engines start with vLLM's sleep mode "
+        "(enable_sleep_mode) so a trainer on the same GPUs gets their memory back between rollouts "
+        "(fleet.sleep / fleet.wake, VllmGeneration.finish_generation / prepare_for_generation; "
+        "docs/rl.md). GPU fleets only: vLLM's CPU worker ignores sleep, so a CPU fleet refuses it.",
     )
 
 
@@ -232,6 +241,10 @@ class GenerationSettings(Section):
     )
     ignore_eos: bool | None = Field(None, description="Keep generating past EOS.")
     vllm_cfg: VllmCfg = Field(default_factory=VllmCfg, description="vLLM engine settings.")
+    colocated: ColocatedCfg = Field(
+        default_factory=ColocatedCfg, description="Sharing the GPUs with a trainer (NeMo-RL's ColocationConfig; "
+        "its resources key is NeMo-RL's cluster for separate engines, read but not used).",
+    )
     vllm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed verbatim to vllm.LLM / AsyncEngineArgs (keys are "
         "checked against the installed vLLM's EngineArgs); they win over everything derived.",

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings.base import ENV_PREFIX, GPU_SHARE_HEADROOM, invalid, invalid_keys
 from nemo_gen.settings.fleet import FleetSettings, HealthSettings, RefitSettings
-from nemo_gen.settings.generation import GenerationSettings, ModelSettings, VllmCfg
+from nemo_gen.settings.generation import ColocatedCfg, GenerationSettings, ModelSettings, VllmCfg
 from nemo_gen.settings.runtime import PrefectSettings, RaySettings, RunSettings
 from nemo_gen.settings.server import ServerSettings
 
@@ -193,7 +193,7 @@ class NemoGenSettings(BaseSettings):
         from nemo_gen.config import loader as config_loader
 
         known = {"": cls.model_fields, "generation": GenerationSettings.model_fields,
-                 "generation.vllm_cfg": VllmCfg.model_fields}
+                 "generation.vllm_cfg": VllmCfg.model_fields, "generation.colocated": ColocatedCfg.model_fields}
         prepared = config_loader.prepare(path, _override_pairs(overrides), known)
         tokens = (_YAML_DATA.set(prepared.file_data), _NOT_USED.set(list(prepared.not_used)))
         try:

@@ -1,7 +1,10 @@
 """The async engine: vLLM's ``AsyncLLM`` (``vllm_cfg.async_engine``), which serves concurrent
-requests natively. Each request is one ``AsyncLLM.generate``; its outputs are the engine's
-evidence of progress (the step clock counts them), and every token is counted under the version
-whose label vLLM gave it. An in-flight refit pauses vLLM's scheduler and, where the mode says,
+requests natively. Each request is one ``AsyncLLM.generate``: a batch's requests report only
+their final output (per-step outputs cost the front end a ``RequestOutput`` and a wake-up per
+request per step: bench/results/2026-12-07/gpu-rollout.md), a stream's every step's new tokens.
+The core's steps are the engine's evidence of progress (the step clock counts each step's
+outputs as the output handler takes them), and every token is counted under the version whose
+label vLLM gave it. An in-flight refit pauses vLLM's scheduler and, where the mode says,
 preempts or aborts the running requests (``swap.AsyncSwap``).
 """
 
@@ -28,6 +31,11 @@ class AsyncEngine(BaseEngine):
         super().__init__(llm, load_s, version)
         self.running: set[str] = set()  # its requests, by the id they were added with
         self.swap = AsyncSwap(llm, self.gate, self.weights, self.running)
+        vllm_compat.on_core_outputs(llm, self._stepped)
+
+    def _stepped(self) -> None:
+        if self.clock.active:  # progress of requests running now (a probe's evidence)
+            self.clock.output()
 
     def _front(self) -> Any:
         return self._llm
@@ -57,6 +65,7 @@ class AsyncEngine(BaseEngine):
         return None
 
     async def _generate(self, requests: list[GenerationRequest], params: Any) -> list[RequestResult]:
+        vllm_compat.output_kind(params, final_only=True)
         return list(await asyncio.gather(*(self._one(r, params) for r in requests)))
 
     def _version_spans(self, comp: Any) -> list[tuple[int | None, int]]:
@@ -73,9 +82,8 @@ class AsyncEngine(BaseEngine):
                 prompt = vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt)
                 async for out in self._llm.generate(prompt, params, request_id,
                                                     lora_request=lora_request_of(params, self)):
-                    self.clock.output()
-                    # With n > 1 an output carries the samples that moved (one child each, unless the
-                    # reader lagged and they were merged): keep each sample's latest (cumulative) state.
+                    # Final outputs only (``_generate``): with n > 1 the final output carries every
+                    # sample; an abort's carries what each had made. Keep each sample's latest state.
                     for comp in out.outputs:
                         latest[comp.index] = comp
                     prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
@@ -116,7 +124,6 @@ class AsyncEngine(BaseEngine):
             with self.clock.running():
                 async with contextlib.aclosing(outputs):
                     async for out in outputs:
-                        self.clock.output()
                         track.observe(rid, out, spans_of)
                         if deltas := cursor.deltas():
                             yield StreamDeltas(tuple(deltas))

@@ -208,6 +208,28 @@ class BaseEngine(abc.ABC):
         finally:
             self._rpc_active -= 1
 
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep (the engine started with enable_sleep_mode; its requests were drained, so
+        "wait" has nothing to wait for). The prefix cache goes first, as NeMo-RL's sleep does:
+        cached blocks would point into a KV cache the sleep drops."""
+        if self.async_engine:
+            await self._llm.reset_prefix_cache()
+            await self._llm.sleep(level=level, mode="wait")
+        else:
+            await asyncio.to_thread(self._llm.reset_prefix_cache)
+            await asyncio.to_thread(self._llm.sleep, level, "wait")
+
+    async def reset_prefix_cache(self) -> bool:
+        if self.async_engine:
+            return await self._llm.reset_prefix_cache()
+        return await asyncio.to_thread(self._llm.reset_prefix_cache)
+
+    async def wake(self, tags: list[str]) -> None:
+        if self.async_engine:
+            await self._llm.wake_up(tags=tags)
+        else:
+            await asyncio.to_thread(self._llm.wake_up, tags)
+
     def step_gaps(self, reset: bool) -> StepGaps:
         """The longest time the engine went without finishing a step (sync engine) since the
         last reset, and each longer stretch as (start, end) monotonic seconds (``StepClock.gaps``)."""

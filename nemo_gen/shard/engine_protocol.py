@@ -65,6 +65,13 @@ class EngineLike(Protocol):
 
     async def end_swap(self, version: int | None, in_flight: InFlight, failed: str | None = None) -> None: ...
 
+    # -- vLLM's sleep mode (the colocated layout; the shard drained its requests first) --------------
+    async def sleep(self, level: int) -> None: ...  # reset the prefix cache, then sleep at ``level``
+
+    async def wake(self, tags: list[str]) -> None: ...  # bring ``tags`` ("weights", "kv_cache") back
+
+    async def reset_prefix_cache(self) -> bool: ...  # False: vLLM could not (requests were running)
+
     # -- the rest --------------------------------------------------------------------------------
     def vllm_metrics(self) -> list[dict[str, Any]]: ...
 

@@ -19,9 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
 
+from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.manifest import needs_whole
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
+from nemo_gen.core.sleep import AWAKE
 from nemo_gen.core.wire import (
     AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
@@ -30,6 +32,7 @@ from nemo_gen.core.wire import (
 from nemo_gen.errors import EngineCrashError, ShardBusy
 from nemo_gen.shard.adapters import adapter_call
 from nemo_gen.shard.engine_protocol import EngineLike
+from nemo_gen.shard.sleep_rules import SleepRules
 
 # vLLM's weight-sync RPCs on the workers, by step (``apply`` is nemo_gen's one-call form).
 _RPC = {SyncInit: "init_weight_transfer_engine", SyncStart: "start_weight_update",
@@ -109,7 +112,7 @@ class SyncSession:
             await self.engine.end_swap(version, in_flight, failed=failed)
 
 
-class Shard:
+class Shard(SleepRules):
     """One shard = one vLLM engine, as ``vllm serve`` would run it, serving slot ``slot`` of
     fleet ``fleet`` (``slot`` None: a warm spare). Built before its engine starts (``attach``),
     so it answers ``info`` while the engine loads."""
@@ -127,6 +130,7 @@ class Shard:
         self.engine_core_start: str | None = None
         self.sync: SyncSession | None = None
         self.calls = 0  # generate calls in the engine now (``calls_answered``)
+        self.sleep_state = AWAKE  # ``sleep`` / ``wake`` (nemo_gen.core.sleep): asleep, it admits nothing
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -154,6 +158,8 @@ class Shard:
             dtype=engine.dtype if engine else None, load_s=engine.load_s if engine else None,
             async_engine=self.async_engine, engine_core_start=self.engine_core_start, direct_calls=direct_calls,
             generating=bool(engine and engine.generating), batch_steps=engine.steps_made if engine else 0,
+            sleep_level=None if self.sleep_state.awake else int(self.sleep_state.level),
+            sleep_resident=tuple(sorted(self.sleep_state.resident)),
         )
 
     def assign(self, slot: int, restarts: int = 0) -> ShardInfo:
@@ -203,6 +209,8 @@ class Shard:
         router sends them to no other engine); killed from outside, or its end unknown within
         ``CORE_EXIT_WAIT_S``, the death is an ordinary one and its requests are re-routed."""
         slot = -1 if self.slot is None else self.slot
+        if not self.sleep_state.awake:  # (the router refuses first; one already on its way lands here)
+            raise ShardBusy(slot, f"the shard is {self.sleep_state.label()}")
         self.calls += 1
         try:
             yield
@@ -236,17 +244,23 @@ class Shard:
         """A real generation of one token (or, while a batch runs, proof of a recent step)."""
         if self.engine is None:
             return ProbeReply(ProbeStatus.FAILED, "no engine")
+        if not self.sleep_state.awake:  # its scheduler is paused: a token would never come
+            return ProbeReply(ProbeStatus.SKIPPED, f"the shard is {self.sleep_state.label()}")
         return probe_reply(await self.engine.probe(sampling, token_ids, stall_s, warmup_s))
 
     # -- a checkpoint refit ----------------------------------------------------------------------
 
     async def check_refit(self, msg: CheckRefit) -> int:
-        """Phase 1: every worker can read the staged tensors. Changes nothing."""
+        """Phase 1: every worker can read the staged tensors, and their digests are the trainer's
+        (a mismatch refuses, naming the first tensor that differs). Changes nothing."""
+        if not self.sleep_state.weights_resident:  # (the fleet wakes them first: NeMo-RL's order)
+            raise RuntimeError(f"the shard is {self.sleep_state.label()}: its weights must be woken "
+                               "(wake tags=['weights']) before a refit")
         seen = await self._engine().rpc("nemo_gen_check_staged", msg.path, msg.total, list(msg.entries),
-                                        timeout=msg.timeout_s)
+                                        list(msg.digests), timeout=msg.timeout_s)
         return min(seen)
 
-    async def load_refit(self, msg: LoadRefit) -> float:
+    async def load_refit(self, msg: LoadRefit | IpcZmqRefit) -> float:
         """Phase 2: load each (target, entries) group, then serve as ``msg.version``. ``drain``
         holds requests back until the running ones finish; ``keep`` / ``abort`` swap the weights
         under the running batch. On failure the shard keeps no claim to any version."""
@@ -255,10 +269,13 @@ class Shard:
 
         async def load():
             self.claim = NO_CLAIM  # half-loaded weights must never be stamped as a version
+            if isinstance(msg, IpcZmqRefit):  # NeMo-RL's stream: its workers receive it (vllm_ext.ipc_zmq)
+                await engine.rpc("nemo_gen_update_weights_via_ipc_zmq", list(msg.entries), msg.timeout_s, msg.address)
+                return
             for target, entries in msg.groups:
                 await engine.rpc("nemo_gen_load_staged", msg.path, msg.total, entries, target, timeout=msg.timeout_s)
 
-        if msg.in_flight.drain:
+        if msg.in_flight.drain or not self.sleep_state.awake:  # (asleep: nothing runs, its scheduler is paused)
             async with engine.exclusive():
                 await load()
                 await engine.set_version(msg.version)
@@ -270,7 +287,7 @@ class Shard:
                 await engine.end_swap(None, msg.in_flight, failed=f"refit to version {msg.version} failed: {exc}")
                 raise
             await engine.end_swap(msg.version, msg.in_flight)
-        self.claim = Claim(msg.version, msg.source)
+        self.claim = Claim(msg.version, getattr(msg, "source", None))
         return time.perf_counter() - t0
 
     # -- LoRA adapters --------------------------------------------------------------------------

@@ -3,7 +3,7 @@ its documented ``LLM``/``AsyncLLM`` calls: building an engine and its sampling p
 sync engine's core client (a send lock, marked output waits, utility calls sent without waiting,
 a wake-up), and reading the output processor's request state (a cut's partial outputs, staleness,
 the requests held, stats). When vLLM changes one of these, this is the module that follows it;
-tests/unit/test_structure.py's list of private accesses names it alone for the engines.
+tests/tooling/test_structure.py's list of private accesses names it alone for the engines.
 
 vLLM is imported inside the functions: this module is imported where vLLM is not installed.
 """
@@ -92,6 +92,22 @@ def freeze_heap() -> None:
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()
+
+
+def on_core_outputs(llm: Any, callback: Callable[[], None]) -> None:
+    """``callback()`` each time ``AsyncLLM``'s output handler takes a step's request outputs from
+    its engine core: one call a step, however many requests it carries. The async engine's
+    evidence of progress, since its batches ask vLLM for each request's final output only."""
+    core = llm.engine_core
+    get = core.get_output_async
+
+    async def stamped_get():
+        outputs = await get()
+        if outputs.outputs:
+            callback()
+        return outputs
+
+    core.get_output_async = stamped_get
 
 
 class CoreClient:

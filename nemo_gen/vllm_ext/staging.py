@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from nemo_gen.core.manifest import RefitError, StagedTensor
+from nemo_gen.vllm_ext.digest import staged_form
 
 log = logging.getLogger(__name__)
 
@@ -251,9 +252,7 @@ class SharedMemoryStaging:
 
     def write(self, placed: StagedTensor, tensor: Any, dtype: Any) -> None:
         """Copy ``tensor`` (cast to ``dtype`` when it is floating) into its place."""
-        src = tensor.detach()
-        if src.is_floating_point() and src.dtype != dtype:
-            src = src.to(dtype)
+        src = staged_form(tensor, dtype)
         if src.device.type != "cpu":
             src = src.cpu()
         nbytes = placed.meta.nbytes

@@ -49,9 +49,11 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from nemo_gen.core.digest import WeightDigest, first_mismatch
 from nemo_gen.core.manifest import IPC_BACKEND
 from nemo_gen.core.manifest import SHM_BACKEND as BACKEND
 from nemo_gen.vllm_ext.copy_plan import CopyPlan
+from nemo_gen.vllm_ext.digest import staged_form, tensor_digest, tensor_digests
 from nemo_gen.vllm_ext.direct_load import ScratchPool
 from nemo_gen.vllm_ext.worker_ext import WeightLoad, open_staged, shared_with_policy
 
@@ -69,6 +71,8 @@ class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
     path: str
     total: int
     entries: list = field(default_factory=list)
+    digests: list = field(default_factory=list)  # the trainer's digest of each entry (empty: unchecked)
+    digest: str | None = None  # theirs combined (nemo_gen.core.digest)
 
     def __post_init__(self):
         if not self.entries:
@@ -119,6 +123,8 @@ class _LoadingEngine(WeightTransferEngine):
         if self._load is None:
             raise RuntimeError("update_weights before start_weight_update")
         weights = self._weights(update_info)
+        if update_info.digests:  # the trainer's bytes, or nothing loaded (a fresh read where ``weights`` is one-shot)
+            check_digests(weights if isinstance(weights, list) else self._weights(update_info), update_info.digests)
         if self.model is not self._default_model:  # a draft update: never write the policy's tensors
             shared = set(shared_with_policy(self.model, self._default_model))
             self._load.load((n, t) for n, t in weights if n not in shared)
@@ -167,6 +173,8 @@ class CudaIpcUpdateInfo(WeightTransferUpdateInfo):
     handles: bytes = b""  # pickled {storage key: {GPU UUID: rebuild args}}
     layout: str | None = None
     layout_only: bool = False
+    digests: list = field(default_factory=list)  # the trainer's digest of each tensor (empty: unchecked)
+    digest: str | None = None  # theirs combined (nemo_gen.core.digest)
 
     def __post_init__(self):
         n = len(self.names)
@@ -252,13 +260,18 @@ class SharedMemoryTrainerEngine(TrainerWeightTransferEngine[SharedMemoryTrainerI
         if not self.is_sender:
             return
         self.staging.ensure(total)
+        digests: dict[str, int] = {}
         for name, tensor in self.source:
             place = where.get(name)
             if place is None:
                 raise ValueError(f"the weight source yielded {name!r}, which its metadata() did not declare")
+            tensor = staged_form(tensor, getattr(torch, place.meta.dtype))
+            if digesting(self.client):
+                digests[name] = tensor_digest(tensor)  # on the trainer's device, as staged
             self.staging.write(place, tensor, getattr(torch, place.meta.dtype))
-        send_one_chunk(self.client, {"path": str(self.staging.path), "total": total,
-                                     "entries": [list(e) for e in self.staging.entries(placed)]})
+        entries = [list(e) for e in self.staging.entries(placed)]
+        send_one_chunk(self.client, {"path": str(self.staging.path), "total": total, "entries": entries,
+                                     **digest_fields([e[0] for e in entries], digests)})
 
     def shutdown(self) -> None:
         self.staging.close()
@@ -298,7 +311,11 @@ class CudaIpcTrainerEngine(TrainerWeightTransferEngine[CudaIpcTrainerInitInfo]):
     def send_weights(self) -> None:
         if not self.is_sender:
             return
-        send_one_chunk(self.client, self.sender.update_info(iter(self.source)))
+        named = list(self.source)
+        info = self.sender.update_info(iter(named))
+        if digesting(self.client):  # after update_info: the trainer's queued writes have landed
+            info = {**info, **digest_fields(info["names"], {n: tensor_digest(t) for n, t in named})}
+        send_one_chunk(self.client, info)
 
     def shutdown(self) -> None:
         self.sender.close()
@@ -316,6 +333,28 @@ def trainer_source(source: Any, init_info: Any, client: Any) -> Any:
     from nemo_gen.vllm_ext.fp8 import Fp8Source
 
     return Fp8Source(source)
+
+
+def digesting(client: Any) -> bool:
+    """The fleet checks the weights' digest (``refit.digest``; a client that does not say: yes)."""
+    return bool(getattr(client, "digest", True))
+
+
+def digest_fields(names: list[str], digests: dict[str, int]) -> dict[str, Any]:
+    """An update's ``digests`` (one per name, in the update's order) and ``digest``; none when
+    nothing was digested."""
+    if not digests:
+        return {}
+    values = [digests[n] for n in names]
+    return {"digests": values, "digest": WeightDigest(tuple(names), tuple(values)).digest}
+
+
+def check_digests(weights: Any, digests: list[int]) -> None:
+    """Raise, naming the first tensor, unless ``weights`` (name, tensor) hash to ``digests``."""
+    pairs = list(weights)
+    problem = first_mismatch([n for n, _ in pairs], list(digests), tensor_digests(t for _, t in pairs))
+    if problem:
+        raise ValueError(problem)
 
 
 def send_one_chunk(client: Any, update_info: dict[str, Any]) -> None:

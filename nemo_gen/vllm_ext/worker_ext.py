@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from nemo_gen.vllm_ext.copy_plan import CopyPlan
 from nemo_gen.vllm_ext.direct_load import DirectLoad, ScratchPool
+from nemo_gen.vllm_ext.ipc_zmq import IpcZmqWorkerMixin
 from nemo_gen.vllm_ext.lora import LoraWorkerMixin
 
 Entry = tuple[str, tuple[int, ...], str, int]  # name, shape, dtype, byte offset
@@ -27,7 +28,11 @@ def open_staged(path: str, total: int, entries: list[Entry]) -> Iterator[tuple[s
 
     buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
     for name, shape, dtype, offset in entries:
-        yield name, typed_view(buf, offset, shape, dtype)
+        view = typed_view(buf, offset, shape, dtype)
+        if name == _FAULT_TENSOR:  # a fault drill (nemo_gen_fault_staged): this worker's copy only
+            view = view.clone()
+            view.view(-1).view(torch.uint8)[0] ^= 0xFF
+        yield name, view
 
 
 def hf_manifest(hf_config: Any, dtype: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -63,7 +68,7 @@ def split_stacked(model: Any, names: list[str]) -> list[str]:
     return sorted(problems)
 
 
-class NemoGenWorkerExtension(LoraWorkerMixin):
+class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     def _drafter(self):
@@ -96,17 +101,34 @@ class NemoGenWorkerExtension(LoraWorkerMixin):
         return {"tensors": hf_manifest(hf, cfg.dtype), "optional": optional + shared, "shared": shared, "available": True}
 
     def nemo_gen_digest(self, target: str = "policy") -> float:
-        """A cheap fingerprint of the loaded weights (sum of every parameter, in float64), so tests
-        and operators can tell which weights a model holds without moving them."""
+        """A cheap fingerprint of the loaded parameters (sum of every one, in float64): invariant
+        to how the engine packs them, so tests compare it with a trainer's module. Not a proof
+        of the weights: that is the content digest (``nemo_gen_weights_digest``)."""
         import torch
 
         model = self._drafter().model if target == "draft" else self.model_runner.get_model()
         with torch.no_grad():
             return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
-    def nemo_gen_check_staged(self, path: str, total: int, entries: list[Entry]) -> int:
-        """Phase 1: the staged bytes are readable here; returns the byte count seen."""
+    def nemo_gen_weights_digest(self) -> str | None:
+        """The content digest (``nemo_gen.core.digest``) of the weights the last staged refit
+        loaded here, computed here from the bytes loaded; None before any."""
+        return getattr(self, "_nemo_gen_loaded_digest", None)
+
+    def nemo_gen_fault_staged(self, name: str | None) -> None:
+        """Fault drills: this worker reads tensor ``name`` of later staged refits with its first
+        byte flipped, as a transport that corrupted its copy would (None: no more)."""
+        global _FAULT_TENSOR
+        _FAULT_TENSOR = name
+
+    def nemo_gen_check_staged(self, path: str, total: int, entries: list[Entry], digests: list[int] = ()) -> int:
+        """Phase 1: the staged bytes are readable here and, given the trainer's ``digests`` (one
+        per entry), are the trainer's: a mismatch raises, naming the first tensor that differs,
+        and nothing is loaded. Returns the byte count seen."""
         import os
+
+        from nemo_gen.core.digest import WeightDigest, first_mismatch
+        from nemo_gen.vllm_ext.digest import tensor_digests
 
         size = os.path.getsize(path)
         if size < total:
@@ -120,6 +142,14 @@ class NemoGenWorkerExtension(LoraWorkerMixin):
                 "the refit splits stacked layers (their parts load as one tensor, which a reload "
                 f"rewrites whole): {'; '.join(split)}"
             )
+        self._nemo_gen_checked_digest = None
+        if digests:
+            names = [e[0] for e in entries]
+            got = tensor_digests(t for _, t in open_staged(path, total, entries))
+            problem = first_mismatch(names, list(digests), got)
+            if problem:
+                raise ValueError(problem)
+            self._nemo_gen_checked_digest = WeightDigest(tuple(names), tuple(got)).digest
         return seen
 
     def nemo_gen_load_staged(self, path: str, total: int, entries: list[Entry], target: str = "policy") -> int:
@@ -136,6 +166,7 @@ class NemoGenWorkerExtension(LoraWorkerMixin):
         load.finish()
         self.nemo_gen_last_load = load.path
         self.nemo_gen_last_load_stats = load.stats
+        self._nemo_gen_loaded_digest = getattr(self, "_nemo_gen_checked_digest", None)
         if target != "draft":  # what the runner's reload_weights does after loading
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
@@ -163,6 +194,11 @@ class NemoGenWorkerExtension(LoraWorkerMixin):
             raise
         self.finish_weight_update()
         return time.perf_counter() - t0
+
+    def nemo_gen_weight_load(self, target: str = "policy") -> "WeightLoad":
+        """A ``WeightLoad`` into ``target`` (the policy, or the drafter), for a refit path to drive."""
+        model, model_config = self._model_and_config(target)
+        return WeightLoad(model, self.vllm_config, model_config, _scratch_pool(self))
 
     def _model_and_config(self, target: str):
         """(model, its ModelConfig) for ``target``: the policy, or the speculative drafter."""
@@ -317,6 +353,11 @@ class WeightLoad:
 # every refit through vLLM's reload_weights, as before the direct path existed. bench/refit.py
 # uses it to measure both paths on one machine.
 FORCE_RELOAD_ENV = "NEMO_GEN_REFIT_LOAD"
+
+
+# A fault drill, per worker process (``nemo_gen_fault_staged``): the staged tensor this worker
+# reads corrupted. None: none.
+_FAULT_TENSOR: str | None = None
 
 
 # The same override at run time, per worker process (``nemo_gen_set_load_path``): benchmarks

@@ -214,7 +214,7 @@ def test_killed_twice_then_resumed_every_line_exactly_once(tiny_model_dir, tmp_p
 
     # 4. Plain path, resumed to the end. Nothing is interrupted now: 32 lines in flight finish the
     # rest sooner (the batch size is not part of what a resume keeps; the sampling settings are,
-    # and a resume with other ones is refused: tests/unit/test_resume.py).
+    # and a resume with other ones is refused: tests/core/test_resume.py).
     run = _Run(tmp_path, tiny_model_dir, ["--resume", "--no-prefect"], batch_size=32)
     code, stdout, err = run.finish(timeout=600)
     assert code == 0, err[-3000:]

@@ -6,8 +6,10 @@ input, the API key, /metrics through prometheus_client's parser, a shard SIGKILL
 run on it (each of its streams ends with an error event naming it, the other shard's are whole),
 and SIGINT leaving nothing running (by PID). Then a one-shard server on the sync engine with
 refit.in_flight=abort: a refit landing mid-stream cuts the request, which resumes on the new
-weights, and the stream goes on under the new version. The tests run in file order: the first
-server serves every test up to the SIGINT one, which stops it before the second starts.
+weights, and the stream goes on under the new version. The first server is shared by the tests up
+to the SIGINT one (tests/helpers.py's ``SharedFleet``), checked on entry (running, both shards
+serving); the versions a test expects are read when it starts, and the shard-loss and SIGINT
+tests spend the server, so the tests pass in any order.
 
 Mid-stream tests do not race the engine. This process is the client, and its reading can lag the
 server by whole streams while the server sends every chunk on time (measured at the engine, the
@@ -42,7 +44,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.activity import cpu_s, wait_busy
-from tests.helpers import alive, wait_gone
+from tests.helpers import SharedFleet, alive, wait_gone
 from tests.helpers import marked as _marked  # every process the command started
 
 pytestmark = pytest.mark.e2e
@@ -205,12 +207,29 @@ class Served:
             self.proc.wait(30)
         wait_gone(_marked(self.marker), 60)
 
+    shutdown = stop  # as SharedFleet closes what it launched
+
+    def version(self) -> int:
+        """The fleet's weight version now (the tests before this one may have refitted it)."""
+        return httpx.get(f"{self.url}/health").json()["nemo_gen"]["weight_version"]
+
+
+def _serving_both(served: Served) -> None:
+    assert served.proc.poll() is None, f"nemo-gen serve exited {served.proc.returncode}"
+    health = httpx.get(f"{served.url}/health").json()
+    assert health["serving_shards"] == 2, health
+
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
-    s = Served(tmp_path_factory.mktemp("serve"), tiny_model_dir)
-    yield s
-    s.stop()  # only when a test failed before the SIGINT test ended it
+def shared_server(tiny_model_dir, tmp_path_factory):
+    shared = SharedFleet(lambda: Served(tmp_path_factory.mktemp("serve"), tiny_model_dir), check=_serving_both)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def served(shared_server):
+    return shared_server.get()
 
 
 def test_the_server_is_up_with_its_shards(served):
@@ -220,25 +239,26 @@ def test_the_server_is_up_with_its_shards(served):
 
 
 def test_completions_with_n_samples_come_from_one_shard(served):
+    v = served.version()
     raw = served.client().completions.with_raw_response.create(
         model=served.model, prompt="The quick brown fox", n=2, max_tokens=8, temperature=1.0, seed=3,
         extra_body={"ignore_eos": True, "return_token_ids": True})
-    assert raw.headers["x-nemo-gen-weight-version"] == "0"
+    assert raw.headers["x-nemo-gen-weight-version"] == str(v)
     out = raw.parse()
     assert [c.index for c in out.choices] == [0, 1]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" and c.text for c in out.choices)
     assert {c.nemo_gen["shard"] for c in out.choices} == {out.nemo_gen["shard"]}  # one request, one shard
-    assert out.nemo_gen == {"weight_version": 0, "shard": out.nemo_gen["shard"], "weight_versions": [[0, 8]]}
+    assert out.nemo_gen == {"weight_version": v, "shard": out.nemo_gen["shard"], "weight_versions": [[v, 8]]}
     assert out.usage.completion_tokens == 16
 
 
 def test_chat_and_a_stream_of_the_same_greedy_answer(served):
-    client = served.client()
+    client, v = served.client(), served.version()
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
     whole = client.chat.completions.create(model=served.model, messages=messages, max_tokens=12, temperature=0)
     (choice,) = whole.choices
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
-    assert whole.usage.prompt_tokens > 5 and whole.nemo_gen["weight_version"] == 0
+    assert whole.usage.prompt_tokens > 5 and whole.nemo_gen["weight_version"] == v
     chunks = list(client.chat.completions.create(model=served.model, messages=messages, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"return_token_ids": True}))
@@ -249,11 +269,11 @@ def test_chat_and_a_stream_of_the_same_greedy_answer(served):
     streamed = [t for c in content[1:] for t in c.choices[0].token_ids]  # after the role chunk: the tokens
     assert len(streamed) == whole.usage.completion_tokens
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert chunks[-1].nemo_gen["weight_versions"] == [[0, whole.usage.completion_tokens]]
+    assert chunks[-1].nemo_gen["weight_versions"] == [[v, whole.usage.completion_tokens]]
 
 
 def test_a_stream_starts_with_the_first_token_and_is_the_greedy_answer(served):
-    client = served.client()
+    client, v = served.client(), served.version()
     prompt = "Once upon a time"
     kw = dict(model=served.model, prompt=prompt, max_tokens=longest(client, served.model, prompt), temperature=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -286,7 +306,7 @@ def test_a_stream_starts_with_the_first_token_and_is_the_greedy_answer(served):
     assert len(text) >= 10  # chunks as the engine goes (merged at most every 10 ms), not one piece
     assert "".join(c.choices[0].text for c in text) == whole.choices[0].text
     assert [t for c in text for t in c.choices[0].token_ids] == whole.choices[0].token_ids
-    assert raw.headers["x-nemo-gen-weight-version"] == "0"
+    assert raw.headers["x-nemo-gen-weight-version"] == str(v)
     assert chunks[-1].nemo_gen == {**whole.nemo_gen, "shard": int(raw.headers["x-nemo-gen-shard"])}
 
 
@@ -304,6 +324,7 @@ def test_bad_input_and_the_api_key(served):
 
 
 def test_a_refit_lands_while_requests_run_and_later_responses_carry_its_version(served):
+    v = served.version()
     pids = [p for s in served.info["shards"] for p in [s["actor_pid"], *s["engine_pids"]]]
 
     async def main():
@@ -323,20 +344,26 @@ def test_a_refit_lands_while_requests_run_and_later_responses_carry_its_version(
     refit, before, after = asyncio.run(main())
     assert refit.status_code == 200, refit.text
     report = refit.json()
-    assert report["ok"] and report["version"] == 1
-    # drain (the async engine's only mode): what ran when the refit came finished on version 0, whole
-    assert all(r.nemo_gen["weight_version"] == 0 and r.usage.completion_tokens == 300 for r in before)
-    assert after.headers["x-nemo-gen-weight-version"] == "1" and after.parse().nemo_gen["weight_version"] == 1
+    assert report["ok"] and report["version"] == v + 1
+    # drain (the async engine's only mode): what ran when the refit came finished on the version before, whole
+    assert all(r.nemo_gen["weight_version"] == v and r.usage.completion_tokens == 300 for r in before)
+    assert after.headers["x-nemo-gen-weight-version"] == str(v + 1) and after.parse().nemo_gen["weight_version"] == v + 1
 
 
 def test_metrics_show_the_fleet_and_its_engines(served):
     from nemo_gen.fleet.fleet import GenerationFleet
 
+    # What the counters count, made here: a refit (to the same weights) and three completions.
+    refit = httpx.post(f"{served.url}/nemo_gen/refit", json={"checkpoint": str(served.tiny)},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    assert refit.status_code == 200, refit.text
+    for _ in range(3):
+        served.client().completions.create(model=served.model, prompt="counted", max_tokens=2)
     text = httpx.get(f"{served.url}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     shards = {s.labels["state"]: s.value for s in families["nemo_gen_shards"].samples}
     assert shards["healthy"] == 2
-    assert families["nemo_gen_weight_version"].samples[0].value == 1
+    assert families["nemo_gen_weight_version"].samples[0].value == refit.json()["version"] == served.version()
     refits = [s for s in families["nemo_gen_refits"].samples if s.name.endswith("_total")]
     assert refits[0].value >= 1
     ok = [s.value for s in families["nemo_gen_http_requests"].samples
@@ -348,7 +375,9 @@ def test_metrics_show_the_fleet_and_its_engines(served):
         assert {s.labels.get("shard") for f in vllm for s in f.samples} == {"0", "1"}
 
 
-def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(served):
+def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(shared_server, served):
+    shared_server.spend()  # shard 0 stays dead (recovery off)
+    v = served.version()
     shards = {s["index"]: s for s in served.info["shards"]}
     actor, engines = shards[0]["actor_pid"], shards[0]["engine_pids"]
     streams = 8
@@ -424,7 +453,7 @@ def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(serv
         else:  # whole: shard 1's, or one of shard 0's that was over before the freeze
             assert got == tokens, (s.shard, got)
             assert [c for c in s.chunks if c.choices][-1].choices[0].finish_reason == "length"
-            assert s.chunks[-1].nemo_gen["shard"] == s.shard and s.chunks[-1].nemo_gen["weight_versions"] == [[1, tokens]]
+            assert s.chunks[-1].nemo_gen["shard"] == s.shard and s.chunks[-1].nemo_gen["weight_versions"] == [[v, tokens]]
     assert cut >= 1
     assert wait_gone([actor, *engines], 30) == []
     health = httpx.get(f"{served.url}/health").json()
@@ -433,7 +462,9 @@ def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(serv
     assert [c for c in after if not c.choices][-1].nemo_gen["shard"] == 1  # new streams go to the survivor
 
 
-def test_sigint_stops_everything_it_started(served):
+def test_sigint_stops_everything_it_started(shared_server):
+    served = shared_server.take()  # after the shard-loss test, its server as that left it
+    shared_server.spend()
     pids = _marked(served.marker)
     assert served.proc.pid in pids and len(pids) > 3  # the command, Ray, the engines
     served.proc.send_signal(signal.SIGINT)
@@ -447,9 +478,11 @@ def test_sigint_stops_everything_it_started(served):
         httpx.get(f"{served.url}/health", timeout=2)
 
 
-@pytest.fixture(scope="module")
-def served_abort(tiny_model_dir, tmp_path_factory):
-    # After test_sigint_stops_everything_it_started ended the first server: one server's engines at a time.
+@pytest.fixture
+def served_abort(shared_server, tiny_model_dir, tmp_path_factory):
+    # One server's engines at a time: the shared one is closed first (the next test to ask for it
+    # gets a fresh one), and this one is stopped after its test.
+    shared_server.close()
     s = Served(tmp_path_factory.mktemp("serve-abort"), tiny_model_dir, name="serve-abort", shards=1,
                extra=["refit.in_flight=abort"])  # keep/abort: nemo-gen serve runs the sync engine
     yield s

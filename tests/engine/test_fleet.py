@@ -2,7 +2,9 @@
 determinism, ordering and provenance, prompt limits, sampling, the NeMo-RL interface; then RL
 rollouts as people run them (a GRPO group of n samples per prompt: one engine request, one shard;
 chat prompts rendered with the tokenizer's chat template; a multi-turn session that stays on its
-shard and moves when that shard is killed). The kill runs second to last, the shutdown last."""
+shard and moves when that shard is killed). Each test gets the fleet checked on entry (both
+slots HEALTHY at version 0: tests/helpers.py's ``SharedFleet``); the killed shard's test waits for
+it to be back, and the shutdown test spends the fleet, so the tests pass in any order."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from nemo_gen import GenerationFleet
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.errors import RequestError
-from tests.helpers import alive, wait_gone, wait_until
+from tests.helpers import SharedFleet, alive, wait_gone, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -25,17 +27,31 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fl
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster, make_settings):
-    events = []
-    f = GenerationFleet.launch(
-        # No probe lands among the routing tests' requests; the killed shard comes back quickly.
-        make_settings(fleet__name="engine-tests", fleet__num_shards=2, health__probe_interval_s=60,
-                      health__restart_backoff_s=0.2),
-        progress=lambda i, ev, d: events.append((i, ev)),
-    )
-    f.launch_events = events
-    yield f
-    f.shutdown()
+def shared(ray_cluster, make_settings):
+    def launch():
+        events = []
+        f = GenerationFleet.launch(
+            # No probe lands among the routing tests' requests; the killed shard comes back quickly.
+            make_settings(fleet__name="engine-tests", fleet__num_shards=2, health__probe_interval_s=60,
+                          health__restart_backoff_s=0.2),
+            progress=lambda i, ev, d: events.append((i, ev)),
+        )
+        f.launch_events = events
+        return f
+
+    shared = SharedFleet(launch, check=_whole_at_version_0)
+    yield shared
+    shared.close()
+
+
+def _whole_at_version_0(fleet):
+    assert fleet.health.serving_shards() == [0, 1], fleet.health.state_summary()
+    assert fleet.weight_version == 0 and {s.weight_version for s in fleet.health.snapshot()} == {0}
+
+
+@pytest.fixture
+def fleet(shared):
+    return shared.get()
 
 
 def test_launch_reports_progress_and_every_shard_is_healthy(fleet):
@@ -219,7 +235,8 @@ def test_a_session_moves_when_its_shard_is_killed(fleet):
     assert wait_gone([victim.actor_pid, *victim.engine_pids], 30) == []
 
 
-def test_shutdown_leaves_no_process_and_is_idempotent(fleet):
+def test_shutdown_leaves_no_process_and_is_idempotent(shared, fleet):
+    shared.spend()
     pids = [p for s in fleet.status() for p in [s.actor_pid, *s.engine_pids] if p]
     assert alive(pids)
     fleet.shutdown()

@@ -3,8 +3,9 @@ launch is all-or-none: nothing of it is left), a shard whose engine stops making
 (condemned by its probes — no request deadline is needed — its requests re-routed), and a shard
 past ``health.max_restart_attempts_per_shard`` (RETIRED, never back).
 
-One fleet of 2 shards is shared by the last two tests, which run in file order: the first
-restart of slot 1 is the wedged-engine test's, the second kill retires it."""
+One fleet of 2 shards is shared by the last two tests (tests/helpers.py's ``SharedFleet``),
+checked on entry: both slots HEALTHY. The wedged-engine test spends slot 1's one restart; the
+retiring test spends the fleet, and uses up that restart itself when it gets a fresh fleet."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ray.util.placement_group import placement_group_table
 from nemo_gen import GenerationFleet
 from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.errors import EngineStartError
-from tests.helpers import alive, wait_gone, wait_until
+from tests.helpers import SharedFleet, alive, wait_gone, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -78,26 +79,33 @@ def test_an_engine_that_does_not_start_in_time_leaves_nothing_behind(ray_cluster
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster, make_settings):
-    f = GenerationFleet.launch(
-        make_settings(
-            fleet__name=FLEET,
-            fleet__num_shards=2,
-            # What condemns a wedged shard: its probes (a busy engine that made no step for
-            # probe_timeout_s fails one; two in a row condemn it). No request deadline is set.
-            health__probe_interval_s=1,
-            health__probe_timeout_s=5,
-            health__warmup_grace_s=10,  # the batch's first step never ends: this bound applies
-            health__unhealthy_threshold=2,
-            health__max_restart_attempts_per_shard=1,
-            health__restart_backoff_s=0.2,
-            health__restart_jitter=0,
-            health__reap_timeout_s=5,
-            generation__max_new_tokens=8,
-        )
-    )
-    yield f
-    f.shutdown()
+def shared(ray_cluster, make_settings):
+    shared = SharedFleet(lambda: GenerationFleet.launch(make_settings(
+        fleet__name=FLEET,
+        fleet__num_shards=2,
+        # What condemns a wedged shard: its probes (a busy engine that made no step for
+        # probe_timeout_s fails one; two in a row condemn it). No request deadline is set.
+        health__probe_interval_s=1,
+        health__probe_timeout_s=5,
+        health__warmup_grace_s=10,  # the batch's first step never ends: this bound applies
+        health__unhealthy_threshold=2,
+        health__max_restart_attempts_per_shard=1,
+        health__restart_backoff_s=0.2,
+        health__restart_jitter=0,
+        health__reap_timeout_s=5,
+        generation__max_new_tokens=8,
+    )), check=_serving_both)
+    yield shared
+    shared.close()
+
+
+def _serving_both(fleet):
+    assert fleet.health.serving_shards() == [0, 1], fleet.health.state_summary()
+
+
+@pytest.fixture
+def fleet(shared):
+    return shared.get()
 
 
 def _since(fleet, slot, t):
@@ -106,6 +114,7 @@ def _since(fleet, slot, t):
 
 def test_a_shard_whose_engine_stops_is_condemned_by_its_probes_and_its_requests_rerouted(fleet):
     assert fleet.settings.fleet.request_timeout_s is None
+    assert fleet.health.snapshot()[1].restart_attempts == 0  # its one restart is this test's
     victim = fleet.status()[1]
     core = _engine_core(victim)
     since = time.monotonic()
@@ -128,9 +137,16 @@ def test_a_shard_whose_engine_stops_is_condemned_by_its_probes_and_its_requests_
     assert {r.shard for r in again} == {0, 1} and all(r.ok for r in again)
 
 
-def test_a_shard_past_its_restart_budget_is_retired_and_the_fleet_serves_on(fleet):
+def test_a_shard_past_its_restart_budget_is_retired_and_the_fleet_serves_on(shared, fleet):
+    shared.spend()  # slot 1 ends RETIRED
+    if fleet.health.snapshot()[1].restart_attempts == 0:  # a fresh fleet: use up the one restart
+        first = fleet.status()[1]
+        os.kill(first.actor_pid, signal.SIGKILL)
+        # A bound for an engine start on a loaded machine.
+        wait_until(lambda: fleet.health.snapshot()[1].restart_attempts == 1
+                   and fleet.health.state_of(1) is ShardState.HEALTHY, 300, "slot 1 restarted once")
     snap = {s.dp_shard_idx: s for s in fleet.health.snapshot()}
-    assert snap[1].restart_attempts == 1 and snap[1].state is ShardState.HEALTHY  # the test above's
+    assert snap[1].restart_attempts == 1 and snap[1].state is ShardState.HEALTHY
     victim = fleet.status()[1]
     since = time.monotonic()
     os.kill(victim.actor_pid, signal.SIGKILL)

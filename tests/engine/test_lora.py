@@ -1,6 +1,8 @@
 """LoRA adapters on a real vLLM CPU fleet of one shard, against a fresh vLLM engine that loads the
 same PEFT directories itself (``tests/engine/lora_reference.py``, its own process, started
-beside the fleet). The tests run in order: each builds on the adapters the last one loaded."""
+beside the fleet). The fleet is shared by the module; each test starts from no adapter loaded
+(``lora``: a refit of the base weights, which drops every adapter in vLLM, checked on entry) and
+loads the adapters it needs itself, so none depends on another's order or state."""
 
 from __future__ import annotations
 
@@ -53,6 +55,26 @@ def setup(ray_cluster, make_settings, tiny_model_dir, adapters, tmp_path_factory
         fleet.shutdown()
 
 
+@pytest.fixture
+def lora(setup, tiny_model_dir):
+    """The module's fleet and the reference's answers, with no adapter loaded: new base weights
+    drop every adapter in vLLM (a refit of the tiny model is ~0.1 s), checked on the shard."""
+    fleet, ref = setup
+    assert fleet.refit(str(tiny_model_dir), in_flight="drain").ok
+    assert held(fleet) == [] and tokens(greedy(fleet)) == ref["base"]
+    return fleet, ref
+
+
+def load(fleet, adapters, *steps):
+    """Refit adapter name <- adapters[source] for each (name, source) in order: what a test needs
+    loaded before it starts."""
+    return [fleet.refit_adapter(name, str(adapters[source])) for name, source in steps]
+
+
+def next_version(fleet, name):
+    return fleet.adapters.registry.next_version(name, None)
+
+
 def greedy(fleet, adapter=None):
     results = fleet.generate(PROMPTS, adapter=adapter, temperature=0, ignore_eos=True, max_new_tokens=MAX_TOKENS)
     assert all(r.ok for r in results), [r.error for r in results]
@@ -68,33 +90,34 @@ def held(fleet):
     return list(fleet.driver.fan_out({0: handle}, AdapterModules(), 60)[0].value.held)
 
 
-def test_an_adapter_refit_generates_what_a_fresh_engine_with_that_adapter_does(setup, adapters):
-    fleet, ref = setup
+def test_an_adapter_refit_generates_what_a_fresh_engine_with_that_adapter_does(lora, adapters):
+    fleet, ref = lora
     assert ref["a1"] != ref["base"]  # the adapter changes greedy tokens at all
-    assert tokens(greedy(fleet)) == ref["base"]
+    version = next_version(fleet, "a")
     report = fleet.refit_adapter("a", str(adapters["a1"]))
-    assert (report.name, report.version) == ("a", 1)
+    assert (report.name, report.version) == ("a", version)
     results = greedy(fleet, "a")
     assert tokens(results) == ref["a1"]
-    assert {(r.adapter, r.adapter_version) for r in results} == {("a", 1)}
+    assert {(r.adapter, r.adapter_version) for r in results} == {("a", version)}
     base = greedy(fleet)
     assert tokens(base) == ref["base"] and base[0].adapter is None  # the base model serves on beside it
 
 
-def test_a_new_version_under_the_same_name_is_served_from_its_first_request(setup, adapters):
-    fleet, ref = setup
-    old = fleet.adapters.registry.current("a")
+def test_a_new_version_under_the_same_name_is_served_from_its_first_request(lora, adapters):
+    fleet, ref = lora
+    (old,) = load(fleet, adapters, ("a", "a1"))
     report = fleet.refit_adapter("a", str(adapters["a2"]))
-    assert report.version == 2 and report.engine_id != old.engine_id  # a fresh engine id, never the old one
+    assert report.version == old.version + 1 and report.engine_id != old.engine_id  # a fresh id, never the old one
     first = fleet.generate(PROMPTS[:1], adapter="a", temperature=0, ignore_eos=True, max_new_tokens=MAX_TOKENS)[0]
-    assert (first.token_ids, first.adapter_version) == (ref["a2"][0], 2)
+    assert (first.token_ids, first.adapter_version) == (ref["a2"][0], report.version)
     assert tokens(greedy(fleet, "a")) == ref["a2"]
     # The old version stays loaded (a request on it could still run) until a slot is needed.
     assert sorted(held(fleet)) == sorted([old.engine_id, report.engine_id])
 
 
-def test_two_adapters_are_served_side_by_side(setup, adapters):
-    fleet, ref = setup
+def test_two_adapters_are_served_side_by_side(lora, adapters):
+    fleet, ref = lora
+    load(fleet, adapters, ("a", "a1"), ("a", "a2"))  # a v1 superseded but loaded, a v2 current
     report = fleet.refit_adapter("b", str(adapters["b"]))
     assert len(report.evicted) == 1 and report.evicted[0].startswith("a#")  # the superseded a v1 made room
     assert len(held(fleet)) == 2
@@ -111,7 +134,7 @@ def test_two_adapters_are_served_side_by_side(setup, adapters):
     assert {r.adapter for r in results[n:]} == {"b"}
 
 
-def test_the_http_model_field_and_a_stream_choose_the_adapter(setup):
+def test_the_http_model_field_and_a_stream_choose_the_adapter(lora, adapters):
     """The official openai client picks an adapter by ``model`` (completions, chat, a stream);
     /v1/models lists the adapters; an unknown name is a 404 naming it. The library's stream takes
     ``adapter=`` and its result names the adapter's version."""
@@ -119,7 +142,8 @@ def test_the_http_model_field_and_a_stream_choose_the_adapter(setup):
 
     from nemo_gen.server import start_server
 
-    fleet, ref = setup
+    fleet, ref = lora
+    versions = {r.name: r.version for r in load(fleet, adapters, ("a", "a2"), ("b", "b"))}
 
     async def streamed():
         items = [i async for i in fleet.generate_stream(PROMPTS[0], adapter="b", temperature=0, ignore_eos=True,
@@ -127,7 +151,7 @@ def test_the_http_model_field_and_a_stream_choose_the_adapter(setup):
         return items[-1]
 
     last = asyncio.run(streamed())
-    assert (last.token_ids, last.adapter, last.adapter_version) == (ref["b"][0], "b", 1)
+    assert (last.token_ids, last.adapter, last.adapter_version) == (ref["b"][0], "b", versions["b"])
     with pytest.raises(AdapterError, match="'nope' is not loaded"):
         fleet.generate_stream(PROMPTS[0], adapter="nope")
     with start_server(fleet, port=0) as server:
@@ -138,7 +162,7 @@ def test_the_http_model_field_and_a_stream_choose_the_adapter(setup):
             out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                             extra_body={"ignore_eos": True, "return_token_ids": True})
             assert out.model == name and out.choices[0].token_ids == want
-            assert (out.nemo_gen["adapter"], out.nemo_gen["adapter_version"]) == (name, 2 if name == "a" else 1)
+            assert (out.nemo_gen["adapter"], out.nemo_gen["adapter_version"]) == (name, versions[name])
         chunks = list(client.completions.create(model="b", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}))
         assert [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])] == ref["b"][0]
@@ -161,8 +185,9 @@ def _bad(tmp_path, base, name, **kw):
     ("base", "trained on base model"),
     ("shape", "the base layer needs"),
 ])
-def test_a_bad_adapter_is_refused_by_name_and_nothing_changes(setup, adapters, tiny_model_dir, tmp_path, case, message):
-    fleet, ref = setup
+def test_a_bad_adapter_is_refused_by_name_and_nothing_changes(lora, adapters, tiny_model_dir, tmp_path, case, message):
+    fleet, ref = lora
+    (serving,) = load(fleet, adapters, ("a", "a2"))
     before = sorted(held(fleet))
     if case == "rank":
         source = write_adapter(tmp_path / case, tiny_model_dir, rank=16)
@@ -180,13 +205,14 @@ def test_a_bad_adapter_is_refused_by_name_and_nothing_changes(setup, adapters, t
         fleet.refit_adapter("a", source if isinstance(source, dict) else str(source))
     assert sorted(held(fleet)) == before
     results = greedy(fleet, "a")
-    assert tokens(results) == ref["a2"] and results[0].adapter_version == 2
+    assert tokens(results) == ref["a2"] and results[0].adapter_version == serving.version
 
 
-def test_live_tensors_refit_and_eviction_keeps_the_bound(setup, adapters):
+def test_live_tensors_refit_and_eviction_keeps_the_bound(lora, adapters):
     from safetensors.torch import load_file
 
-    fleet, ref = setup
+    fleet, ref = lora
+    load(fleet, adapters, ("a", "a2"), ("b", "b"))
     greedy(fleet, "a")  # "a" used last: "b" is the least recently used
     live = {"config": json.loads((adapters["c"] / "adapter_config.json").read_text()),
             "tensors": load_file(str(adapters["c"] / "adapter_model.safetensors"))}
@@ -198,9 +224,10 @@ def test_live_tensors_refit_and_eviction_keeps_the_bound(setup, adapters):
         fleet.generate(PROMPTS, adapter="b")
 
 
-def test_an_adapter_refit_moves_ten_times_fewer_bytes_than_a_full_refit(setup, adapters, tiny_model_dir):
-    fleet, ref = setup
-    adapter_bytes = fleet.refit_adapter("a", str(adapters["a1"])).bytes
+def test_an_adapter_refit_moves_ten_times_fewer_bytes_than_a_full_refit(lora, adapters, tiny_model_dir):
+    fleet, ref = lora
+    first = fleet.refit_adapter("a", str(adapters["a1"]))
+    adapter_bytes = first.bytes
     with pytest.raises(AdapterError, match="use in_flight='drain'"):
         fleet.refit(str(tiny_model_dir), in_flight="keep")
     full = fleet.refit(str(tiny_model_dir), in_flight="drain")
@@ -211,16 +238,17 @@ def test_an_adapter_refit_moves_ten_times_fewer_bytes_than_a_full_refit(setup, a
     with pytest.raises(AdapterError, match="refit the adapter again"):
         fleet.generate(PROMPTS, adapter="a")
     assert tokens(greedy(fleet)) == ref["base"]
-    assert fleet.refit_adapter("a", str(adapters["a1"])).version == 4
+    assert fleet.refit_adapter("a", str(adapters["a1"])).version == first.version + 1
     assert tokens(greedy(fleet, "a")) == ref["a1"]
 
 
-def test_a_replacement_shard_serves_the_adapters_the_fleet_holds(setup):
-    """Runs last: shard 0 is killed and restarted; it catches up with the base weights, then
-    loads the fleet's adapters under the same ids before it serves."""
+def test_a_replacement_shard_serves_the_adapters_the_fleet_holds(lora, adapters):
+    """Shard 0 is killed and restarted (the fleet is whole again after): it catches up with the
+    base weights, then loads the fleet's adapters under the same ids before it serves."""
     import ray
 
-    fleet, ref = setup
+    fleet, ref = lora
+    load(fleet, adapters, ("a", "a1"))
     entry = fleet.adapters.registry.current("a")
     old = fleet.handle(0)
     ray.kill(old.actor, no_restart=True)

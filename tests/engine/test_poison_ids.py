@@ -5,7 +5,7 @@ with one, each behind the real server. An out-of-vocabulary id is refused on the
 prompt and position (``RequestError``; 400 over HTTP), and no engine dies. Past the driver's check
 (turned off here to stand for a poison it cannot see), vLLM's own refusal is a 400 with no Ray
 identifiers, and a request that kills an engine kills exactly one: it is not re-routed. The same
-logic on fake shards: tests/unit/test_poison.py."""
+logic on fake shards: tests/fake/test_poison.py."""
 
 from __future__ import annotations
 

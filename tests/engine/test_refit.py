@@ -21,7 +21,7 @@ from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.core.manifest import RefitError
 from nemo_gen.core.wire import LoadRefit
 from nemo_gen.tiny_model import make_tiny_model
-from tests.helpers import shutdown_all, wait_until
+from tests.helpers import SharedFleet, shutdown_all, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -34,19 +34,40 @@ def model_b(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleets(ray_cluster, make_settings, model_b):
-    with ThreadPoolExecutor(2) as pool:
-        # refit.timeout_s: the last two tests freeze a shard and wait this long for the refit to
-        # give up on it. A bound, not a latency target: a healthy refit of this 0.5 MB model
-        # takes ~0.03 s (bench/refit.py measures it), so 10 s is ~300x that (the same bound as
+def shared(ray_cluster, make_settings, model_b):
+    """The main fleet (2 shards on model A, recovery off: tests that want it switch it on) and,
+    beside it, a fresh one on model B, the reference for what B generates. Each test gets the main
+    fleet checked on entry (``on_model_a``); the one that leaves a slot dead spends it."""
+    def launch_main():
+        # refit.timeout_s: two tests freeze a shard and wait this long for the refit to give up
+        # on it. A bound, not a latency target: a healthy refit of this 0.5 MB model takes
+        # ~0.03 s (bench/refit.py measures it), so 10 s is ~300x that (the same bound as
         # tests/e2e/test_fleet_cli.py's frozen-shard refit).
-        main = pool.submit(GenerationFleet.launch, make_settings(fleet__name="refit", fleet__num_shards=2,
-                                                                  refit__timeout_s=10, health__auto_recover=False))
+        return GenerationFleet.launch(make_settings(fleet__name="refit", fleet__num_shards=2,
+                                                    refit__timeout_s=10, health__auto_recover=False))
+
+    with ThreadPoolExecutor(2) as pool:
+        main = pool.submit(launch_main)
         fresh = pool.submit(GenerationFleet.launch, make_settings(fleet__name="fresh-b", fleet__num_shards=1,
                                                                    model__path=str(model_b)))
-        fleets = {"main": main.result(), "fresh_b": fresh.result()}
-    yield fleets
-    shutdown_all(fleets.values())
+        main, fresh = main.result(), fresh.result()
+    reference_a = greedy(main)
+
+    def on_model_a(fleet):
+        """Every slot HEALTHY at the fleet's version, serving model A's greedy answers."""
+        assert {s.state for s in fleet.status()} == {"healthy"}, fleet.health.state_summary()
+        assert {s.weight_version for s in fleet.health.snapshot()} == {fleet.weight_version}
+        assert greedy(fleet) == reference_a, "the fleet is not on model A: a test before this one left it changed"
+
+    shared = SharedFleet(launch_main, check=on_model_a, first=main)
+    yield shared, fresh
+    shutdown_all([fresh])
+    shared.close()
+
+
+@pytest.fixture
+def fleets(shared):
+    return {"main": shared[0].get(), "fresh_b": shared[1]}
 
 
 def greedy(fleet):
@@ -63,21 +84,21 @@ def broken_checkpoint(src_dir, dst_dir, mutate):
 
 def test_refit_to_a_checkpoint_matches_a_fresh_engine_and_back(fleets, tiny_model_dir, model_b):
     fleet, fresh = fleets["main"], fleets["fresh_b"]
-    original = greedy(fleet)
+    version, original = fleet.weight_version, greedy(fleet)
     expected_b = greedy(fresh)
     assert original != expected_b
 
     report = fleet.refit(str(model_b))
-    assert report.ok and report.version == 1 and fleet.weight_version == 1
+    assert report.ok and report.version == version + 1 == fleet.weight_version
     assert [s.shard for s in report.shards] == [0, 1]
     assert report.bytes >= sum(os.path.getsize(model_b / "model.safetensors") for _ in [0]) - 4096
     results = fleet.generate(PROMPTS * 2, temperature=0)
     assert {r.shard for r in results} == {0, 1}
-    assert all(r.weight_version == 1 for r in results)
+    assert all(r.weight_version == version + 1 for r in results)
     assert [r.token_ids for r in results] == expected_b
 
     back = fleet.refit(str(tiny_model_dir))
-    assert back.ok and back.version == 2
+    assert back.ok and back.version == version + 2
     assert greedy(fleet) == original
 
 
@@ -304,7 +325,7 @@ def test_a_shard_killed_during_a_weight_sync_update_is_quarantined_and_comes_bac
     assert fleet.refit(str(tiny_model_dir)).ok
 
 
-def test_a_shard_frozen_while_loading_is_given_up_on_at_the_deadline_and_healed(fleets, model_b):
+def test_a_shard_frozen_while_loading_is_given_up_on_at_the_deadline_and_healed(fleets, model_b, tiny_model_dir):
     """A self-healing fleet (``health.auto_recover`` on for this test, off again after): shard 1
     passes the refit's check, then its EngineCore freezes (SIGSTOP) as the load goes out. The
     refit gives up on it at refit.timeout_s and quarantines it; recovery replaces the live but
@@ -341,12 +362,15 @@ def test_a_shard_frozen_while_loading_is_given_up_on_at_the_deadline_and_healed(
         results = fleet.generate(PROMPTS * 2, temperature=0)
         assert {r.weight_version for r in results} == {report.version} and {r.shard for r in results} == {0, 1}
         assert [r.token_ids for r in results] == greedy(fresh)
+        assert fleet.refit(str(tiny_model_dir)).ok  # back to model A for the next test
     finally:
         fleet.settings.health.auto_recover = False
 
 
-def test_a_shard_lost_during_refit_never_serves(fleets, model_b):
-    """Runs last: shard 1's actor is frozen (SIGSTOP) while the refit runs, then killed."""
+def test_a_shard_lost_during_refit_never_serves(shared, fleets, model_b):
+    """Shard 1's actor is frozen (SIGSTOP) while the refit runs, then killed; recovery is off, so
+    the fleet stays one shard short: it is spent."""
+    shared[0].spend()
     fleet, fresh = fleets["main"], fleets["fresh_b"]
     victim = fleet.status()[1]
     os.kill(victim.actor_pid, signal.SIGSTOP)

@@ -17,14 +17,24 @@ PROMPTS = ["The quick brown fox", "Once upon a time"]
 
 
 @pytest.fixture(scope="module")
-def spec_fleet(ray_cluster, make_settings, tiny_model_dir):
+def launched(ray_cluster, make_settings, tiny_model_dir):
     settings = make_settings(
         fleet__name="draft", fleet__num_shards=1, refit__draft=True,
         generation__vllm_kwargs={"speculative_config": {
             "method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3}},
     )
     with GenerationFleet.launch(settings) as fleet:
-        yield fleet
+        yield fleet, digests(fleet)
+
+
+@pytest.fixture
+def spec_fleet(launched):
+    """The module's fleet, checked on entry: its policy and drafter hold the weights they started
+    with (each test that changes the drafter puts it back)."""
+    fleet, original = launched
+    assert {s.state for s in fleet.status()} == {"healthy"}
+    assert digests(fleet) == original, "a test before this one left the drafter changed"
+    return fleet
 
 
 def digests(fleet):
@@ -112,8 +122,7 @@ def test_full_draft_refit_requires_draft_tensors(spec_fleet, tiny_model_dir):
         cfg["_draft_full_refit"] = False
 
 
-def test_a_refit_that_splits_a_stacked_layer_is_refused_before_any_change(spec_fleet, tmp_path):
-    """Runs last in this module: it changes the drafter's first layer."""
+def test_a_refit_that_splits_a_stacked_layer_is_refused_before_any_change(spec_fleet, tiny_model_dir, tmp_path):
     fleet = spec_fleet
     before, version = digests(fleet), fleet.weight_version
     other = load_file(str(make_tiny_model(tmp_path / "other", seed=3) / "model.safetensors"))
@@ -130,3 +139,5 @@ def test_a_refit_that_splits_a_stacked_layer_is_refused_before_any_change(spec_f
     assert fleet.refit({"draft." + n: other[n] for n in names}).ok
     policy, draft = digests(fleet)
     assert policy == before[0] and draft != before[1]
+    fleet.refit(draft_tensors(tiny_model_dir))  # back to the original drafter weights
+    assert digests(fleet) == before

@@ -271,6 +271,31 @@ def test_async_stream_across_a_keep_refit_tells_each_token_its_version(async_fle
     assert [v for v, _ in result.weight_versions] == [before, report.version], result.weight_versions
 
 
+def test_the_async_engine_returns_what_the_sync_engine_does_and_counts_steps(fleets):
+    """The async engine's batches ask vLLM for each request's final output only: the same
+    seeded batch (n samples, the sampled tokens' logprobs, the prompts' logprobs) on the sync and
+    the async engine gives the same token ids, logprobs, finish reasons and version spans; and the
+    async engine's progress (a probe's evidence) counts engine steps, not one per request per step."""
+    sync, on_async = fleets["main"], fleets["async"]
+    tokens, kw = 24, dict(temperature=1.0, n=2, seed=7, logprobs=0, prompt_logprobs=1)
+    want = sync.generate(PROMPTS, max_new_tokens=tokens, **kw)
+    got = on_async.generate(PROMPTS, max_new_tokens=tokens, **kw)
+    assert all(r.ok for r in want + got), [r.error for r in want + got]
+    for a, b in zip(want, got):
+        assert len(a.samples) == len(b.samples) == 2
+        for x, y in zip(a.samples, b.samples):
+            assert x.token_ids == y.token_ids and len(x.token_ids) > 0
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4) and len(y.logprobs) == len(y.token_ids)
+            assert x.finish_reason == y.finish_reason
+            assert [n for _, n in x.weight_versions] == [n for _, n in y.weight_versions] == [len(y.token_ids)]
+        assert b.weight_versions == [(on_async.weight_version, len(b.token_ids))]
+        assert b.prompt_logprobs is not None and len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        assert [e is None for e in a.prompt_logprobs] == [e is None for e in b.prompt_logprobs]
+    # One step clock tick per engine step (about one a token), not one per request output a step.
+    steps = on_async.driver.info(on_async.handle(0)).batch_steps
+    assert 0 < steps <= tokens + 4, steps
+
+
 def test_in_flight_settings_on_both_engines(make_settings):
     from nemo_gen.errors import ConfigError
 

@@ -4,8 +4,10 @@ tests/engine/test_fleet_limits.py). Every test asserts: each request answered ex
 once, no sample from a shard behind the fleet's version, nothing left running (by PID), and
 the ledger's path DEAD -> RESTARTING -> STALE -> HEALTHY.
 
-One fleet of 2 shards + 1 warm spare is shared by the module (engines take ~25 s to start);
-the tests run in file order and each leaves the fleet back at full strength."""
+One fleet of 2 shards + 1 warm spare is shared by the module (engines take ~25 s to start),
+checked at full strength on each test's entry (tests/helpers.py's ``SharedFleet``); each test
+leaves it so but the one that leaves it exhausted, which spends it: in any order, the next
+test gets a fresh fleet."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from nemo_gen.core.fleet_health import ShardState
 from nemo_gen.errors import FleetExhausted
 from nemo_gen.tiny_model import make_tiny_model
 from tests.activity import cpu_s, wait_busy
-from tests.helpers import alive, wait_gone, wait_until
+from tests.helpers import SharedFleet, alive, wait_gone, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -31,26 +33,32 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fl
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster, make_settings):
-    f = GenerationFleet.launch(
-        make_settings(
-            fleet__name="loss",
-            fleet__num_shards=2,
-            fleet__spares=1,
-            health__probe_interval_s=0.5,
-            # Two unanswered probes in a row condemn a shard. A bound with its reason, not a
-            # latency target: a serving engine here steps every few ms (an idle one answers a
-            # one-token probe in ~0.1 s), so 20 s without a step twice running is a hang, not a
-            # loaded machine: no test here may be condemned by probes, only by Ray's notices.
-            health__probe_timeout_s=20,
-            health__unhealthy_threshold=2,
-            health__restart_backoff_s=0.2,
-            health__reap_timeout_s=5,
-            generation__max_new_tokens=48,
-        )
+def shared(ray_cluster, make_settings):
+    # A fresh settings object per launch: the exhausting test switches recovery off in its own.
+    settings = dict(
+        fleet__name="loss",
+        fleet__num_shards=2,
+        fleet__spares=1,
+        health__probe_interval_s=0.5,
+        # Two unanswered probes in a row condemn a shard. A bound with its reason, not a
+        # latency target: a serving engine here steps every few ms (an idle one answers a
+        # one-token probe in ~0.1 s), so 20 s without a step twice running is a hang, not a
+        # loaded machine: no test here may be condemned by probes, only by Ray's notices.
+        health__probe_timeout_s=20,
+        health__unhealthy_threshold=2,
+        health__restart_backoff_s=0.2,
+        health__reap_timeout_s=5,
+        generation__max_new_tokens=48,
     )
-    yield f
-    f.shutdown()
+    shared = SharedFleet(lambda: GenerationFleet.launch(make_settings(**settings)), check=full_strength)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def fleet(shared):
+    """The module's fleet, at full strength on entry (its spare included)."""
+    return shared.get()
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +127,6 @@ def engine_core_pid(status_row) -> int:
 
 
 def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
-    full_strength(fleet)
-    expected = fleet.generate(PROMPTS, temperature=0, max_new_tokens=200, ignore_eos=True)
     status = {s.name: s for s in fleet.status()}
     victim = next(s for s in status.values() if s.index == 1 and s.state == "healthy")
     spare = next(s for s in status.values() if s.state == "spare")
@@ -132,9 +138,9 @@ def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
     results = running.result(timeout=120)
 
     assert_answered_once(results, fleet)
-    # Every answer is whole, re-routed ones included (their tokens may differ in the last bits of
-    # float32 batching, so lengths, not token ids, are compared with the reference run).
-    assert [len(r.token_ids) for r in results] == [len(r.token_ids) for r in expected] == [200] * len(PROMPTS)
+    # Every answer is whole, re-routed ones included: all 200 tokens (EOS ignored; their tokens may
+    # differ in the last bits of float32 batching, so lengths, not token ids, are compared).
+    assert [len(r.token_ids) for r in results] == [200] * len(PROMPTS)
     # 30 s: a bound for a wait, not a latency target (bench/recovery.py measures detection).
     detection = wait_until(lambda: next((d for d in fleet.monitor.detections if d["name"] == victim.name), None),
                            30, "the death watch")
@@ -153,7 +159,6 @@ def test_sigkill_actor_mid_generation_spare_takes_over(fleet):
 
 
 def test_sigkill_engine_core_under_a_live_actor(fleet):
-    full_strength(fleet)
     victim = next(s for s in fleet.status() if s.index == 0)
     core = engine_core_pid(victim)
     since = time.monotonic()
@@ -176,7 +181,6 @@ def test_sigkill_engine_core_under_a_live_actor(fleet):
 
 
 def test_shard_killed_during_a_refit_recovers_at_the_new_version(fleet, model_b):
-    full_strength(fleet)
     victim = next(s for s in fleet.status() if s.index == 0)
     since = time.monotonic()
     # Freeze the actor so the refit is certainly in progress on it, then kill it.
@@ -199,9 +203,9 @@ def test_shard_killed_during_a_refit_recovers_at_the_new_version(fleet, model_b)
     assert [r.token_ids for r in again] == [r.token_ids for r in results]
 
 
-def test_losing_every_shard_raises_fleet_exhausted(fleet):
-    """Runs last: recovery is switched off and both slots are killed."""
-    full_strength(fleet, with_spare=False)
+def test_losing_every_shard_raises_fleet_exhausted(fleet, shared):
+    """Recovery is switched off and both slots are killed: the fleet is spent."""
+    shared.spend()
     fleet.settings.health.auto_recover = False
     victims = [s for s in fleet.status() if s.index in (0, 1) and s.state == "healthy"]
     for v in victims:

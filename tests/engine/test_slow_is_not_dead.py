@@ -227,7 +227,7 @@ def test_streams_abandoned_mid_way_give_back_their_slots_and_their_sessions_turn
     ``server.max_in_flight`` slots, the engines hold none of their requests, and the session takes
     its next turn. Before: each stream's slots were held for good (here the whole bound, so every
     later request was a 503) and the session answered 409 to every later turn, never expiring.
-    The fake tier's 50-stream and stalled-reader cases: tests/unit/test_server_streams.py."""
+    The fake tier's 50-stream and stalled-reader cases: tests/fake/test_server_streams.py."""
     import httpx
     import openai
 

@@ -9,7 +9,7 @@ import pytest
 from nemo_gen import GenerationFleet
 from nemo_gen.core.manifest import RefitError
 from nemo_gen.tiny_model import make_tiny_model
-from tests.unit.test_staging import _child_staging, _fake_free, _sigkill, small_tmpfs
+from tests.tooling.test_staging import _child_staging, _fake_free, _sigkill, small_tmpfs
 
 pytestmark = pytest.mark.engine
 

@@ -222,7 +222,7 @@ def test_result_ok_and_to_json():
     assert data == {
         "index": 3, "prompt": "hi", "prompt_token_ids": [1, 2], "text": " there",
         "token_ids": [5, 6], "logprobs": [-0.1, -0.2], "finish_reason": "length",
-        "shard": 1, "weight_version": 4, "error": None, "weight_versions": [],
+        "shard": 1, "weight_version": 4, "error": None, "weight_versions": [], "weight_digests": [],
     }
     assert json.loads(json.dumps(data)) == data
     data["token_ids"].append(99)

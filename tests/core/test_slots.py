@@ -9,7 +9,7 @@ the spare put back in ``promote``'s ``except``, and ``mark_dead`` in ``_swap``'s
 in ``condemn`` (test_old_news_condemns_nothing); ``_closed`` in ``condemn``
 (test_a_queued_loss_wakes_a_waiter_and_closing_wakes_it_empty_handed); ``quarantine`` marking
 DEAD without queuing the loss (test_a_quarantined_slot_leaves_service_and_queues_a_loss; in the
-fleet's fast tier both ..._healed tests of tests/unit/test_fleet_logic.py); the version check in
+fleet's fast tier both ..._healed tests of tests/fake/test_fleet_logic.py); the version check in
 ``promote`` (test_a_spare_behind_the_version_is_not_promoted); ``condemn`` queuing the loss
 without marking DEAD (test_condemning_takes_the_slot_out_at_once_and_queues_the_loss, and
 test_the_heal_path_probes_plans_and_restarts_without_a_monitor).

@@ -6,6 +6,7 @@ memory and reports what stayed held."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,12 @@ from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.core.wire import ShardInfo
 from nemo_gen.shard.rules import Host
 from tests.fakes import FakeDriver, FakeEngine, fake_fleet
+
+
+# PIDs no process can have (past the kernel's pid_max): the fleet's close reaps its shards' PIDs,
+# and small real ones are kernel threads or someone's processes here, which it would SIGKILL (a
+# kernel thread ignores it, and the close waited out health.reap_timeout_s twice: 20 s).
+NO_PID = int(Path("/proc/sys/kernel/pid_max").read_text()) + 100
 
 
 class FakeNvml:
@@ -46,9 +53,9 @@ def test_status_reports_each_shards_gpu_memory_and_the_table_shows_it(make_setti
     driver = FakeDriver()
     with fake_fleet(make_settings(fleet__name="gpu", fleet__num_shards=2), driver) as fleet:
         for i, h in enumerate(fleet.shards):
-            driver.rules(h).host = Host(actor_pid=100 + i)
-            driver.shard(h).pids = [200 + i]
-        nvml({200: 30 * 2**30, 201: 2**30})
+            driver.rules(h).host = Host(actor_pid=NO_PID + i)
+            driver.shard(h).pids = [NO_PID + 10 + i]
+        nvml({NO_PID + 10: 30 * 2**30, NO_PID + 11: 2**30})
         rows = fleet.status()
         assert [r.gpu_memory_bytes for r in rows] == [30 * 2**30, 2**30]
         status_table("gpu", [r.to_json() for r in rows])

@@ -56,7 +56,8 @@ def test_the_base_recipes_other_keys_are_listed_as_not_used():
     for key in ("policy.dtensor_cfg", "policy.megatron_cfg", "policy.dynamic_batching", "policy.optimizer",
                 "policy.train_global_batch_size", "policy.max_grad_norm"):
         assert key in unused
-    assert unused["policy.generation.colocated.enabled"] is True
+    # NeMo-RL's colocated layout is nemo_gen's own setting (sleep mode; refused on CPU at launch)
+    assert "policy.generation.colocated.enabled" not in unused and s.generation.colocated.enabled is True
     assert unused["policy.generation.vllm_cfg.use_tqdm"] is True
     assert unused["policy.generation.vllm_cfg.num_last_layers_in_bf16"] == 0
     # mapped keys are not listed
@@ -83,7 +84,7 @@ def test_a_recipe_inheriting_the_base_recipe():
     assert unused["policy.generation.port_range_low"] == 3000
     assert v.expose_http_server is False  # nemo_gen's own field (the fleet's HTTP server)
     assert "policy.generation.vllm_cfg.expose_http_server" not in unused
-    assert unused["policy.generation.colocated.enabled"] is False
+    assert s.generation.colocated.enabled is False
 
 
 def test_a_three_file_chain():

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fakes import FakeDriver, fake_fleet
+from tests.helpers import served_fake_fleet
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -25,19 +25,12 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(make_settings):
-    from nemo_gen.server import start_server
-
-    driver = FakeDriver()
     settings = make_settings(fleet__name="fake-tools", fleet__num_shards=1, health__probe_interval_s=60,
                              health__auto_recover=False, server__port=0, server__tool_call_parser="hermes",
                              generation__max_new_tokens=6, generation__vllm_cfg__skip_tokenizer_init=True,
                              generation__vllm_cfg__max_model_len=1024)
-    fleet = fake_fleet(settings, driver)
-    handle = start_server(fleet)
-    yield fleet, handle, settings
-    handle.stop()
-    fleet.shutdown()
-    driver.close()
+    with served_fake_fleet(settings) as (fleet, handle):
+        yield fleet, handle, settings
 
 
 @pytest.fixture

@@ -132,3 +132,16 @@ def test_the_trainer_steps_in_place_and_micro_batches_agree(grpo, tiny):
     # before Adam, whose first step turns float noise in a near-zero gradient into +-lr)
     for whole, split in zip(*results):
         assert torch.allclose(whole, split, rtol=1e-4, atol=1e-8)
+
+
+def test_colocated_is_a_gpu_sync_run_whose_engines_sleep(grpo, tiny, capsys):
+    from nemo_gen.fleet.resolve import resolve_generation
+
+    for argv in (["--colocated"], ["--colocated", "--device", "gpu", "--mode", "async"]):
+        with pytest.raises(SystemExit):
+            grpo.parse_args(argv)
+        assert "--colocated needs --device gpu" in capsys.readouterr().err
+    args = grpo.parse_args(["--colocated", "--device", "gpu"])
+    settings = grpo.fleet_settings(args, tiny)
+    assert settings.generation.colocated.enabled
+    assert resolve_generation(settings, cluster=None).shards[0].engine_kwargs["enable_sleep_mode"] is True

@@ -1,5 +1,5 @@
 """``core.delta_queue.DeltaQueue``: what a slow stream reader has not taken waits merged, one delta
-per choice, in order (pure logic; the server's side: tests/unit/test_server_streams.py)."""
+per choice, in order (pure logic; the server's side: tests/fake/test_server_streams.py)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,14 @@ def test_a_long_backlog_keeps_every_piece_of_text():
     ((_, merged),) = drain(queue)
     assert merged.text == "".join(str(i % 10) for i in range(1000)) and len(merged.token_ids) == 1000
     assert merged.weight_versions == [(3, 1000)]
+
+
+def test_merged_deltas_keep_each_spans_digest():
+    queue = DeltaQueue()
+    for ids, version in (([1], 3), ([2], 3), ([5], 4)):
+        d = delta(0, ids, "t", version=version)
+        d.weight_digests = [f"wd1:v{version}"]
+        queue.put(0, d)
+    ((_, merged),) = drain(queue)
+    assert merged.weight_versions == [(3, 2), (4, 1)]
+    assert merged.weight_digests == ["wd1:v3", "wd1:v4"]  # one beside each span, in order

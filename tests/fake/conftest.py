@@ -1,4 +1,5 @@
-"""Fixtures of the fake-driver tier (tests/fakes.py)."""
+"""Fixtures of the fake tier: fleets and shards over tests/fakes.py (the real Shard rules over a
+fake engine, the FakeDriver in place of Ray)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,13 @@ def fake_fleet_settings(make_settings):
         base.update(overrides)
         return make_settings(**base)
     return make
+
+
+@pytest.fixture
+def driver():
+    """A fresh ``tests.fakes.FakeDriver`` (the fake-driver tier's shards), closed after the test."""
+    from tests.fakes import FakeDriver
+
+    d = FakeDriver()
+    yield d
+    d.close()

@@ -42,7 +42,7 @@ _DRIVER = textwrap.dedent("""
     import json, os, sys, time
     import torch  # the server imports it too, as the shard's imports vLLM with torch
     from nemo_gen.shard import engine_start
-    from tests.unit.test_engine_start import _child_report
+    from tests.tooling.test_engine_start import _child_report
 
     os.environ["NEMO_GEN_GONE"] = "set when the server started"
     pid = engine_start.start_server(preload=["json", "torch"])
