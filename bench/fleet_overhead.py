@@ -102,7 +102,7 @@ def direct_arm(fleet, batches, sampling: Any) -> Callable[[], tuple[int, dict[st
     actors = [handle.actor for handle in fleet.shards]
 
     def run() -> tuple[int, dict[str, float]]:
-        outs = ray.get([actor.generate.remote(batch, sampling) for actor, batch in zip(actors, batches)])
+        outs = ray.get([actor.call.remote("generate", batch, sampling) for actor, batch in zip(actors, batches)])
         tokens = sum(len(r.samples[0].token_ids) for out in outs for r in out.results if not r.error)
         return tokens, {"engine_s": max(out.seconds for out in outs)}
 

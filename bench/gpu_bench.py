@@ -286,7 +286,7 @@ def in_actor_throughput(handle, prompts: list[list[int]], tokens: int, runs: int
     calls = []
     for _ in range(runs):
         t = time.perf_counter()
-        answer = ray.get(handle.actor.generate.remote(requests, resolved), timeout=600)
+        answer = ray.get(handle.actor.call.remote("generate", requests, resolved), timeout=600)
         calls.append({"driver_wall_s": time.perf_counter() - t, "actor_s": answer.seconds})
     res["actor_call"] = min(calls, key=lambda c: c["driver_wall_s"])
     return res
@@ -498,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     t = time.perf_counter()
                     torch.cuda.synchronize()
                     sync_s = time.perf_counter() - t
-                    stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
+                    stats = ray.get(handle.actor.call.remote("load_stats"), timeout=60)[0]
                     shard = next(iter(client.timings.values()), None)
                     legs = {}
                     if shard and "entered_at" in shard and "apply_weight_update" in steps.started:

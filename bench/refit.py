@@ -86,7 +86,7 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
         entries = staging.entries(group)
         msg = LoadRefit(str(staging.path), total, [("policy", entries)], fleet.weight_version, 600, None,
                         policies.in_flight(fleet.settings, "drain"))
-        refs = [h.actor.load_refit.remote(msg) for h in fleet.shards]
+        refs = [h.actor.call.remote("load_refit", msg) for h in fleet.shards]
         ray.get(refs, timeout=600)
     return time.perf_counter() - t0, len(groups)
 
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"({out['trainer_api_fraction_of_copy']:.2f} of copy bandwidth)  runs {[round(t, 2) for t in trainer_times]}")
 
         fleet.refit(str(b))
-        stats = [st for h in fleet.shards for st in ray.get(h.actor.load_stats.remote(), timeout=60)]
+        stats = [st for h in fleet.shards for st in ray.get(h.actor.call.remote("load_stats"), timeout=60)]
         repack = [st.repack_s for st in stats if st.repack_s is not None]
         if repack:
             floor = max(repack)  # shards load in parallel: the slowest one's repack bounds the refit

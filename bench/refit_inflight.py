@@ -54,7 +54,7 @@ def step_gaps(fleet, reset: bool) -> tuple[float, list[tuple[float, float]]]:
     """(the longest stretch without a step on any shard, every stretch over 5 ms)."""
     import ray
 
-    gaps = ray.get([h.actor.step_gaps.remote(reset) for h in fleet.shards], timeout=60)
+    gaps = ray.get([h.actor.call.remote("step_gaps", reset) for h in fleet.shards], timeout=60)
     return max(g.max_step_gap_s for g in gaps), [tuple(x) for g in gaps for x in g.gaps]
 
 

@@ -1,10 +1,11 @@
-"""A fake ``ShardDriver`` for the fleet-logic tier: it hosts real shards (``nemo_gen.shard.rules.Shard``,
-the rules the Ray actor runs) in this process, each over a ``FakeEngine`` that dies, hangs or slows down on
-command, so routing, re-routing, spare promotion, quarantine and refit settling are tested in milliseconds
-against the shard's own rules, not a copy of them. It has the real driver's shape (the fleet cannot tell
-them apart) and answers the way a real shard does: a dead shard's calls fail with ``ShardDiedError``, a
-hung one's never answer, a slow one's answer late. The same paths are tested on real vLLM engines in
-tests/engine/.
+"""The fleet-logic tier's driver: the real ``ShardDriver`` over the in-process transport
+(``nemo_gen.fleet.transport_local``), which hosts real shards (``nemo_gen.shard.host.ShardHost`` around
+``nemo_gen.shard.rules.Shard``, what the Ray actor runs) in this process, each over a ``FakeEngine`` that
+dies, hangs or slows down on command (``FakeTransport``). So routing, re-routing, spare promotion,
+quarantine and refit settling are tested in milliseconds against the shard's own rules and the driver's
+own fan-out, deadlines and outcome mapping, not a copy of them: a dead shard's calls fail with
+``ShardDiedError``, a hung one's never answer, a slow one's answer late. The same paths are tested on
+real vLLM engines in tests/engine/.
 
     driver = FakeDriver()
     fleet = fake_fleet(settings, driver)
@@ -20,7 +21,7 @@ Every argument and answer that crosses the fake actor boundary is checked to hol
 the wire's frozen messages only, vLLM's own payloads aside); a crossing dict fails the call and, at
 ``close``, the test (``wire_violations``).
 
-Like a Ray async actor, every shard's calls run on one event loop (the driver's own thread), so a
+Like a Ray async actor, every shard's calls run on one event loop (the transport's own thread), so a
 probe answers while a batch generates. A shard generating with ``token_s`` makes its tokens one by one
 on ``driver.clock`` and stops when its call is cancelled (``tokens_made`` says how far each request
 got); its probes answer by the real engine's liveness rule (``nemo_gen.core.liveness``).
@@ -30,29 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import enum
 import threading
 import time
-from concurrent.futures import Future, wait as wait_futures, FIRST_COMPLETED
-from typing import Any, Callable, Iterable, Mapping
+from concurrent.futures import Future
+from typing import Any, Callable, Mapping
 
 from nemo_gen.core import wire
 from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.wire import (
-    CheckRefit, EngineManifest, InFlight, LoadRefit, RequestResult, SampleDelta, SampleResult, Sampling, ShardInfo, StepGaps, StreamDeltas,
-    StreamEnd, SyncRequest, Unfinished,
+    InFlight, RequestResult, SampleDelta, SampleResult, Sampling, StepGaps, StreamDeltas,
+    StreamEnd, Unfinished,
 )
-from nemo_gen.core.ipc_zmq import IpcZmqRefit
-from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.batch import add_span
 from nemo_gen.shard.gate import Gate
-from nemo_gen.fleet.driver import Call, DriverTimeouts, Outcome, ShardDriver
-from nemo_gen.fleet.faults import classify, failure_of, unanswered
+from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
-from nemo_gen.shard.rules import Host, Shard
+from nemo_gen.fleet.transport import Found
+from nemo_gen.fleet.transport_local import InProcessTransport, LocalStream
+from nemo_gen.shard.rules import Shard
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
 
@@ -102,6 +101,8 @@ class FakeEngine:
         self.refuse_refit: str | None = None  # a data failure while reading the staged weights
         self.corrupt_staged: str | None = None  # this tensor reads here with other bytes than staged
         self.fail_load: str | None = None  # a failure while loading them
+        self.adapters: set[int] = set()  # the LoRA adapter ids its workers hold
+        self.refuse_adapter: str | None = None  # a failure while loading an adapter
         self.poisoned: str | None = None  # a load broke off under a swap: weights half-loaded
         self.generated = 0  # requests served
         self.streams: list[FakeStream] = []  # every stream it was asked for
@@ -273,6 +274,17 @@ class FakeEngine:
             return [0.001]
         if method == "nemo_gen_expected_manifest":
             return [{"tensors": dict(self._manifest), "optional": [], "available": args[0] == "policy", "shared": []}]
+        if method == "nemo_gen_lora_modules":
+            return [{"supported": ["q_proj", "v_proj"], "max_rank": 8, "capacity": 4, "held": sorted(self.adapters)}]
+        if method == "nemo_gen_load_adapter":  # (path, total, entries, config, engine_id, evict)
+            engine_id, evict = args[4], args[5]
+            if self.refuse_adapter:
+                raise ValueError(self.refuse_adapter)
+            self.adapters = (self.adapters - set(evict)) | {engine_id}
+            return [sorted(self.adapters)]
+        if method == "nemo_gen_remove_adapters":
+            self.adapters -= set(args[0])
+            return [sorted(self.adapters)]
         if method in ("init_weight_transfer_engine", "start_weight_update", "start_draft_weight_update",
                       "finish_weight_update", "shutdown_weight_transfer_engine"):
             return [None]
@@ -353,30 +365,103 @@ class FakeEngine:
         self.stopped = True
 
 
-# What a fake shard answers for each refit message (the real driver's ``_METHODS``).
-_REFIT_CALLS = {CheckRefit: "check_refit", LoadRefit: "load_refit", SyncRequest: "weight_sync",
-                SleepOrder: "sleep", WakeOrder: "wake", ResetPrefixCache: "reset_prefix_cache",
-                IpcZmqRefit: "load_refit"}
+# The shard calls that carry a refit or sleep message (``ShardDriver.fan_out``): noted in ``remote_calls``.
+_REFIT_CALLS = frozenset({"check_refit", "load_refit", "weight_sync", "adapter_call", "sleep", "wake", "reset_prefix_cache"})
 
 
-class FakeDriver:
-    """See the module doc. ``manifest``: what every engine says its weights are."""
+class FakeTransport(InProcessTransport):
+    """The real in-process transport, hosting each shard over a ``FakeEngine`` with the faults its
+    test sets (``FakeDriver``'s ``set_*``): a dead shard's calls fail, a hung one's never answer,
+    a slow one's answer late, and nothing that crosses holds a dict."""
+
+    def __init__(self, fake: "FakeDriver"):
+        super().__init__(engines=self._refuse_bare_launch, node_ip="127.0.0.1")
+        self.fake = fake
+
+    @staticmethod
+    def _refuse_bare_launch(spec: ShardSpec) -> FakeEngine:
+        raise AssertionError("FakeTransport.launch builds its engines itself")
+
+    def launch(self, spec: ShardSpec) -> ShardHandle:
+        fake = self.fake
+        with fake._lock:
+            fake.launched.append(spec)
+            failure = fake.launch_failures.pop(0) if fake.launch_failures else None
+        if failure is not None:
+            raise failure
+        engine = FakeEngine(spec.actor_name, spec.weight_version, fake.manifest, lambda: fake.clock(),
+                            keeps_stats=not spec.engine_kwargs.get("disable_log_stats", True))
+        handle = self.host(spec, engine, "fake")
+        engine.rules = self.hosts[spec.actor_name].shard
+        fake.crosses("start", "answer", handle.info)
+        fake.shards[engine.name] = engine
+        return handle
+
+    def find(self, fleet: str, namespace: str) -> list[Found]:
+        engines = self.fake.shards
+        return [f for f in super().find(fleet, namespace) if not engines[f.name].dead and not engines[f.name].stopped]
+
+    def call(self, actor: Any, method: str, *args: Any) -> Future:
+        engine = self.fake.shards[actor]
+        if method == "watch":  # fires when the test kills the shard (``set_dead``)
+            future: Future = Future()
+            engine.watchers.append(future)
+            if engine.dead:
+                self.fake.set_dead(engine.name, engine.dead, engine.actor_dead)
+            return future
+        self.fake.crosses(method, "arguments", args)
+        if method in _REFIT_CALLS:
+            self.fake.remote_calls.append((actor, method, args[0]))
+        return super().call(actor, method, *args)
+
+    async def serve(self, actor: Any, method: str, args: tuple) -> Any:
+        """As the actor would: failing if dead, never while hung, late if slow."""
+        engine = self.fake.shards[actor]
+        while engine.hung.is_set() and not engine.dead:
+            await asyncio.sleep(0.01)
+        if engine.slow_s:
+            await asyncio.sleep(engine.slow_s)
+        if (gone := engine.gone()) is not None:
+            raise gone
+        out = await super().serve(actor, method, args)
+        self.fake.crosses(method, "answer", out)
+        return out
+
+    def stream(self, actor: Any, request: Any, sampling: Sampling) -> "FakeStream":
+        engine, fake = self.fake.shards[actor], self.fake
+        fake.crosses("generate_stream", "arguments", (request, sampling))
+        stream = FakeStream(engine, self.hosts[actor].generate_stream(request, sampling), self.loop,
+                            lambda item: fake.crosses("generate_stream", "item", item))
+        engine.streams.append(stream)
+        return stream
+
+    def kill(self, handle: ShardHandle) -> None:
+        engine = self.fake.shards[handle.name]
+        engine.stopped = True  # its calls fail from now on (``FakeEngine.gone``), as a killed actor's
+        engine.hung.clear()
+
+
+class FakeDriver(ShardDriver):
+    """The real ``ShardDriver`` over a ``FakeTransport``; see the module doc. ``manifest``: what
+    every engine says its weights are."""
 
     def __init__(self, manifest: dict[str, tuple[tuple[int, ...], str]] | None = None,
                  timeouts: DriverTimeouts = DriverTimeouts(control_s=0.5, stop_s=0.5, engine_grace_s=0.1, refit_s=1.0)):
-        self.timeouts = timeouts
         self.manifest = manifest or {"w": ((4, 4), "float32"), "b": ((4,), "float32")}
         self.shards: dict[str, FakeEngine] = {}
         self.launched: list[ShardSpec] = []
         self.launch_failures: list[BaseException | None] = []  # the next launches: raise this, or (None) start
-        self.remote_calls: list[tuple[str, str, Any]] = []  # (actor, method, message) of each fanned-out call
+        self.remote_calls: list[tuple[str, str, Any]] = []  # (actor, method, message) of each refit call
         self.wire_violations: list[str] = []  # dicts that crossed the actor boundary (``crosses``)
         self._lock = threading.Lock()
         self.clock = time.monotonic  # the shards' time: token_s, the probes' step ages
-        # The shards' event loop, as a Ray async actor has one: calls on a shard interleave there.
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="fake-shards", daemon=True)
-        self._thread.start()
+        # No direct line unless a test opens one: its calls go over the in-process transport.
+        super().__init__(timeouts, channels=False, transport=FakeTransport(self))
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The shards' event loop, as a Ray async actor has one: calls on a shard interleave there."""
+        return self.transport.loop
 
     # -- what a test does to shards ----------------------------------------------------------------
 
@@ -419,10 +504,8 @@ class FakeDriver:
     def close(self) -> None:
         for engine in self.shards.values():
             engine.hung.clear()
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.transport.close()
         assert not self.wire_violations, self.wire_violations
-
-    # -- the driver's shape --------------------------------------------------------------------------
 
     def crosses(self, method: str, what: str, value: Any) -> None:
         """``value`` crosses the actor boundary: fail on any dict in it (and note it for ``close``)."""
@@ -431,170 +514,6 @@ class FakeDriver:
             message = f"a dict crossed the actor boundary in {method}'s {what}: at {', '.join(found)}"
             self.wire_violations.append(message)
             raise AssertionError(message)
-
-    def _serve(self, engine: FakeEngine, method: str, *args: Any) -> Future:
-        """Run the shard's ``method(*args)`` (a coroutine, or a plain value) on the shards' loop as the
-        actor would: failing if dead, never while hung, late if slow; its arguments and answer hold
-        no dict. Cancelling the future cancels the call there."""
-        self.crosses(method, "arguments", args)
-
-        async def run():
-            while engine.hung.is_set() and not engine.dead:
-                await asyncio.sleep(0.01)
-            if engine.slow_s:
-                await asyncio.sleep(engine.slow_s)
-            if (gone := engine.gone()) is not None:
-                raise gone
-            out = getattr(engine.rules, method)(*args)
-            out = await out if asyncio.iscoroutine(out) else out
-            self.crosses(method, "answer", out)
-            return out
-        return asyncio.run_coroutine_threadsafe(run(), self.loop)
-
-    def _blocking(self, handle: ShardHandle, what: str, *args: Any, timeout_s: float):
-        future = self._serve(self.shards[handle.name], what, *args)
-        try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise ShardDiedError(-1 if handle.index is None else handle.index,
-                                 f"{what} did not answer within {timeout_s:g}s") from None
-
-    def launch(self, spec: ShardSpec) -> ShardHandle:
-        with self._lock:
-            self.launched.append(spec)
-            failure = self.launch_failures.pop(0) if self.launch_failures else None
-        if failure is not None:
-            raise failure
-        engine = FakeEngine(spec.actor_name, spec.weight_version, self.manifest, lambda: self.clock(),
-                            keeps_stats=not spec.engine_kwargs.get("disable_log_stats", True))
-        engine.rules = Shard(spec.index, spec.weight_version, None if spec.spare else spec.index, spec.fleet,
-                             spec.async_engine, Host(node_id="fake"))
-        info = engine.rules.attach(engine, "fake")
-        self.crosses("start", "answer", info)
-        self.shards[engine.name] = engine
-        return ShardHandle(index=spec.index, name=engine.name, actor=None, placement_group=None, info=info)
-
-    # The real all-or-none parallel start, over the fake launch/stop.
-    launch_all = ShardDriver.launch_all
-
-    def stop(self, handle: ShardHandle) -> list[int]:
-        self.kill(handle)
-        return []
-
-    def kill(self, handle: ShardHandle) -> None:
-        engine = self.shards[handle.name]
-        engine.stopped = True
-        engine.hung.clear()
-
-    def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
-        found = [ShardHandle(index=e.slot, name=e.name, actor=None, placement_group=None, info=e.rules.info())
-                 for e in self.shards.values() if not e.dead and not e.stopped]
-        self.crosses("info", "answer", [h.info for h in found])
-        return found
-
-    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
-        """The real driver's shape: every ``info`` at once, one deadline for all of them."""
-        futures = {k: self._serve(self.shards[h.name], "info") for k, h in handles.items()}
-        wait_futures(list(futures.values()), timeout=self.timeouts.control_s)
-        out: dict[Any, Any] = {}
-        for key, future in futures.items():
-            handle = handles[key]
-            if not future.done():
-                future.cancel()
-                out[key] = ShardDiedError(-1 if handle.index is None else handle.index,
-                                          f"info did not answer within {self.timeouts.control_s:g}s")
-            elif future.exception() is not None:
-                out[key] = future.exception()
-            else:
-                out[key] = handle.info = future.result()
-        return out
-
-    def info(self, handle: ShardHandle) -> ShardInfo:
-        handle.info = self._blocking(handle, "info", timeout_s=self.timeouts.control_s)
-        return handle.info
-
-    def assign(self, handle: ShardHandle, slot: int, restarts: int) -> ShardInfo:
-        handle.index = slot
-        handle.info = self._blocking(handle, "assign", slot, restarts, timeout_s=self.timeouts.control_s)
-        return handle.info
-
-    def vllm_metrics(self, handle: ShardHandle) -> list[dict[str, Any]]:
-        return self._blocking(handle, "vllm_metrics", timeout_s=self.timeouts.control_s)
-
-    def expected_manifest(self, handle: ShardHandle, target: str) -> EngineManifest:
-        return self._blocking(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
-
-    def fan_out(self, handles: Mapping[Any, ShardHandle], message: Any, margin_s: float) -> dict[Any, Outcome]:
-        """The real driver's shape: each shard's refit message runs on its real ``Shard``; one
-        deadline for all of them."""
-        per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
-        futures = {}
-        for key, handle in handles.items():
-            msg = per_key[key]
-            method = _REFIT_CALLS[type(msg)]
-            self.remote_calls.append((handle.name, method, msg))
-            futures[key] = self._serve(self.shards[handle.name], method, msg)
-        wait = self.timeouts.refit_s + margin_s
-        wait_futures(list(futures.values()), timeout=wait)
-        out = {}
-        for key, future in futures.items():
-            if not future.done():
-                future.cancel()
-                out[key] = Outcome(failure=unanswered(_REFIT_CALLS[type(per_key[key])], wait))
-            elif future.exception() is not None:
-                out[key] = Outcome(failure=failure_of(future.exception()))
-            else:
-                out[key] = Outcome(value=future.result())
-        return out
-
-    def start_generate(self, handle: ShardHandle, batch: list, params: Sampling) -> Call:
-        return Call(handle, "generate", self._serve(self.shards[handle.name], "generate", batch, params))
-
-    def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
-        engine = self.shards[handle.name]
-        future: Future = Future()
-        engine.watchers.append(future)
-        if engine.dead:
-            self.set_dead(engine.name, engine.dead, engine.actor_dead)
-        return Call(handle, "watch", future)
-
-    def start_probe(self, handle: ShardHandle, sampling: Sampling, tokens: list[int], timeout_s: float,
-                    warmup_s: float) -> Call:
-        return Call(handle, "probe", self._serve(self.shards[handle.name], "probe", sampling, tokens, timeout_s,
-                                                 warmup_s))
-
-    def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
-        calls = list(calls)
-        if not calls:
-            return []
-        wait_futures([c.ref for c in calls], timeout=timeout_s, return_when=FIRST_COMPLETED)
-        return [c for c in calls if c.ref.done()]
-
-    def result(self, call: Call, timeout_s: float = 0.0) -> Any:
-        try:
-            return call.ref.result(timeout=timeout_s or self.timeouts.control_s)
-        except TimeoutError:
-            raise ShardDiedError(-1, f"{call.what} did not answer") from None
-        except Exception as exc:  # the real driver's one mapping, as its ``result`` applies it
-            raise classify(call.handle, exc, call.what) from None
-
-    def cancel(self, call: Call) -> None:
-        call.ref.cancel()  # cancels the shard's task: its engine stops generating for it
-
-    def generate_async(self, handle: ShardHandle, batch: list, params: Sampling) -> "FakePending":
-        return FakePending(self.start_generate(handle, batch, params).ref)
-
-    def generate_stream(self, handle: ShardHandle, request: Any, params: Sampling) -> "FakeStream":
-        engine = self.shards[handle.name]
-        self.crosses("generate_stream", "arguments", (request, params))
-        stream = FakeStream(engine, engine.rules.generate_stream(request, params), self.loop,
-                            lambda item: self.crosses("generate_stream", "item", item))
-        engine.streams.append(stream)
-        return stream
-
-    def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
-        return classify(handle, exc, what)
 
 
 # What the fleet calls on its driver: each one is a Ray call (or several) on the real one.
@@ -623,50 +542,22 @@ class CountingDriver(FakeDriver):
         return counted
 
 
-class FakePending:
-    """The real ``driver.Pending``'s shape: ``future`` (asyncio), ``cancel()`` ends the call on the shard."""
-
-    def __init__(self, future: Future):
-        self._future = future
-        self.future = asyncio.wrap_future(future)
-
-    def cancel(self) -> None:
-        self.future.cancel()
-        self._future.cancel()
-
-
 def fake_token(req: Any, k: int, i: int) -> int:
     """Token i of sample k: sample k of a request differs from the others by k (a GRPO group of
     distinct answers)."""
     return (sum(req.prompt_token_ids) + k + i) % VOCAB
 
 
-class FakeStream:
-    """A streamed generate on a fake shard, with the real ``Stream``'s shape: the real
-    ``Shard.generate_stream`` over its ``FakeEngine``, run on the shards' loop from the moment it
-    is asked for and to its end whether read or not, as a Ray streaming generator's actor task is.
-    A dead shard's stream fails at its next item; a hung one's never answers; ``cancel()`` ends
-    it on the shard (its engine stops). ``sent``: the items read."""
+class FakeStream(LocalStream):
+    """A streamed generate on a fake shard: the in-process transport's stream (the shell's real
+    ``generate_stream`` over its ``FakeEngine``, run to its end whether read or not), with the
+    faults: a dead shard's stream fails at its next item; a hung one's never answers; ``cancel()``
+    ends it on the shard (its engine stops). ``sent``: the items read."""
 
     def __init__(self, engine: FakeEngine, items: Any, loop: asyncio.AbstractEventLoop,
                  check: Callable[[Any], None] = lambda item: None):
-        self.engine, self._loop, self._check = engine, loop, check
-        self.cancelled = False
-        self.sent = 0
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.run_coroutine_threadsafe(self._produce(items), loop)
-
-    async def _produce(self, items: Any) -> None:
-        try:
-            async with contextlib.aclosing(items):
-                async for item in items:
-                    self._check(item)  # it crosses the actor boundary
-                    self._queue.put_nowait(("item", item))
-            self._queue.put_nowait(("end", None))
-        except BaseException as exc:  # what the call raised (cancelled included) is its reader's
-            self._queue.put_nowait(("error", exc))
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        self.engine = engine
+        super().__init__(items, loop, check)
 
     async def _next(self) -> StreamDeltas | StreamEnd | None:
         engine = self.engine
@@ -677,20 +568,7 @@ class FakeStream:
         # The actor gone: its call fails at once. Only its engine: the shard's stream says so.
         if (gone := engine.gone()) is not None and (engine.actor_dead or engine.stopped):
             raise gone
-        kind, value = await self._queue.get()
-        if kind == "error":
-            raise value
-        if kind == "end":
-            return None
-        self.sent += 1
-        return value
-
-    async def next(self) -> StreamDeltas | StreamEnd | None:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._next(), self._loop))
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self._task.cancel()  # the shard's task is cancelled: the engine's stream closes
+        return await super()._next()
 
 
 def fake_fleet(settings, driver: FakeDriver, watch: bool = True):

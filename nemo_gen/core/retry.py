@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Final, Iterator, Literal
 
+from nemo_gen.core import wire
 from nemo_gen.errors import DataError, FleetBusy, InfraError, RequestTimeout, ShardBusy
 
 FailureClass = Literal["infra", "data"]
@@ -207,6 +208,14 @@ def kind_of(exc: BaseException) -> FailureKind:
         if kind is not None and kind != "data":
             return kind
     return "data"
+
+
+def failure(exc: BaseException, said: BaseException | None = None) -> wire.Failure:
+    """``exc`` as the wire's ``Failure``: its kind (``kind_of``), and the type and last line of
+    what the shard said (``said``: the exception a transport's error wraps; ``exc`` itself by
+    default). One form whichever way the call went: over Ray, over the direct line, in process."""
+    type_name, _, detail = wire.exception_line(said or exc).partition(": ")
+    return wire.Failure(wire.FailureKind(kind_of(exc)), type_name, detail)
 
 
 def client_error(exc: BaseException) -> BaseException | None:

@@ -1,9 +1,10 @@
-"""The one seam between the fleet and Ray: every call to a shard actor goes through here (and
-through ``nemo_gen.fleet.launch``, which places and starts one).
+"""The fleet's one way to its shards: every call to a shard goes through ``ShardDriver``, written
+once over a small transport (``nemo_gen.fleet.transport``: Ray's, ``transport_ray``, or one in
+process, ``transport_local``, which the fast tier runs this same logic over).
 
 ``ShardDriver`` places, starts, calls, watches and stops shard actors. Each method has a
 typed result, every deadline comes from the settings (``DriverTimeouts``), and one function,
-``classify`` (``nemo_gen.fleet.faults``), maps what Ray and vLLM raise into ``nemo_gen.errors`` by the fault model
+``classify`` (``nemo_gen.fleet.faults``), maps what the transport and vLLM raise into ``nemo_gen.errors`` by the fault model
 (``nemo_gen.core.retry``): *dead* (the actor, its engine or its node is gone, a control call
 went unanswered) becomes ``ShardDiedError``; *busy* (the shard refused admission for now)
 ``ShardBusy``; *slow* and *data* (the actor said no: a bad manifest, a bad request) are raised
@@ -12,31 +13,27 @@ as they are. A call waiting on several shards waits once, for all of them, never
 A refit's ``weight_sync`` calls to a shard on this node go over the shard's direct line
 (``nemo_gen.shard.control_channel``, ``refit.control_channel``), which costs a socket round trip
 instead of a Ray call each way (bench/results/2026-12-03/cpu-refit_call.md); the driver opens one per shard on first use, drops it
-when it breaks or a call outlives its deadline, and Ray carries every call it cannot.
+when it breaks or a call outlives its deadline, and the transport carries every call it cannot.
+The line answers a failed call with the wire's ``Failure``, kind and all, as the transport's path does.
 
 Non-blocking calls (generate, watch, probe) return a ``Call`` that the fleet's loops wait on
 together; ``result`` classifies its outcome. A streamed generate (``generate_stream``) returns a
-``Stream``: its items as the shard's Ray streaming generator yields them. The fleet logic
-above this module never sees a Ray object, so ``tests/fakes.py`` can stand in for Ray with a ``FakeDriver`` of the same
-shape (shards that die, hang or slow down on command).
+``Stream``: its items as the shard yields them. The fleet logic above this module never sees a
+Ray object.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-import ray
-from ray.util import get_node_ip_address
-
+from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
     AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, Sampling, ShardInfo,
-    StreamDeltas, StreamEnd, SyncRequest,
+    SyncRequest,
 )
 from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.sleep import ResetPrefixCache, SleepOrder, WakeOrder
@@ -44,7 +41,7 @@ from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread
 from nemo_gen.fleet.faults import classify, failure_of, root_cause, unanswered
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec, slot_from_name
-from nemo_gen.fleet.launch import launch_shard, teardown
+from nemo_gen.fleet.transport import ItemStream, Pending, Ref, ShardTransport, Unanswered
 
 log = logging.getLogger(__name__)
 
@@ -93,59 +90,27 @@ class Outcome:
 
 @dataclass(frozen=True, eq=False)  # identity: each call is its own dict key
 class Call:
-    """A call in flight on one shard actor (``ref``: Ray's ObjectRef)."""
+    """A call in flight on one shard (``ref``: the transport's, e.g. Ray's ObjectRef)."""
 
     handle: ShardHandle
     what: str
-    ref: Any
+    ref: Ref
 
 
-class Stream:
-    """A streamed generate call in flight on one shard (``ShardActor.generate_stream``, a Ray
-    streaming generator): ``await next()`` is its next item, None after the last; what the call
-    raised, or Ray's error for a lost actor, is raised there unclassified (the caller classifies
-    it, as for ``generate_async``). ``cancel()`` ends the call on the shard."""
-
-    def __init__(self, generator: Any):
-        self._generator = generator
-
-    async def next(self) -> StreamDeltas | StreamEnd | None:
-        try:
-            ref = await self._generator.__anext__()
-        except StopAsyncIteration:
-            return None
-        return await ref
-
-    def cancel(self) -> None:
-        try:
-            ray.cancel(self._generator)
-        except Exception:  # already finished or its actor is gone: nothing left to cancel
-            pass
-
-
-class Pending:
-    """One call in flight on a shard, for an asyncio caller: ``future`` (asyncio) is its answer;
-    ``cancel()`` ends the call on the shard itself (Ray cancels the actor's task there, and the
-    engine aborts what it generates for it). Cancelling ``future`` alone would not: an asyncio
-    future of a Ray call only stops the wait."""
-
-    def __init__(self, ref: Any):
-        self._ref = ref
-        self.future = asyncio.wrap_future(ref.future())
-
-    def cancel(self) -> None:
-        self.future.cancel()
-        try:
-            ray.cancel(self._ref)
-        except Exception:  # already finished or its actor is gone: nothing left to cancel
-            pass
+# A streamed generate in flight (the transport's: a Ray streaming generator, or one in process).
+Stream = ItemStream
 
 
 class ShardDriver:
-    """Every Ray call the fleet makes on a shard actor; see the module doc."""
+    """Every call the fleet makes on a shard, over ``transport`` (Ray unless given); see the module doc."""
 
-    def __init__(self, timeouts: DriverTimeouts, channels: bool = True):
+    def __init__(self, timeouts: DriverTimeouts, channels: bool = True, transport: ShardTransport | None = None):
         self.timeouts = timeouts
+        if transport is None:
+            from nemo_gen.fleet.transport_ray import RayTransport
+
+            transport = RayTransport()
+        self.transport: ShardTransport = transport
         # refit.control_channel: weight_sync calls to a shard on this host go over its direct
         # line (nemo_gen.shard.control_channel); actor name -> the line, None where there is none.
         self.channels = channels
@@ -154,8 +119,8 @@ class ShardDriver:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def launch(self, spec: ShardSpec) -> ShardHandle:
-        """Place, create and start one shard (``launch_shard``)."""
-        return launch_shard(spec)
+        """Place, create and start one shard (``transport.launch``)."""
+        return self.transport.launch(spec)
 
     def launch_all(self, specs: Iterable[ShardSpec], progress: ProgressFn | None = None) -> list[ShardHandle]:
         """Start shards in parallel. If any fails, the others are stopped and the first error
@@ -196,35 +161,26 @@ class ShardDriver:
         pids = set(handle.engine_pids)
         self._drop_channel(handle)
         try:
-            pids.update(ray.get(handle.actor.shutdown.remote(self.timeouts.engine_grace_s), timeout=self.timeouts.stop_s))
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            pass  # already dead or wedged: killing the actor below is what remains
-        teardown(handle.actor, handle.placement_group)
+            ref = self.transport.call(handle.actor, "shutdown", self.timeouts.engine_grace_s)
+            pids.update(self.transport.get(ref, self.timeouts.stop_s))
+        except Exception:  # already dead or wedged: killing the actor below is what remains
+            pass
+        self.transport.kill(handle)
         return sorted(pids)
 
     def kill(self, handle: ShardHandle) -> None:
         """Kill the shard's actor without asking it first (it may be dead, hung or stopped) and
         free its placement group. The raylet tears the actor's process group down with it."""
         self._drop_channel(handle)
-        teardown(handle.actor, handle.placement_group)
+        self.transport.kill(handle)
 
     def find(self, fleet: str, namespace: str) -> list[ShardHandle]:
         """Every live actor of fleet ``fleet`` (shards, replacements, spares), found by name
         prefix. A handle's ``index`` is the slot it serves (``info.slot``; None for a spare)."""
-        from ray.util import get_placement_group, list_named_actors
-
-        prefixes = (f"{fleet}-shard-", f"{fleet}-spare-")
-        names = [a["name"] for a in list_named_actors(all_namespaces=True)
-                 if a["namespace"] == namespace and a["name"].startswith(prefixes)]
-        actors = {}
-        for name in names:
-            try:
-                actors[name] = ray.get_actor(name, namespace=namespace)
-            except ValueError:
-                continue  # died between the listing and the call
-        answers = self._all(actors, "info", lambda actor: actor.info.remote())
+        found = {f.name: f for f in self.transport.find(fleet, namespace)}
+        answers = self._all(found, "info", lambda f: self.transport.call(f.actor, "info"))
         handles = []
-        for name, actor in actors.items():
+        for name, where in found.items():
             info = answers[name]
             if isinstance(info, BaseException):
                 # Alive but not answering (hung, stopped) or dying: kept by the slot its name
@@ -237,31 +193,31 @@ class ShardDriver:
                 info = ShardInfo(slot=slot, weight_version=None, fleet=fleet, unresponsive=info.detail)
             if info.fleet != fleet:
                 continue  # another fleet whose name starts with ours
-            try:
-                pg = get_placement_group(f"{name}-pg")
-            except ValueError:
-                pg = None
-            handles.append(ShardHandle(index=info.slot, name=name, actor=actor, placement_group=pg, info=info))
+            handles.append(ShardHandle(index=info.slot, name=name, actor=where.actor,
+                                       placement_group=where.placement_group, info=info))
         return handles
 
     # -- blocking calls ------------------------------------------------------------------------
 
-    def _get(self, handle: ShardHandle, what: str, ref: Any, timeout_s: float) -> Any:
+    def _call(self, handle: ShardHandle, method: str, *args: Any, timeout_s: float) -> Any:
+        """``method(*args)`` on the shard, waited for up to ``timeout_s``; its error classified."""
+        return self._get(handle, method, self.transport.call(handle.actor, method, *args), timeout_s)
+
+    def _get(self, handle: ShardHandle, what: str, ref: Ref, timeout_s: float) -> Any:
         try:
-            return ray.get(ref, timeout=timeout_s)
+            return self.transport.get(ref, timeout_s)
         except Exception as exc:
             raise classify(handle, exc, what, timeout_s) from None
 
-    def _all(self, targets: Mapping[Any, Any], what: str, call: Callable[[Any], Any]) -> dict[Any, Any]:
+    def _all(self, targets: Mapping[Any, Any], what: str, call: Callable[[Any], Ref]) -> dict[Any, Any]:
         """``call(target)`` on every target at once and one wait of ``fleet.control_timeout_s``
         for all of them: key -> the answer, or the classified error (never a wait per target)."""
         refs = {key: call(target) for key, target in targets.items()}
-        if refs:
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeouts.control_s)
+        self.transport.wait(list(refs.values()), self.timeouts.control_s)
         out: dict[Any, Any] = {}
         for key, ref in refs.items():
             try:
-                out[key] = ray.get(ref, timeout=0)
+                out[key] = self.transport.get(ref, 0)
             except Exception as exc:
                 out[key] = classify(None, exc, what, self.timeouts.control_s)
         return out
@@ -269,7 +225,7 @@ class ShardDriver:
     def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
         """``info`` of every handle at once (refreshing each ``handle.info`` that answered): key ->
         its info, or the error its call ended with."""
-        out = self._all(handles, "info", lambda h: h.actor.info.remote())
+        out = self._all(handles, "info", lambda h: self.transport.call(h.actor, "info"))
         for key, info in out.items():
             if not isinstance(info, BaseException):
                 handles[key].info = info
@@ -277,39 +233,41 @@ class ShardDriver:
 
     def info(self, handle: ShardHandle) -> ShardInfo:
         """The actor's own account (PIDs, weight version, slot); refreshes ``handle.info``."""
-        handle.info = self._get(handle, "info", handle.actor.info.remote(), self.timeouts.control_s)
+        handle.info = self._call(handle, "info", timeout_s=self.timeouts.control_s)
         return handle.info
 
     def assign(self, handle: ShardHandle, slot: int, restarts: int) -> ShardInfo:
         """Make the actor serve ``slot`` (a replacement, a promoted spare)."""
         handle.index = slot
-        handle.info = self._get(handle, "assign", handle.actor.assign.remote(slot, restarts), self.timeouts.control_s)
+        handle.info = self._call(handle, "assign", slot, restarts, timeout_s=self.timeouts.control_s)
         return handle.info
 
     def vllm_metrics(self, handle: ShardHandle) -> list[dict[str, Any]]:
-        """vLLM's own stats of the shard's engine (``ShardActor.vllm_metrics``)."""
-        return self._get(handle, "vllm_metrics", handle.actor.vllm_metrics.remote(), self.timeouts.control_s)
+        """vLLM's own stats of the shard's engine (``Shard.vllm_metrics``)."""
+        metrics: list[dict[str, Any]] = self._call(handle, "vllm_metrics", timeout_s=self.timeouts.control_s)
+        return metrics
 
     def expected_manifest(self, handle: ShardHandle, target: str) -> EngineManifest:
-        return self._get(handle, "expected_manifest", handle.actor.expected_manifest.remote(target),
-                         self.timeouts.refit_s)
+        manifest: EngineManifest = self._call(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
+        return manifest
 
     def fan_out(self, handles: Mapping[Any, ShardHandle], message: RefitMessage | Mapping[Any, RefitMessage],
                 margin_s: float) -> dict[Any, Outcome]:
-        """Send a refit ``message`` (``CheckRefit``, ``LoadRefit`` or a weight-sync step; the
-        same for all, or one per key) to every handle at once; key -> Outcome. The workers
-        enforce the refit deadline; ``margin_s`` on top covers a frozen actor that never
-        answers, and the whole call waits that long once, for every shard together. A
+        """Send a refit ``message`` (``CheckRefit``, ``LoadRefit``, a weight-sync step or an
+        adapter call; the same for all, or one per key) to every handle at once; key -> Outcome.
+        The workers enforce the refit deadline; ``margin_s`` on top covers a frozen actor that
+        never answers, and the whole call waits that long once, for every shard together. A
         weight-sync step goes over a shard's direct line where it has one
-        (``refit.control_channel``), else over Ray; a call its line could not read goes over Ray."""
+        (``refit.control_channel``), else over the transport; a call its line could not read
+        goes over the transport."""
         per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
         wait = self.timeouts.refit_s + margin_s
         deadline = time.monotonic() + wait
         direct: dict[Any, Channel] = {}
 
-        def over_ray(key: Any) -> Any:
+        def send(key: Any) -> Ref:
             msg = per_key[key]
-            return getattr(handles[key].actor, _METHODS[type(msg)]).remote(msg)
+            return self.transport.call(handles[key].actor, _METHODS[type(msg)], msg)
 
         for key, handle in handles.items():
             line = self._channel(handle) if isinstance(per_key[key], SyncRequest) else None
@@ -317,27 +275,24 @@ class ShardDriver:
                 try:
                     line.send((per_key[key],))
                     direct[key] = line
-                except ChannelBroken:  # nothing reached the actor: Ray carries the call
+                except ChannelBroken:  # nothing reached the actor: the transport carries the call
                     line.lock.release()
                     self._drop_channel(handle)
                 except Exception:  # not picklable without Ray's cloudpickle; nothing was sent
                     line.lock.release()
         out: dict[Any, Outcome] = {}
         try:
-            refs = {k: over_ray(k) for k in handles if k not in direct}
+            refs = {k: send(k) for k in handles if k not in direct}
             for key, line in direct.items():
                 try:
                     ok, value = line.receive(deadline - time.monotonic())
-                    if ok:
-                        out[key] = Outcome(value=value)
-                    else:  # the line answers a raised exception as "Type: last line": the actor said no
-                        type_name, _, detail = value.partition(": ")
-                        out[key] = Outcome(failure=Failure(FailureKind.DATA, type_name, detail))
+                    # the line answers a raised exception as the wire's Failure, kind and all
+                    out[key] = Outcome(value=value) if ok else Outcome(failure=value)
                 except FrameUnread as exc:  # the actor could not read the call: it never ran
-                    log.info("shard %s could not read a weight_sync call over its line (%s); sent over Ray",
-                             handles[key].name, exc)
+                    log.info("shard %s could not read a weight_sync call over its line (%s); sent over the "
+                             "transport", handles[key].name, exc)
                     self._drop_channel(handles[key])
-                    refs[key] = over_ray(key)
+                    refs[key] = send(key)
                 except TimeoutError:
                     self._drop_channel(handles[key])  # its late answer must not be read as the next call's
                     out[key] = Outcome(failure=unanswered("weight_sync", wait))
@@ -348,14 +303,13 @@ class ShardDriver:
         finally:
             for line in direct.values():
                 line.lock.release()
-        if refs:  # one wait for all of them: a frozen shard costs the deadline once, not once each
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+        # one wait for all of them: a frozen shard costs the deadline once, not once each
+        self.transport.wait(list(refs.values()), max(0.0, deadline - time.monotonic()))
         for key, ref in refs.items():
             try:
-                out[key] = Outcome(value=ray.get(ref, timeout=0))
-            except ray.exceptions.GetTimeoutError:
-                with contextlib.suppress(Exception):  # best effort: a frozen actor may never see it
-                    ray.cancel(ref)
+                out[key] = Outcome(value=self.transport.get(ref, 0))
+            except Unanswered:
+                self.transport.cancel(ref)  # best effort: a frozen actor may never see it
                 out[key] = Outcome(failure=unanswered(_METHODS[type(per_key[key])], wait))
             except Exception as exc:
                 out[key] = Outcome(failure=failure_of(exc))
@@ -363,7 +317,7 @@ class ShardDriver:
 
     def _channel(self, handle: ShardHandle) -> Channel | None:
         """The shard's direct line, opened on first use; None when switched off, when the actor
-        runs on another node, or when it cannot be had (then Ray carries every call)."""
+        runs on another node, or when it cannot be had (then the transport carries every call)."""
         if not self.channels:
             return None
         if handle.name not in self._channels:
@@ -373,12 +327,13 @@ class ShardDriver:
     def open_channel(self, handle: ShardHandle) -> Channel | None:
         """Ask the actor where its line is and connect, if it runs on this node."""
         try:
-            where = ray.get(handle.actor.control_channel.remote(self.timeouts.control_s),
-                            timeout=self.timeouts.control_s)
-            if where.node_ip == get_node_ip_address():
+            where = self.transport.get(self.transport.call(handle.actor, "control_channel", self.timeouts.control_s),
+                                       self.timeouts.control_s)
+            if where.node_ip == self.transport.local_ip():
                 return Channel(where.address, where.key, self.timeouts.control_s)
-        except Exception as exc:  # no line: Ray carries the calls, which report a dead actor
-            log.info("shard %s: no direct line (%s); its refit calls go over Ray", handle.name, root_cause(exc))
+        except Exception as exc:  # no line: the transport carries the calls, which report a dead actor
+            log.info("shard %s: no direct line (%s); its refit calls go over the transport", handle.name,
+                     root_cause(exc))
         return None
 
     def lines(self) -> set[str]:
@@ -387,49 +342,41 @@ class ShardDriver:
 
     def _drop_channel(self, handle: ShardHandle) -> None:
         line = self._channels.get(handle.name)
-        self._channels[handle.name] = None  # not reopened: Ray carries this actor's calls from now on
+        self._channels[handle.name] = None  # not reopened: the transport carries this actor's calls from now on
         if line is not None:
             line.close()
 
     # -- calls in flight -----------------------------------------------------------------------
 
-    def start_generate(self, handle: ShardHandle, batch: list, params: Sampling) -> Call:
-        return Call(handle, "generate", handle.actor.generate.remote(batch, params))
+    def start_generate(self, handle: ShardHandle, batch: list[GenerationRequest], params: Sampling) -> Call:
+        return Call(handle, "generate", self.transport.call(handle.actor, "generate", batch, params))
 
     def start_watch(self, handle: ShardHandle, interval_s: float) -> Call:
-        return Call(handle, "watch", handle.actor.watch.remote(interval_s))
+        return Call(handle, "watch", self.transport.call(handle.actor, "watch", interval_s))
 
     def start_probe(self, handle: ShardHandle, sampling: Sampling, tokens: list[int], timeout_s: float,
                     warmup_s: float) -> Call:
-        return Call(handle, "probe", handle.actor.probe.remote(sampling, tokens, timeout_s, warmup_s))
+        return Call(handle, "probe", self.transport.call(handle.actor, "probe", sampling, tokens, timeout_s, warmup_s))
 
     def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
         """The calls among ``calls`` that are done, waiting up to ``timeout_s`` for the first."""
         by_ref = {c.ref: c for c in calls}
-        if not by_ref:
-            return []
-        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout_s)
-        if ready:  # collect everything else that is done too
-            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
-        return [by_ref[r] for r in ready]
+        return [by_ref[r] for r in self.transport.wait(list(by_ref), timeout_s, first=True)]
 
     def result(self, call: Call, timeout_s: float = 0.0) -> Any:
         """A finished call's value; ShardDiedError when the shard is gone, a data error as raised."""
         return self._get(call.handle, call.what, call.ref, timeout_s or self.timeouts.control_s)
 
     def cancel(self, call: Call) -> None:
-        try:
-            ray.cancel(call.ref)
-        except Exception:  # already finished or its worker is gone: nothing left to cancel
-            pass
+        self.transport.cancel(call.ref)
 
-    def generate_async(self, handle: ShardHandle, batch: list, params: Sampling) -> "Pending":
+    def generate_async(self, handle: ShardHandle, batch: list[GenerationRequest], params: Sampling) -> Pending:
         """One generate call as an awaitable (the per-request path of ``generate_async``)."""
-        return Pending(handle.actor.generate.remote(batch, params))
+        return Pending(self.transport, self.transport.call(handle.actor, "generate", batch, params))
 
-    def generate_stream(self, handle: ShardHandle, request: Any, params: Sampling) -> Stream:
-        """One request, streamed as the shard generates it (``ShardActor.generate_stream``)."""
-        return Stream(handle.actor.generate_stream.remote(request, params))
+    def generate_stream(self, handle: ShardHandle, request: GenerationRequest, params: Sampling) -> Stream:
+        """One request, streamed as the shard generates it (``ShardHost.generate_stream``)."""
+        return self.transport.stream(handle.actor, request, params)
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import ray
 
-from nemo_gen.core.retry import client_error, kind_of
+from nemo_gen.core.retry import client_error, failure, kind_of
 from nemo_gen.core.wire import Failure, FailureKind, exception_line
 from nemo_gen.errors import NemoGenError, RequestError, ShardBusy, ShardDiedError
 from nemo_gen.fleet.handles import ShardHandle
+from nemo_gen.fleet.transport import Unanswered
 
 
 def root_cause(exc: BaseException) -> str:
@@ -23,8 +24,7 @@ def root_cause(exc: BaseException) -> str:
 def failure_of(exc: BaseException) -> Failure:
     """A Ray error (or the actor's exception it wraps) as a wire ``Failure``: its fault-model kind,
     and the actor-side exception's type and last line (``root_cause``)."""
-    type_name, _, detail = root_cause(exc).partition(": ")
-    return Failure(FailureKind(kind_of(exc)), type_name, detail)
+    return failure(exc, getattr(exc, "cause", None))
 
 
 def unanswered(method: str, wait: float) -> Failure:
@@ -41,7 +41,7 @@ def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_
         cause = getattr(exc, "cause", None)
         return cause if isinstance(cause, NemoGenError) else exc
     index = handle.index if handle is not None and handle.index is not None else -1
-    if isinstance(exc, ray.exceptions.GetTimeoutError):
+    if isinstance(exc, (Unanswered, ray.exceptions.GetTimeoutError)):
         return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")
     kind = kind_of(exc)
     if kind == "data" and (client := client_error(exc)) is not None:

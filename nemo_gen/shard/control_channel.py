@@ -42,7 +42,8 @@ from multiprocessing.connection import (AuthenticationError, Connection, Listene
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Awaitable, Callable
 
-from nemo_gen.core.wire import exception_line
+from nemo_gen.core.retry import failure
+from nemo_gen.core.wire import Failure, FailureKind, exception_line
 
 # The status of an answer to a call the server could not read (it never ran).
 UNREAD = "unread"
@@ -52,7 +53,7 @@ class ChannelServer:
     """A shard actor's socket. A thread accepts, each connection's handshake runs in a thread of
     its own under ``timeout_s``, and the connection is then read on ``loop`` itself (the
     actor's): a call runs there as ``handler(*args)``, and its answer, ``(True, value)`` or
-    ``(False, "Type: message")`` — ``(UNREAD, why)`` for a call that could not be read — is
+    ``(False, Failure)`` (the wire's, kind and all, as the Ray path reports it) — ``(UNREAD, why)`` for a call that could not be read — is
     written from there. So a call costs the socket and no hand-off between threads either way.
 
     One call at a time on a connection: it is not read again until its call has been answered,
@@ -137,9 +138,9 @@ class ChannelServer:
         try:
             answer = (True, await self._handler(*args))
         except asyncio.CancelledError as exc:  # the loop is going down: the caller still hears of it
-            answer, cancelled = (False, exception_line(exc)), exc
+            answer, cancelled = (False, failure(exc)), exc
         except Exception as exc:  # noqa: BLE001 — every failure is the caller's to see
-            answer = (False, exception_line(exc))
+            answer = (False, failure(exc))
         self._busy.pop(conn, None)
         self._answer(conn, answer)
         if cancelled is not None:
@@ -149,7 +150,8 @@ class ChannelServer:
         try:
             frame = ForkingPickler.dumps(answer)
         except Exception as exc:  # noqa: BLE001 — the call ran; its answer does not pickle
-            frame = ForkingPickler.dumps((False, f"{type(exc).__name__}: the answer could not be sent: {exc}"))
+            frame = ForkingPickler.dumps((False, Failure(FailureKind.DATA, type(exc).__name__,
+                                                          f"the answer could not be sent: {exc}")))
         try:
             conn.send_bytes(frame)
         except (OSError, ValueError):

@@ -1,6 +1,6 @@
 """What a streamed request carries from the engine to the router, as plain data.
 
-A stream (``Engine.stream``, ``ShardActor.generate_stream``) is a sequence of ``StreamDeltas``
+A stream (``Engine.stream``, ``ShardHost.generate_stream``) is a sequence of ``StreamDeltas``
 items and then one ``RequestResult`` (``nemo_gen.core.wire``): the same result a ``generate``
 call returns, so the streamed tokens and the finished result cannot disagree. A delta
 (``SampleDelta``) is one sample's progress since the previous item, its ``weight_versions`` the

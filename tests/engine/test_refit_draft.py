@@ -39,7 +39,7 @@ def spec_fleet(launched):
 
 def digests(fleet):
     actor = fleet.shards[0].actor
-    return ray.get([actor.digest.remote("policy"), actor.digest.remote("draft")], timeout=60)
+    return ray.get([actor.call.remote("digest", "policy"), actor.call.remote("digest", "draft")], timeout=60)
 
 
 def draft_tensors(path):

@@ -52,7 +52,7 @@ def fleets(ray_cluster, make_settings, tmp_path_factory):
 def held(fleet) -> dict[int, dict[str, int]]:
     """Per slot, what its engine holds now: engine request id -> tokens made (vLLM's own account,
     ``Unfinished`` on the wire)."""
-    return {slot: ray.get(fleet.handle(slot).actor.unfinished.remote(), timeout=10).tokens()
+    return {slot: ray.get(fleet.handle(slot).actor.call.remote("unfinished"), timeout=10).tokens()
             for slot in range(fleet.settings.fleet.num_shards)}
 
 

@@ -63,7 +63,7 @@ def at_launch(spec_fleet) -> list[float]:
 
 def digests(fleet) -> list[float]:
     actor = fleet.shards[0].actor
-    return ray.get([actor.digest.remote("policy"), actor.digest.remote("draft")], timeout=60)
+    return ray.get([actor.call.remote("digest", "policy"), actor.call.remote("digest", "draft")], timeout=60)
 
 
 def greedy(fleet, prompts) -> list[list[int]]:

@@ -211,7 +211,7 @@ def test_a_bad_manifest_is_rejected_with_nothing_changed(fleet, models, prompt_i
 def load_stats(fleet) -> list:
     import ray
 
-    return [st for h in fleet.shards for st in ray.get(h.actor.load_stats.remote(), timeout=60)]
+    return [st for h in fleet.shards for st in ray.get(h.actor.call.remote("load_stats"), timeout=60)]
 
 
 def test_refit_through_nemo_gen_ipc_matches_a_fresh_engine(fleet, models, prompt_ids, reference):

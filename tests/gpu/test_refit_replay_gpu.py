@@ -82,7 +82,7 @@ def test_replayed_refits_load_what_every_other_path_loads(setup):
         engine.send_weights()
         wall = time.perf_counter() - t
         assert client.report.ok, client.report
-        stats = ray.get(handle.actor.load_stats.remote(), timeout=60)[0]
+        stats = ray.get(handle.actor.call.remote("load_stats"), timeout=60)[0]
         got, want = worker("nemo_gen_digest"), trainer_digest()
         entry = {"step": label, "plan": stats.plan, "path": stats.path, "digest": got, "trainer": want,
                  "wall_ms": round(wall * 1e3, 2), "tokens": tokens()}

@@ -175,10 +175,12 @@ def test_the_actor_side_never_imports_the_driver_side():
 
 
 def test_only_the_ray_seam_imports_the_actor_side():
-    # the driver reaches the actor through its seam to Ray (driver.py, launch.py) and the typed
-    # wire in core; every other driver module knows a shard by its handle (fleet/handles.py)
+    # the driver reaches the actor through its seam (driver.py and its transports: launch.py and
+    # transport_ray.py over Ray, transport_local.py in process) and the typed wire in core; every
+    # other driver module knows a shard by its handle (fleet/handles.py)
     reached = {line.split(" imports ")[0] for line in importers("nemo_gen.shard", "nemo_gen.fleet")}
-    assert reached <= {"nemo_gen.fleet.driver", "nemo_gen.fleet.launch"}
+    assert reached <= {"nemo_gen.fleet.driver", "nemo_gen.fleet.launch", "nemo_gen.fleet.transport_ray",
+                       "nemo_gen.fleet.transport_local"}
 
 
 # -- one writer of slot state ------------------------------------------------------------------
