@@ -17,7 +17,7 @@ from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
-    AdapterCall, AdapterState, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, LoadStats, ProbeReply, Sampling,
+    AdapterCall, AdapterState, ChannelAddress, EngineManifest, CheckRefit, GenerateReply, LoadRefit, LoadStats, ProbeReply, RequestProgress, Sampling,
     ShardInfo, StepGaps, SyncReply, SyncRequest, Unfinished,
 )
 from nemo_gen.shard.rules import Host, Shard
@@ -127,6 +127,9 @@ class ShardActor:
         async with contextlib.aclosing(self.shard.generate_stream(request, sampling)) as items:
             async for item in items:
                 yield item
+
+    def progress(self, known: tuple[tuple[str, int], ...]) -> tuple[RequestProgress, ...]:
+        return self.shard.progress(known)
 
     def vllm_metrics(self) -> list[dict[str, Any]]:
         return self.shard.vllm_metrics()

@@ -13,9 +13,10 @@ from typing import Any, AsyncIterator
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
-from nemo_gen.core.wire import RequestResult, StreamDeltas
+from nemo_gen.core.wire import RequestProgress, RequestResult, StreamDeltas
 from nemo_gen.shard.batch import Track, prompt_entries, prompt_result, spans_between
 from nemo_gen.shard.engine_base import BaseEngine, error_result
+from nemo_gen.shard.progress import checkpoint, for_request, sampled_logprobs
 from nemo_gen.shard.swap import AsyncSwap
 from nemo_gen.shard.streaming import Cursor
 from nemo_gen.vllm_ext.lora import lora_request_of
@@ -27,6 +28,8 @@ class AsyncEngine(BaseEngine):
     def __init__(self, llm: Any, load_s: float, version: int | None):
         super().__init__(llm, load_s, version)
         self.running: set[str] = set()  # its requests, by the id they were added with
+        # Each keyed request's latest output per sample, for its checkpoints (``progress``).
+        self._live: dict[str, dict[int, Any]] = {}
         self.swap = AsyncSwap(llm, self.gate, self.weights, self.running)
 
     def _front(self) -> Any:
@@ -62,12 +65,24 @@ class AsyncEngine(BaseEngine):
     def _version_spans(self, comp: Any) -> list[tuple[int | None, int]]:
         return vllm_compat.label_spans(comp, self.weights.version_of)
 
+    def progress(self, known: dict[str, int]) -> tuple[RequestProgress, ...]:
+        """Checkpoints of the running keyed requests (``nemo_gen.shard.progress``), from the
+        latest (cumulative) output of each of their samples."""
+        def reader(latest: dict[int, Any]):
+            return lambda: [(list(c.token_ids), sampled_logprobs(list(c.token_ids), c.logprobs),
+                             self._version_spans(c), c.finish_reason) for _, c in sorted(latest.items())]
+
+        return checkpoint(known, ((key, reader(latest)) for key, latest in list(self._live.items())))
+
     async def _one(self, req: GenerationRequest, params: Any) -> RequestResult:
         request_id = f"nemo-gen-{next(self._ids)}"
         latest: dict[int, Any] = {}
         prompt_lps = None
+        params = for_request(params, req)
         self.weights.check()
         self.running.add(request_id)
+        if req.key is not None:
+            self._live[req.key] = latest
         try:
             with self.clock.running():
                 prompt = vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt)
@@ -83,6 +98,7 @@ class AsyncEngine(BaseEngine):
             return error_result(req, exc)
         finally:
             self.running.discard(request_id)
+            self._live.pop(req.key, None)
         self.weights.check()
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
@@ -94,6 +110,7 @@ class AsyncEngine(BaseEngine):
 
     async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
         rid = f"nemo-gen-{next(self._ids)}"
+        params = for_request(params, req)
         track = Track.start(req, params, rid, rid)
         cursor = Cursor(track)
         self.weights.check()
