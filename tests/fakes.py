@@ -259,8 +259,8 @@ class FakeEngine:
         """The real engine's checkpoints (``nemo_gen.shard.progress``) of the tokens it made so far."""
         def reader(req: Any, samples: int, made: int):
             c = req.continues or 0
-            return lambda: [([fake_token(req, k, c + i) for i in range(made)], [0.0] * made, ((self.version, made),),
-                             None) for k in range(samples)]
+            return lambda start: [([fake_token(req, k, c + i) for i in range(start, made)], [0.0] * (made - start),
+                                   ((self.version, made),), None) for k in range(samples)]
 
         return checkpoint(known, ((key, reader(*entry)) for key, entry in list(self.live.items())))
 

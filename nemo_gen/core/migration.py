@@ -115,6 +115,10 @@ class Checkpoints:
                     samples.append(Kept())
                 samples[p.sample].apply(p)
 
+    def tokens(self) -> dict[str, list[list[int]]]:
+        """Each key's samples' token ids known now (a copy)."""
+        return {k: [list(s.token_ids) for s in samples] for k, samples in self._kept.items()}
+
     def take(self, key: str | None) -> list[Kept]:
         """What is known of ``key``'s samples, forgotten here (its request moves on)."""
         return [] if key is None else self._kept.pop(key, [])

@@ -81,6 +81,11 @@ class Checkpointer:
         with self._lock:
             return self.checkpoints.take(key)
 
+    def kept_now(self) -> dict[str, list[list[int]]]:
+        """Each running request's samples' tokens as checkpointed now, by key (diagnostics, tests)."""
+        with self._lock:
+            return self.checkpoints.tokens()
+
     def _run(self) -> None:
         asked: dict[str, Any] = {}  # actor name -> its progress call in flight
         while True:

@@ -69,8 +69,9 @@ class AsyncEngine(BaseEngine):
         """Checkpoints of the running keyed requests (``nemo_gen.shard.progress``), from the
         latest (cumulative) output of each of their samples."""
         def reader(latest: dict[int, Any]):
-            return lambda: [(list(c.token_ids), sampled_logprobs(list(c.token_ids), c.logprobs),
-                             self._version_spans(c), c.finish_reason) for _, c in sorted(latest.items())]
+            return lambda start: [(list(c.token_ids[start:]), sampled_logprobs(list(c.token_ids[start:]),
+                                                                             (c.logprobs or [])[start:]),
+                                   self._version_spans(c), c.finish_reason) for _, c in sorted(latest.items())]
 
         return checkpoint(known, ((key, reader(latest)) for key, latest in list(self._live.items())))
 

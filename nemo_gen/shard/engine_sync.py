@@ -202,13 +202,16 @@ class SyncEngine(BaseEngine):
         tracks = list({id(t): t for t in list(self.batch.tracks.values())}.values())
 
         def reader(t: Track):
-            def read() -> list[SampleState]:
-                pieces = vllm_compat.pieces_so_far(self._llm, t, self.weights.version_of) if t.final_only else {}
+            def read(start: int) -> list[SampleState]:
+                # A cut that did not resume leaves its tokens in the track; what runs now is the engine's.
+                base = min(len(s.tokens) for s in t.samples)
+                since = max(0, start - base)
+                pieces = vllm_compat.pieces_so_far(self._llm, t, self.weights.version_of, since) if t.final_only else {}
                 out = []
                 for i, s in enumerate(t.samples):
                     p = pieces.get(i)
-                    ids = s.tokens + (p.token_ids if p else [])
-                    lps = s.logprobs + (sampled_logprobs(p.token_ids, p.logprobs) if p else [])
+                    ids = s.tokens[start:] + (p.token_ids if p else [])
+                    lps = s.logprobs[start:] + (sampled_logprobs(p.token_ids, p.logprobs) if p else [])
                     out.append((ids, lps, [*s.spans, *(p.spans if p else ())], s.finish_reason or (p and p.finish_reason)))
                 return out
             return read

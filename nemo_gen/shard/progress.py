@@ -17,9 +17,9 @@ from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import RequestProgress, SampleProgress
 from nemo_gen.shard.streaming import span_slice
 
-# One sample as an engine holds it: (token ids, logprob of each, version spans, finish reason).
+# One sample as an engine holds it, from the token the driver asked from on: (its token ids and
+# their logprobs from there, the version spans of the whole sample, its finish reason).
 SampleState = tuple[list[int], list[float], Iterable[Any], "str | None"]
-
 
 def for_request(params: Any, req: GenerationRequest) -> Any:
     """vLLM ``SamplingParams`` for ``req``: the call's, or — a migrated sample going on — one
@@ -37,22 +37,24 @@ def sampled_logprobs(token_ids: list[int], entries: Any) -> list[float]:
     return [float(lp[tok].logprob) for tok, lp in zip(token_ids, entries or ())]
 
 
-def checkpoint(known: Mapping[str, int], running: Iterable[tuple[str, Callable[[], list[SampleState]]]]
+def checkpoint(known: Mapping[str, int], running: Iterable[tuple[str, Callable[[int], list[SampleState]]]]
                ) -> tuple[RequestProgress, ...]:
-    """Each running request the driver asked about (``known``) with its samples' tokens from
-    what the driver knows on. ``running``: (key, a reader of its samples' state now)."""
+    """Each running request the driver asked about (``known``: key -> tokens it knows) with its
+    samples' tokens from there on. ``running``: (key, a reader of its samples' state now from a
+    token on): only what is new is copied, so a checkpoint costs what was made since the last."""
     out = []
     for key, read in running:
         start = known.get(key)
         if start is None:
             continue
         samples = []
-        for i, (ids, lps, spans, finish) in enumerate(read()):
-            end = min(len(ids), len(lps)) if lps else len(ids)  # read while it steps: the shorter
-            if end < start or (end == start and finish is None):
+        for i, (ids, lps, spans, finish) in enumerate(read(start)):
+            count = min(len(ids), len(lps)) if lps else len(ids)  # read while it steps: the shorter
+            if count == 0 and finish is None:
                 continue
-            samples.append(SampleProgress(i, start, list(ids[start:end]), list(lps[start:end]),
-                                          span_slice(spans, start, end), finish if end == len(ids) else None))
+            samples.append(SampleProgress(i, start, list(ids[:count]), list(lps[:count]),
+                                          span_slice(spans, start, start + count),
+                                          finish if count == len(ids) else None))
         if samples:
             out.append(RequestProgress(key, tuple(samples)))
     return tuple(out)
