@@ -158,3 +158,53 @@ def test_a_stream_goes_on_with_no_break_and_no_repeated_token(settings, driver, 
         assert result.token_ids == expected(PROMPTS[0]) and result.ok
         (m,) = result.migrations
         assert m.at_token >= 15 and len({d.shard for d in deltas}) == 2
+
+
+def test_an_openai_client_stream_reads_one_continuous_answer_across_a_kill(fake_fleet_settings, driver):
+    """The HTTP server's streamed and unstreamed routes, the official openai client in front: the
+    streamed answer's token ids are one run with no break or repeat, the same as an unstreamed
+    answer's, and the final chunk's nemo_gen names the move."""
+    import openai
+
+    from nemo_gen.server import start_server
+
+    fleet = fake_fleet(fake_fleet_settings(
+        fleet__name="fake-migrate-http", fleet__migration__checkpoint_s=0.01,
+        server__port=0, generation__vllm_cfg__skip_tokenizer_init=True, generation__vllm_cfg__max_model_len=4096),
+        driver)
+    handle = start_server(fleet)
+    try:
+        for h in fleet.shards:
+            driver.set_token_s(h.name, 0.01)
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0)
+        model = fleet.settings.model_name()
+        stream = client.completions.create(model=model, prompt=[1, 2], max_tokens=TOKENS, stream=True,
+                                           extra_body={"return_token_ids": True})
+        ids, chunks = [], []
+        for chunk in stream:
+            chunks.append(chunk)
+            if chunk.choices:
+                ids += chunk.choices[0].token_ids or []
+            if len(ids) >= 15 and len(chunks) == 15:
+                victim = next(s for s in fleet.status() if s.state == "healthy" and fleet.router.selector.inflight(s.index))
+                driver.set_dead(fleet.handle(victim.index).name)
+        assert ids == expected([1, 2])
+        final = next(c for c in reversed(chunks) if getattr(c, "nemo_gen", None))
+        assert final.nemo_gen["migrations"][0]["at_token"] >= 15
+        # unstreamed, across a second kill (the fleet restarted the first shard): the same answer
+        wait_until(lambda: fleet.health.serving_shards() == [0, 1], what="the fleet back at full strength")
+        for h in fleet.shards:
+            driver.set_token_s(h.name, 0.01)
+        full: list = []
+        worker = threading.Thread(target=lambda: full.append(client.completions.create(
+            model=model, prompt=[1, 2], max_tokens=TOKENS, extra_body={"return_token_ids": True})))
+        worker.start()
+        (slot,) = wait_until(lambda: next(((i,) for i in (0, 1) if fleet.router.selector.inflight(i)), None),
+                             what="the request placed")
+        kill_when(driver, fleet, slot, 20)
+        worker.join(30)
+        assert full[0].choices[0].token_ids == expected([1, 2])
+        assert full[0].nemo_gen["migrations"][0]["at_token"] >= 10
+    finally:
+        handle.stop()
+        fleet.shutdown()
