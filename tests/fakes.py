@@ -626,6 +626,7 @@ def fake_token(req: Any, k: int, i: int) -> int:
     distinct answers). A migrated sample's continuation (``continues``) makes its tokens as the
     request it continues would have (its prompt less the kept tokens): a greedy engine's rule."""
     c = req.continues or 0
+    k = k if req.continues is None else req.sample
     return (sum(req.prompt_token_ids[:len(req.prompt_token_ids) - c]) + k + i) % VOCAB
 
 

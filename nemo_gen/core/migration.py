@@ -12,8 +12,8 @@ plain re-route, which counts against ``fleet.max_reroutes``; one that kept token
 
 Greedy decoding makes the same tokens as an uninterrupted run (the continuation's prefill
 recomputes the same context). Sampled decoding keeps the tokens made before the move; those
-after it are a fresh draw (a seeded request's generator starts again at its seed on the new
-engine), so they match an uninterrupted run's only in distribution. Pure logic: no engine types.
+after it are a fresh draw (a seeded request's generator starts again at its sample's seed on the
+new engine), so they match an uninterrupted run's only in distribution. Pure logic: no engine types.
 """
 
 from __future__ import annotations
@@ -163,8 +163,9 @@ class Migrations:
                 return None
             samples = kept + [Kept() for _ in range(self.n - len(kept))]
             m = self._by_index[req.index] = Migration(req, samples)
-            m.moves += [Moved(shard, len(k.token_ids), i) for i, k in enumerate(samples) if k.finish_reason is None]
-            return [self._continuation(m, i) for i, k in enumerate(samples) if not self._done(k)]
+            going = [i for i, k in enumerate(samples) if not self._done(k)]
+            m.moves += [Moved(shard, len(samples[i].token_ids), i) for i in going]
+            return [self._continuation(m, i) for i in going]
         m = self._by_index[req.index]
         key = req.key or ""
         sample = m.running.pop(key)
@@ -188,7 +189,7 @@ class Migrations:
         key = f"{m.request.key}/{sample}.{next(self._serial)}"
         m.running[key] = sample
         return GenerationRequest(index=m.request.index, prompt_token_ids=list(m.request.prompt_token_ids) + kept.token_ids,
-                                 prompt=None, key=key, continues=len(kept.token_ids))
+                                 prompt=None, key=key, continues=len(kept.token_ids), sample=sample)
 
     def pending(self, index: int) -> bool:
         m = self._by_index.get(index)

@@ -23,6 +23,7 @@ class GenerationRequest:
     # A migrated sample going on (``nemo_gen.core.migration``): ``prompt_token_ids`` end with the
     # ``continues`` tokens it had made; one sample (n = 1), with that many fewer tokens to make.
     continues: int | None = None
+    sample: int = 0  # which of the request's n samples a continuation carries on (its seed is the sample's)
 
 
 @dataclass

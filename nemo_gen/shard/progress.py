@@ -23,12 +23,14 @@ SampleState = tuple[list[int], list[float], Iterable[Any], "str | None"]
 
 def for_request(params: Any, req: GenerationRequest) -> Any:
     """vLLM ``SamplingParams`` for ``req``: the call's, or — a migrated sample going on — one
-    sample with ``continues`` fewer tokens to make."""
+    sample with ``continues`` fewer tokens to make, seeded as its sample was."""
     if req.continues is None:
         return params
     own = params.clone()
     own.n = 1
     own.max_tokens = max(1, params.max_tokens - req.continues)
+    if own.seed is not None:  # vLLM seeds sample k of n with seed + k: the continuation draws as its sample
+        own.seed += req.sample
     return own
 
 

@@ -24,7 +24,7 @@ from tests.helpers import alive, wait_until
 pytestmark = pytest.mark.engine
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fleet of engines"] * 2
-TOKENS = 200
+TOKENS = 600  # long enough that a kill lands mid-generation on a fast CPU engine
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,7 @@ def fleet(ray_cluster, make_settings):
             health__unhealthy_threshold=2,
             health__restart_backoff_s=0.2,
             health__reap_timeout_s=5,
+            generation__vllm_cfg__max_model_len=1024,
         )
     )
     yield f
@@ -114,7 +115,8 @@ def test_a_seeded_n4_request_keeps_every_samples_tokens_and_logprobs(fleet):
         before = kept_of(kept, r.index)
         for m in r.migrations:
             s = r.samples[m.sample]
-            assert s.token_ids[:len(before[m.sample])] == before[m.sample]  # its first tokens, unchanged
+            shape = [(x.sample, x.at_token, len(before[x.sample]), len(r.samples[x.sample].token_ids)) for x in r.migrations]
+            assert s.token_ids[:len(before[m.sample])] == before[m.sample], shape  # its first tokens, unchanged
             assert len(s.token_ids) == TOKENS == len(s.logprobs) and covers(s.weight_versions, TOKENS)
     full_strength(fleet)
 

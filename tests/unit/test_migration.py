@@ -78,7 +78,7 @@ def test_n_samples_each_go_on_from_their_own_tokens_and_the_result_waits_for_all
     kept = [Kept([1], [0.0], [[1, 1]]), Kept([2, 2, 2, 2, 2, 2], [0.0] * 6, [[1, 6]], "stop"), Kept()]
     conts = m.lost(req, 0, kept)
     assert [c.prompt_token_ids for c in conts] == [[5, 1], [5]]  # sample 1 had finished
-    assert [c.continues for c in conts] == [1, 0]
+    assert [c.continues for c in conts] == [1, 0] and [c.sample for c in conts] == [0, 2]
     assert [mv.sample for mv in m.moves(2)] == [0, 2]
     first = m.answered(conts[0], RequestResult(2, (SampleResult([3] * 5, [0.0] * 5, None, "length", ((2, 5),)),)))
     assert first is None  # sample 2 still runs
