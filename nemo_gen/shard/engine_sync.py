@@ -144,6 +144,7 @@ class SyncEngine(BaseEngine):
         final_only = on_step is None
         vllm_compat.output_kind(params, final_only)
         self.weights.check()
+        # By the request itself: a migrated request's samples go on as requests of one index.
         results: dict[int, RequestResult] = {}
         tracks: list[Track] = []
         self.batch.tracks = {}
@@ -155,7 +156,7 @@ class SyncEngine(BaseEngine):
                 internal = vllm_compat.add_request(self._llm, rid, req.prompt_token_ids, own, self.weights.salt,
                                                    lora_request=lora_request_of(own, self))
             except (ValueError, TypeError) as exc:
-                results[req.index] = error_result(req, exc)
+                results[id(req)] = error_result(req, exc)
                 continue
             tracks.append(track := Track.start(req, own, rid, internal, final_only=final_only))
             self.batch.tracks[rid] = track
@@ -166,8 +167,8 @@ class SyncEngine(BaseEngine):
             for t in tracks:
                 if t.result is None:
                     raise RuntimeError(f"vLLM returned no output for request {t.req.index}")
-                results[t.req.index] = t.result
-        return [results[r.index] for r in requests]
+                results[id(t.req)] = t.result
+        return [results[id(r)] for r in requests]
 
     def _run_to_completion(self) -> None:
         """``LLM.wait_for_completion`` with a heartbeat (each finished engine step is stamped,
