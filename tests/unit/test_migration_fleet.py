@@ -34,33 +34,38 @@ def expected(prompt, n=TOKENS, k=0):
     return [(sum(prompt) + k + i) % 97 for i in range(n)]
 
 
-def kill_when(driver, fleet, slot, tokens):
-    """Kill ``slot``'s shard once a request there has made ``tokens`` tokens and its checkpoint is in."""
+def kill_when(driver, fleet, slot, tokens, how="its call fails"):
+    """Lose ``slot``'s shard once a request there has made ``tokens`` tokens and its checkpoint is
+    in: it dies (its call fails), or a probe streak condemns it while it hangs."""
     engine = driver.shard(fleet.handle(slot))
     wait_until(lambda: max(engine.tokens_made.values(), default=0) >= tokens, what=f"{tokens} tokens on {slot}")
-    cp = fleet.router.checkpointer.checkpoints
-    wait_until(lambda: any(len(s.token_ids) >= tokens // 2 for k in list(cp._kept.values()) for s in k),
-               what="a checkpoint")
-    driver.set_dead(engine.name)
+    cp = fleet.router.checkpointer
+    wait_until(lambda: any(len(s) >= tokens // 2 for k in cp.kept_now().values() for s in k), what="a checkpoint")
+    if how == "its call fails":
+        driver.set_dead(engine.name)
+    else:
+        driver.set_hung(engine.name)
+        fleet.recovery.shard_lost(Member(engine.name, slot), "probe streak")
     return engine
 
 
-def batch_with_a_kill(fleet, driver, prompts=PROMPTS, **params):
-    """``prompts`` generated while shard 1 dies 20 tokens in (after a checkpoint): the results."""
+def batch_with_a_kill(fleet, driver, prompts=PROMPTS, how="its call fails", **params):
+    """``prompts`` generated while shard 1 is lost 20 tokens in (after a checkpoint): the results."""
     for h in fleet.shards:
         driver.set_token_s(h.name, 0.01)
     out: list = []
     running = threading.Thread(target=lambda: out.extend(fleet.generate(prompts, max_new_tokens=TOKENS, **params)))
     running.start()
-    kill_when(driver, fleet, 1, 20)
+    kill_when(driver, fleet, 1, 20, how)
     running.join(30)
     assert not running.is_alive()
     return out
 
 
-def test_a_batch_on_a_dying_shard_goes_on_from_its_tokens(settings, driver):
+@pytest.mark.parametrize("how", ["its call fails", "it is condemned"])
+def test_a_batch_on_a_lost_shard_goes_on_from_its_tokens(settings, driver, how):
     with fake_fleet(settings(), driver) as fleet:
-        out = batch_with_a_kill(fleet, driver)
+        out = batch_with_a_kill(fleet, driver, how=how)
         assert all(r.ok for r in out), [r.error for r in out]
         # exactly the tokens of an uninterrupted run, every token under a version
         assert [r.token_ids for r in out] == [expected(p) for p in PROMPTS]
