@@ -86,7 +86,11 @@ def made_on(actor: Any) -> tuple[int, int]:
 def run_mode(local: LocalCpu, mode: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     from nemo_gen import GenerationFleet
 
-    overrides = {"fleet.name": f"migration-{mode}", "fleet.num_shards": 2, "fleet.migration.mode": mode,
+    from nemo_gen.tiny_model import make_tiny_model
+
+    long_model = make_tiny_model(local.work / "tiny-long", max_position_embeddings=2048)  # room for --tokens
+    overrides = {"model.path": str(long_model), "fleet.name": f"migration-{mode}", "fleet.num_shards": 2,
+                 "fleet.migration.mode": mode,
                  "health.auto_recover": False, "health.probe_interval_s": 60,
                  "generation.vllm_cfg.max_model_len": max(256, args.tokens + 64)}
     if args.checkpoint_s is not None:

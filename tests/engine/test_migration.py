@@ -28,9 +28,16 @@ TOKENS = 600  # long enough that a kill lands mid-generation on a fast CPU engin
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_cluster, make_settings):
+def long_model(tmp_path_factory):
+    """The tiny model with room for long generations (the session's has 512 positions)."""
+    return make_tiny_model(tmp_path_factory.mktemp("migrate-long") / "tiny", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_cluster, make_settings, long_model):
     f = GenerationFleet.launch(
         make_settings(
+            model__path=str(long_model),
             fleet__name="migrate",
             fleet__num_shards=2,
             health__probe_interval_s=0.5,
@@ -47,7 +54,7 @@ def fleet(ray_cluster, make_settings):
 
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("migrate-models") / "tiny-b", seed=1)
+    return make_tiny_model(tmp_path_factory.mktemp("migrate-models") / "tiny-b", seed=1, max_position_embeddings=2048)
 
 
 def full_strength(fleet, timeout_s: float = 240):
