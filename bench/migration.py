@@ -115,7 +115,7 @@ def run_mode(local: LocalCpu, mode: str, args: argparse.Namespace, prompts: list
                  "fleet.migration.mode": mode,
                  "health.auto_recover": False, "health.probe_interval_s": 60,
                  "generation.vllm_cfg.max_model_len": max(256, args.tokens + 64)}
-    if args.checkpoint_s is not None:
+    if args.checkpoint_s is not None and mode == "on":
         overrides["fleet.migration.checkpoint_s"] = args.checkpoint_s
     fleet = GenerationFleet.launch(local.settings(**overrides))
     params = dict(temperature=0, max_new_tokens=args.tokens, ignore_eos=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_gen.core.migration import MigrationMode
 from nemo_gen.settings.base import Section, one_of
@@ -27,6 +27,14 @@ class MigrationSettings(Section):
         "last checkpoint, so a shorter period wastes less when a shard dies, at one call per period "
         "(bench migration measures both).",
     )
+
+    @model_validator(mode="after")
+    def _cadence_acts(self) -> "MigrationSettings":
+        # A cadence given with migration off would be accepted and do nothing.
+        if self.mode == MigrationMode.OFF and "checkpoint_s" in self.model_fields_set:
+            raise ValueError("fleet.migration.checkpoint_s is set but fleet.migration.mode is off: "
+                             "nothing is checkpointed (drop it, or set mode: on)")
+        return self
 
 
 class FleetSettings(Section):

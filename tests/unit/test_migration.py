@@ -17,8 +17,20 @@ def progress(key, start, ids, version=1, sample=0, finish=None):
                                                 finish),))
 
 
-def test_the_mode_is_an_enum_of_off_and_on():
+def test_the_mode_is_an_enum_of_off_and_on_and_a_cadence_with_it_off_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    from nemo_gen.settings import NemoGenSettings
+
     assert [m.value for m in MigrationMode] == ["off", "on"]
+    s = NemoGenSettings(fleet={"migration": {"mode": "off"}})
+    assert s.fleet.migration.mode is MigrationMode.OFF
+    assert NemoGenSettings().fleet.migration.mode is MigrationMode.ON  # the default
+    with pytest.raises(ValidationError, match="checkpoint_s is set but fleet.migration.mode is off"):
+        NemoGenSettings(fleet={"migration": {"mode": "off", "checkpoint_s": 0.5}})
+    with pytest.raises(ValidationError):
+        NemoGenSettings(fleet={"migration": {"mode": "sometimes"}})
 
 
 def test_checkpoints_merge_from_what_is_known_and_ask_from_the_least_advanced_sample():

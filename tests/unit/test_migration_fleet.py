@@ -26,7 +26,9 @@ def wait_until(predicate, timeout_s: float = 30.0, what: str = "the condition"):
 @pytest.fixture
 def settings(fake_fleet_settings):
     def make(**overrides):
-        return fake_fleet_settings(health__auto_recover=False, fleet__migration__checkpoint_s=0.01, **overrides)
+        if overrides.get("fleet__migration__mode") != "off":
+            overrides.setdefault("fleet__migration__checkpoint_s", 0.01)
+        return fake_fleet_settings(health__auto_recover=False, **overrides)
     return make
 
 
