@@ -46,6 +46,7 @@ def fleet(ray_cluster, make_settings, long_model):
             health__restart_backoff_s=0.2,
             health__reap_timeout_s=5,
             generation__vllm_cfg__max_model_len=1024,
+            server__port=0,
         )
     )
     yield f
@@ -152,4 +153,36 @@ def test_a_refit_between_the_kill_and_the_resume_shows_both_versions(fleet, mode
     for r in moved:
         assert covers(r.weight_versions, TOKENS)
         assert r.weight_versions[0][0] == old and r.weight_versions[-1][0] == new
+    full_strength(fleet)
+
+
+def test_an_openai_client_stream_reads_one_continuous_answer_across_a_kill(fleet):
+    """The HTTP server in front, the official openai client reading a greedy stream: its shard's
+    actor is SIGKILLed mid-stream and the stream goes on from the tokens it had sent — the token
+    ids read equal the uninterrupted answer's, none missing, none twice."""
+    import openai
+
+    from nemo_gen.server import start_server
+
+    full_strength(fleet)
+    prompt = [1, 5, 9, 13, 17]
+    (reference,) = fleet.generate([prompt], temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
+    with start_server(fleet) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model=fleet.settings.model_name(), prompt=prompt, max_tokens=TOKENS,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids, chunks, killed = [], [], None
+        for chunk in stream:
+            chunks.append(chunk)
+            if chunk.choices:
+                ids += chunk.choices[0].token_ids or []
+            if killed is None and len(ids) >= 40:
+                killed = next(s for s in fleet.status() if fleet.router.selector.inflight(s.index))
+                os.kill(killed.actor_pid, signal.SIGKILL)
+    assert killed is not None and len(ids) == TOKENS
+    assert ids == reference.token_ids
+    final = next(c for c in reversed(chunks) if getattr(c, "nemo_gen", None))
+    (move,) = final.nemo_gen["migrations"]
+    assert move["from_shard"] == killed.index and move["at_token"] >= 40
     full_strength(fleet)
