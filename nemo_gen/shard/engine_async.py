@@ -29,7 +29,7 @@ class AsyncEngine(BaseEngine):
         super().__init__(llm, load_s, version)
         self.running: set[str] = set()  # its requests, by the id they were added with
         # Each keyed request's latest output per sample, for its checkpoints (``progress``).
-        self._live: dict[str, dict[int, Any]] = {}
+        self._live: dict[str, tuple[str, dict[int, Any]]] = {}  # key -> (its engine id, latest outputs)
         self.swap = AsyncSwap(llm, self.gate, self.weights, self.running)
 
     def _front(self) -> Any:
@@ -66,14 +66,27 @@ class AsyncEngine(BaseEngine):
         return vllm_compat.label_spans(comp, self.weights.version_of)
 
     def progress(self, known: dict[str, int]) -> tuple[RequestProgress, ...]:
-        """Checkpoints of the running keyed requests (``nemo_gen.shard.progress``), from the
-        latest (cumulative) output of each of their samples."""
-        def reader(latest: dict[int, Any]):
-            return lambda start: [(list(c.token_ids[start:]), sampled_logprobs(list(c.token_ids[start:]),
-                                                                             (c.logprobs or [])[start:]),
-                                   self._version_spans(c), c.finish_reason) for _, c in sorted(latest.items())]
+        """Checkpoints of the running keyed requests (``nemo_gen.shard.progress``): each running
+        sample from vLLM's output-processor state (what it holds whatever outputs the request
+        asked for), a finished one from its latest output."""
+        def reader(rid: str, latest: dict[int, Any]):
+            def read(start: int) -> list[Any]:
+                states, out = vllm_compat.sample_states(self._llm, rid), []
+                for i in range(max([*states, *latest], default=-1) + 1):
+                    if (state := states.get(i)) is not None:
+                        ids = state.detokenizer.output_token_ids[start:]
+                        lps = sampled_logprobs(ids, (state.logprobs_processor.logprobs or [])[start:])
+                        out.append((ids, lps, vllm_compat.state_spans(state, self.weights.version_of), None))
+                    elif (c := latest.get(i)) is not None:
+                        ids = list(c.token_ids[start:])
+                        out.append((ids, sampled_logprobs(ids, (c.logprobs or [])[start:]), self._version_spans(c),
+                                    c.finish_reason))
+                    else:
+                        out.append(([], [], (), None))
+                return out
+            return read
 
-        return checkpoint(known, ((key, reader(latest)) for key, latest in list(self._live.items())))
+        return checkpoint(known, ((key, reader(rid, latest)) for key, (rid, latest) in list(self._live.items())))
 
     async def _one(self, req: GenerationRequest, params: Any) -> RequestResult:
         request_id = f"nemo-gen-{next(self._ids)}"
@@ -83,7 +96,7 @@ class AsyncEngine(BaseEngine):
         self.weights.check()
         self.running.add(request_id)
         if req.key is not None:
-            self._live[req.key] = latest
+            self._live[req.key] = (request_id, latest)
         try:
             with self.clock.running():
                 prompt = vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt)
