@@ -35,6 +35,7 @@ class Checkpointer:
         self.period_s = period_s
         self.checkpoints = Checkpoints()
         self.calls = 0  # progress calls made (a metric: what checkpointing costs)
+        self.migrated = 0  # requests' samples that went on elsewhere from their tokens (a metric)
         self._lock = threading.Condition()
         self._held: dict[str, tuple[Any, set[str]]] = {}  # actor name -> (its handle, keys running there)
         self._serial = itertools.count()
@@ -164,6 +165,7 @@ class Moving:
                 again.append(req)
                 continue
             carried += more
+            self.checkpointer.migrated += len(more)
             if not more and (whole := self.migrations.whole(req.index)) is not None:
                 done.append(self._stamp(decode(self.migrations.request(req), whole, shard, None)))
         return carried, again, done
@@ -183,6 +185,15 @@ class Moving:
     def _stamp(self, result: GenerationResult) -> GenerationResult:
         result.migrations = self.migrations.moves(result.index)
         return result
+
+
+def answers(moving: Moving | None, handle: Any, batch: list[GenerationRequest], results: Iterable[RequestResult],
+            shard: int | None, version: int | None, decode: Decode) -> list[GenerationResult]:
+    """A shard's answers for ``batch`` as the caller's results: each decoded, or — the call's
+    requests may move (``moving``) — those whole now (``Moving.answered``)."""
+    if moving is None:
+        return [decode(req, raw, shard, version) for req, raw in zip(batch, results)]
+    return moving.answered(handle, batch, results, shard, version, decode)
 
 
 @contextlib.contextmanager

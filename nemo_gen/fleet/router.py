@@ -7,9 +7,10 @@ happens to a request whose try fails is ``nemo_gen.core.attempts``'s decision, b
 kind:
 
 - *dead* (the shard's actor or engine is gone, or it was condemned meanwhile by its watch or
-  its probes): the shard is condemned and the request sent to another, at most
-  ``fleet.max_reroutes`` times; whatever the lost shard might still answer is dropped, so every
-  prompt gets exactly one result;
+  its probes): the shard is condemned and the request goes on on another from the tokens it
+  had made (``fleet.migration``: ``nemo_gen.fleet.migrate``), or, none kept, is sent again, at
+  most ``fleet.max_reroutes`` times; whatever the lost shard might still answer is dropped, so
+  every prompt gets exactly one result;
 - *busy* (the shard refused admission): the request goes to another shard after a backoff,
   at most ``fleet.busy_retries`` times, then ``FleetBusy``; the shard is never condemned;
 - *slow* (the request's deadline passed: ``timeout_s``, else ``fleet.request_timeout_s``; a
@@ -22,8 +23,8 @@ engines. ``fleet.max_pending_requests`` bounds what the fleet holds at once (``F
 once past it). The batch path (``generate``), the per-request awaitable (``generate_async``)
 and the stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one
 way to condemn (``_condemn``); the last two also share how a failed try is read (``_failed``)
-and what comes next (``_next_try``). A stream is re-routed until its first token has been
-handed to the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
+and what comes next (``_next_try``). A stream lost after its first token goes on from the
+tokens it handed the caller (migration off, or n > 1: it ends with ``ShardDiedError``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
-from nemo_gen.fleet.migrate import Checkpointer, Moving, closed, moving_for
+from nemo_gen.fleet.migrate import Checkpointer, Moving, answers, closed, moving_for
 from nemo_gen.fleet.waiting import LOST, POLL_S, answer, next_item
 from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of, sessions_of
 
@@ -54,7 +55,6 @@ __all__ = ["Prompt", "Router"]
 
 log = logging.getLogger(__name__)
 
-_POLL_S = POLL_S  # how often a waiting generate call looks at the ledger (a shard condemned meanwhile)
 
 
 class Router:
@@ -81,7 +81,6 @@ class Router:
         self.rerouted = 0  # requests sent again after their shard was lost (a metric)
         # fleet.migration on: running requests are checkpointed, a lost one goes on from its tokens.
         self.checkpointer = Checkpointer(driver, limits.checkpoint_s) if limits.checkpoint_s else None
-        self.migrated = 0  # requests (samples) that went on elsewhere from their tokens (a metric)
         self.refused = 0  # requests a busy shard refused (a metric)
         self.timed_out = 0  # requests that failed at their deadline (a metric)
 
@@ -146,14 +145,14 @@ class Router:
     def _pick(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         self.affinity.remember(session, shard)
         return shard
 
     async def _pick_async(self, deadline: Deadline, session: str | None = None, avoid: int | None = None) -> int:
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(POLL_S)
         self.affinity.remember(session, shard)
         return shard
 
@@ -239,7 +238,6 @@ class Router:
             shard = member.slot
             if moving is not None and kind == "dead":  # those that kept tokens go on from them, uncounted
                 carried, batch, done = moving.carry(member, batch, shard, self.result)
-                self.migrated += len(carried)
                 again.extend(carried)
                 results.update((r.index, r) for r in done)
             for req in batch:
@@ -261,7 +259,7 @@ class Router:
                 if moving is not None:
                     moving.sent(handle, batch)
             while inflight:
-                for call in self.driver.wait(inflight, deadline.wait_s(_POLL_S)):
+                for call in self.driver.wait(inflight, deadline.wait_s(POLL_S)):
                     member, batch = inflight.pop(call)
                     try:
                         out = self.driver.result(call)
@@ -278,12 +276,8 @@ class Router:
                         retry(batch, exc, "busy", member)
                         continue
                     self.slots.record_success(member.slot)
-                    if moving is not None:
-                        results.update((r.index, r) for r in moving.answered(
-                            call.handle, batch, out.results, out.shard, out.weight_version, self.result))
-                        continue
-                    for req, raw in zip(batch, out.results):
-                        results[req.index] = self.result(req, raw, out.shard, out.weight_version)
+                    results.update((r.index, r) for r in answers(moving, call.handle, batch, out.results, out.shard,
+                                                                 out.weight_version, self.result))
                 for call, (member, batch) in list(inflight.items()):
                     if self._lost(member):  # condemned meanwhile (its watch, its probes): answer elsewhere
                         del inflight[call]
@@ -331,9 +325,7 @@ class Router:
                 else:
                     if out is not None:
                         self.slots.record_success(shard)
-                        if moving is None:
-                            return self.result(req, out.results[0], out.shard, out.weight_version)
-                        return moving.answered(handle, batch, out.results, out.shard, out.weight_version, self.result)[0]
+                        return answers(moving, handle, batch, out.results, out.shard, out.weight_version, self.result)[0]
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
                 finally:
                     self.selector.release(shard)
@@ -341,7 +333,6 @@ class Router:
                     carried, again, done = moving.carry(member, batch, shard, self.result)
                     if done:
                         return done[0]
-                    self.migrated += len(carried)
                     batch = carried + again
                     if not again:  # every part kept tokens: no re-route is counted
                         continue
@@ -375,9 +366,9 @@ class Router:
                               timeout_s: float | None = None) -> AsyncIterator[Delta | GenerationResult]:
         """``generate_async`` as it is generated: ``Delta``s as the shard's engine makes tokens,
         then the ``GenerationResult`` (what ``generate_async`` returns). A shard lost before the
-        first delta was handed out: the request goes to another, unseen. Lost after: the stream
-        ends with ``ShardDiedError`` naming the shard and the tokens it had sent — never a
-        silently short answer. ``timeout_s`` (else ``fleet.request_timeout_s``) is the longest
+        first delta was handed out: the request goes to another, unseen. Lost after: it goes on
+        from the tokens it had sent (``fleet.migration``, one sample); else the stream ends with
+        ``ShardDiedError`` naming the shard and those tokens — never a silently short answer. ``timeout_s`` (else ``fleet.request_timeout_s``) is the longest
         wait between two items: past it, ``RequestTimeout``. Closing the iterator early cancels
         the request on its shard."""
         requests, rejected = await self.requests_async([prompt])
@@ -406,11 +397,8 @@ class Router:
                             if item is None:
                                 raise ShardDiedError(shard, "the stream ended without a result")
                             self.slots.record_success(shard)
-                            if moving is None:
-                                yield self.result(req, item.result, item.shard, item.weight_version)
-                            else:
-                                yield moving.answered(handle, [req], [item.result], item.shard, item.weight_version,
-                                                      self.result)[0]
+                            yield answers(moving, handle, [req], [item.result], item.shard, item.weight_version,
+                                          self.result)[0]
                             return
                         for raw in item.deltas:
                             delta = decoder.delta(raw, shard)
@@ -432,7 +420,6 @@ class Router:
                     if done:
                         yield done[0]
                         return
-                    self.migrated += 1
                     req = carried[0]
                     continue
                 if started and kind == "dead":  # the caller has part of the answer: it cannot be taken back
