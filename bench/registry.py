@@ -22,6 +22,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gateway", "cpu", "a recorded gateway session / /v1/chat/completions directly: time per turn <= 1.05"),
     Benchmark("overload", "cpu", "at 4x capacity, abusive clients mixed in: load shed with 503s, nothing lost or hung, no slot held, no engine death, goodput held, /health fast"),
     Benchmark("recovery", "cpu", "SIGKILL detected <= 1 s; full strength with a spare <= 2 s; no spare <= 1.2x a cold start"),
+    Benchmark("migration", "cpu", "a 2-shard fleet, 32 requests of 512 tokens, one shard SIGKILLed at 75%: wasted tokens with migration <= 5% of without; time to the last result"),
     Benchmark("crash_resume", "cpu", "SIGKILLed and resumed `nemo-gen generate` output equals an uninterrupted run's"),
     Benchmark("refit", "cpu", "refit bandwidth >= 0.5 of memory copy; faster than an engine restart"),
     Benchmark("refit_call", "cpu", "a refit's fixed cost: direct control channel well under a Ray actor call"),

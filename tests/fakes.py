@@ -51,6 +51,7 @@ from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
 from nemo_gen.fleet.transport import Found
 from nemo_gen.fleet.transport_local import InProcessTransport, LocalStream
+from nemo_gen.shard.progress import checkpoint
 from nemo_gen.shard.rules import Shard
 
 VOCAB = 97  # fake token ids stay below the tiny tokenizer's vocabulary
@@ -111,6 +112,7 @@ class FakeEngine:
         self.refused = 0  # generate calls it refused
         self.running = 0  # requests it is generating now (token_s > 0)
         self.tokens_made: dict[int, int] = {}  # request index -> tokens made so far
+        self.live: dict[str, list[Any]] = {}  # a keyed request's [request, samples, tokens made]: its checkpoints
         self.steps = 0  # tokens made while busy (the engine's steps since it became busy)
         self.last_step_at = 0.0  # on the driver's clock
         self.rpcs: list[str] = []  # the control RPCs its workers got
@@ -186,13 +188,21 @@ class FakeEngine:
         async with self.gate.serving():  # waits while a refit holds the gate, as the real engine's
             n = sampling.max_new_tokens
             version = self.version
-            if self.token_s:
-                await self._make_tokens(requests, n)
+            for req in requests:
+                if req.key is not None:
+                    self.live[req.key] = [req, 1 if req.continues is not None else sampling.n, 0]
+            try:
+                if self.token_s:
+                    await self._make_tokens(requests, n)
+            finally:
+                for req in requests:
+                    self.live.pop(req.key, None)
             results = []
             for req in requests:
-                samples = tuple(SampleResult([fake_token(req, k, i) for i in range(n)], [0.0] * n, "", "length",
-                                             ((version, n),))
-                                for k in range(sampling.n))
+                c = req.continues or 0  # a migrated sample: one sample, the tokens after its kept ones
+                samples = tuple(SampleResult([fake_token(req, k, c + i) for i in range(n - c)], [0.0] * (n - c), "",
+                                             "length", ((version, n - c),))
+                                for k in range(1 if req.continues is not None else sampling.n))
                 results.append(RequestResult(req.index, samples))
             self.generated += len(requests)
             return results
@@ -214,6 +224,10 @@ class FakeEngine:
                     raise gone
                 for req in batch:
                     self.tokens_made[req.index] = i + 1
+                    if req.key in self.live:
+                        self.live[req.key][2] = i + 1
+                if all(i + 1 >= n - (req.continues or 0) for req in batch):
+                    break
                 self.steps += 1
                 self.last_step_at = self._clock()
                 next_at += self.token_s
@@ -227,9 +241,10 @@ class FakeEngine:
         self._refuse()
         self._crash_if_poisoned([req])
         async with self.gate.serving():
-            tokens = sampling.max_new_tokens
-            made: list[list[int]] = [[] for _ in range(sampling.n)]
-            spans: list[list[list[Any]]] = [[] for _ in range(sampling.n)]
+            c = req.continues or 0  # a migrated sample: one sample, the tokens after its kept ones
+            tokens, samples = sampling.max_new_tokens - c, 1 if req.continues is not None else sampling.n
+            made: list[list[int]] = [[] for _ in range(samples)]
+            spans: list[list[list[Any]]] = [[] for _ in range(samples)]
             for i in range(tokens):
                 await asyncio.sleep(self.slow_s if i == 0 else self.token_s)
                 while self._frozen:
@@ -238,15 +253,24 @@ class FakeEngine:
                     raise gone
                 deltas = []
                 finish = "length" if i == tokens - 1 else None
-                for k in range(sampling.n):
-                    made[k].append(fake_token(req, k, i))
+                for k in range(samples):
+                    made[k].append(fake_token(req, k, c + i))
                     add_span(spans[k], self.version, 1)
                     deltas.append(SampleDelta(k, [made[k][-1]], "", [0.0], ((self.version, 1),), finish))
                 yield StreamDeltas(tuple(deltas))
             self.generated += 1
             yield RequestResult(req.index, tuple(
                 SampleResult(made[k], [0.0] * tokens, "", "length", tuple((v, n) for v, n in spans[k]))
-                for k in range(sampling.n)))
+                for k in range(samples)))
+
+    def progress(self, known: dict[str, int]) -> tuple[wire.RequestProgress, ...]:
+        """The real engine's checkpoints (``nemo_gen.shard.progress``) of the tokens it made so far."""
+        def reader(req: Any, samples: int, made: int):
+            c = req.continues or 0
+            return lambda start: [([fake_token(req, k, c + i) for i in range(start, made)], [0.0] * (made - start),
+                                   ((self.version, made),), None) for k in range(samples)]
+
+        return checkpoint(known, ((key, reader(*entry)) for key, entry in list(self.live.items())))
 
     async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> dict[str, Any]:
@@ -544,8 +568,11 @@ class CountingDriver(FakeDriver):
 
 def fake_token(req: Any, k: int, i: int) -> int:
     """Token i of sample k: sample k of a request differs from the others by k (a GRPO group of
-    distinct answers)."""
-    return (sum(req.prompt_token_ids) + k + i) % VOCAB
+    distinct answers). A migrated sample's continuation (``continues``) makes its tokens as the
+    request it continues would have (its prompt less the kept tokens): a greedy engine's rule."""
+    c = req.continues or 0
+    k = k if req.continues is None else req.sample
+    return (sum(req.prompt_token_ids[:len(req.prompt_token_ids) - c]) + k + i) % VOCAB
 
 
 class FakeStream(LocalStream):

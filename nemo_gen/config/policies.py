@@ -42,7 +42,11 @@ def request_limits(settings: NemoGenSettings):
     f = settings.fleet
     tries = TryPolicy(max_reroutes=f.max_reroutes, busy_retries=f.busy_retries, busy_backoff_s=f.busy_backoff_s,
                       retry_after_s=float(settings.server.retry_after_s))
-    return RequestLimits(timeout_s=f.request_timeout_s, tries=tries, max_pending=f.max_pending_requests)
+    from nemo_gen.core.migration import MigrationMode
+
+    m = f.migration
+    return RequestLimits(timeout_s=f.request_timeout_s, tries=tries, max_pending=f.max_pending_requests,
+                         checkpoint_s=m.checkpoint_s if m.mode == MigrationMode.ON else None)
 
 
 IN_FLIGHT_MODES = ("drain", "abort", "keep")

@@ -49,6 +49,8 @@ class RequestLimits:
     timeout_s: float | None
     tries: TryPolicy
     max_pending: int | None
+    # fleet.migration: how often running requests are checkpointed (None: off, a loss re-routes from the prompt).
+    checkpoint_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,12 @@ class GenerationRequest:
     index: int
     prompt_token_ids: list[int]
     prompt: str | None = None
+    # The driver's name for it while it runs (fleet.migration on): its checkpoints are read by it.
+    key: str | None = None
+    # A migrated sample going on (``nemo_gen.core.migration``): ``prompt_token_ids`` end with the
+    # ``continues`` tokens it had made; one sample (n = 1), with that many fewer tokens to make.
+    continues: int | None = None
+    sample: int = 0  # which of the request's n samples a continuation carries on (its seed is the sample's)
 
 
 @dataclass
@@ -34,6 +40,16 @@ class Sample:
     weight_digests: list[str | None] = field(default_factory=list)
     # Each token's {token id: logprob} for it and its top alternatives; None: not asked (sampling "logprobs").
     top_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class Moved:
+    """A request (its sample ``sample``) went on elsewhere: shard ``from_shard`` was lost (dead,
+    condemned, drained) after it had made ``at_token`` tokens, which the result keeps."""
+
+    from_shard: int
+    at_token: int
+    sample: int = 0
 
 
 @dataclass
@@ -83,6 +99,8 @@ class GenerationResult:
     # prompt token, the first None), sampling "prompt_logprobs".
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Where it moved when a shard was lost mid-request (``fleet.migration``), in order; empty: it did not.
+    migrations: list[Moved] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -99,6 +117,8 @@ class GenerationResult:
         for key in ("top_logprobs", "prompt_logprobs"):
             if data[key] is None:
                 data.pop(key)
+        if not data["migrations"]:
+            data.pop("migrations")
         if all(s.get("top_logprobs") is None for s in data.get("samples", ())):
             for s in data.get("samples", ()):
                 s.pop("top_logprobs", None)

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Mapping, Union
 
 # The generate path's messages and the diagnostics, in their own module for size; part of the wire.
 from nemo_gen.core.wire_generation import (  # noqa: F401
-    GenerateReply, LoadStats, RequestResult, SampleDelta, SampleResult, Sampling, Spans, StepGaps, StreamDeltas,
+    GenerateReply, LoadStats, RequestProgress, RequestResult, SampleDelta, SampleProgress, SampleResult, Sampling, Spans, StepGaps, StreamDeltas,
     StreamEnd, Structured, TokenLogprobs, Unfinished, pairs,
 )
 

@@ -157,6 +157,28 @@ class GenerateReply:
 
 
 @dataclass(frozen=True)
+class SampleProgress:
+    """What one running sample has made from token ``start`` on (the driver already knows the
+    tokens before it): a checkpoint of the request (``fleet.migration``), so that the request
+    goes on elsewhere from its tokens if its shard is lost."""
+
+    sample: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: Spans
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """A running request's checkpoint, by the key the driver gave it (``GenerationRequest.key``)."""
+
+    key: str
+    samples: tuple[SampleProgress, ...]
+
+
+@dataclass(frozen=True)
 class StreamDeltas:
     """A stream's item: per sample that moved, the tokens since the last item."""
 

@@ -358,6 +358,10 @@ class ShardDriver:
                     warmup_s: float) -> Call:
         return Call(handle, "probe", self.transport.call(handle.actor, "probe", sampling, tokens, timeout_s, warmup_s))
 
+    def start_progress(self, handle: ShardHandle, known: tuple[tuple[str, int], ...]) -> Call:
+        """The shard's running requests' tokens past ``known`` (``ShardActor.progress``: fleet.migration)."""
+        return Call(handle, "progress", self.transport.call(handle.actor, "progress", known))
+
     def wait(self, calls: Iterable[Call], timeout_s: float) -> list[Call]:
         """The calls among ``calls`` that are done, waiting up to ``timeout_s`` for the first."""
         by_ref = {c.ref: c for c in calls}

@@ -7,9 +7,10 @@ happens to a request whose try fails is ``nemo_gen.core.attempts``'s decision, b
 kind:
 
 - *dead* (the shard's actor or engine is gone, or it was condemned meanwhile by its watch or
-  its probes): the shard is condemned and the request sent to another, at most
-  ``fleet.max_reroutes`` times; whatever the lost shard might still answer is dropped, so every
-  prompt gets exactly one result;
+  its probes): the shard is condemned and the request goes on on another from the tokens it
+  had made (``fleet.migration``: ``nemo_gen.fleet.migrate``), or, none kept, is sent again, at
+  most ``fleet.max_reroutes`` times; whatever the lost shard might still answer is dropped, so
+  every prompt gets exactly one result;
 - *busy* (the shard refused admission): the request goes to another shard after a backoff,
   at most ``fleet.busy_retries`` times, then ``FleetBusy``; the shard is never condemned;
 - *slow* (the request's deadline passed: ``timeout_s``, else ``fleet.request_timeout_s``; a
@@ -22,8 +23,8 @@ engines. ``fleet.max_pending_requests`` bounds what the fleet holds at once (``F
 once past it). The batch path (``generate``), the per-request awaitable (``generate_async``)
 and the stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one
 way to condemn (``_condemn``); the last two also share how a failed try is read (``_failed``)
-and what comes next (``_next_try``). A stream is re-routed until its first token has been
-handed to the caller; after that, a lost shard ends it with ``ShardDiedError`` naming the shard.
+and what comes next (``_next_try``). A stream lost after its first token goes on from the
+tokens it handed the caller (migration off, or n > 1: it ends with ``ShardDiedError``).
 """
 
 from __future__ import annotations
@@ -36,24 +37,24 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
 from nemo_gen.core.fleet_health import SERVING_STATES, HealthyShardSelector
 from nemo_gen.core.members import Member
+from nemo_gen.core.migration import Kept
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.slots import SlotTable
-from nemo_gen.core.wire import GenerateReply, RequestResult, Sampling, StreamDeltas
+from nemo_gen.core.wire import RequestResult, Sampling, StreamDeltas
 from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
-from nemo_gen.fleet.driver import Call, Pending, ShardDriver, Stream
+from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.migrate import Checkpointer, Moving, answers, closed, moving_for
+from nemo_gen.fleet.waiting import LOST, POLL_S, answer, next_item
 from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of, sessions_of
 
 __all__ = ["Prompt", "Router"]
 
 log = logging.getLogger(__name__)
 
-# How often a waiting generate call looks at the ledger (a shard condemned meanwhile).
-_POLL_S = 0.1
-_LOST = object()  # a stream's shard was condemned or replaced while it streamed
 
 
 class Router:
@@ -79,6 +80,8 @@ class Router:
         self._fleet_name = fleet_name
         self.affinity = SessionAffinity(health, members, self.selector, session_slack)  # sessions' shards
         self.rerouted = 0  # requests sent again after their shard was lost (a metric)
+        # fleet.migration on: running requests are checkpointed, a lost one goes on from its tokens.
+        self.checkpointer = Checkpointer(driver, limits.checkpoint_s) if limits.checkpoint_s else None
         self.refused = 0  # requests a busy shard refused (a metric)
         self.timed_out = 0  # requests that failed at their deadline (a metric)
 
@@ -150,7 +153,7 @@ class Router:
         self._check_awake()
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         self.affinity.remember(session, shard)
         return shard
 
@@ -158,7 +161,7 @@ class Router:
         self._check_awake()
         shard = self.affinity.pick(session) if avoid is None else None
         while shard is None and (shard := self._try_pick(deadline, avoid)) is None:
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(POLL_S)
         self.affinity.remember(session, shard)
         return shard
 
@@ -214,7 +217,9 @@ class Router:
         deadline = self.deadline(timeout_s)
         attempts = {req.index: Attempts(self.tries) for req in requests}
         avoid: dict[int, int] = {}
-        with self.admission.admitted(len(requests)):
+        moving = moving_for(self.checkpointer, sampling)
+        requests = moving.keyed(requests) if moving is not None else requests
+        with self.admission.admitted(len(requests)), closed(moving):
             pending, not_before = requests, 0.0
             while pending:
                 if not_before > self.clock():  # busy shards asked for a moment
@@ -224,20 +229,26 @@ class Router:
                         results[req.index] = GenerationResult.failed(req, describe(self._timeout(deadline, None)))
                     break
                 assignment = self._assign(pending, sessions, deadline, avoid)
-                pending, not_before = self._run_batch(assignment, sampling, results, attempts, avoid, deadline)
+                pending, not_before = self._run_batch(assignment, sampling, results, attempts, avoid, deadline,
+                                                      moving)
         return [results[i] for i in range(len(prompts))]
 
     def _run_batch(self, assignment: dict[int, list[GenerationRequest]], sampling: Sampling,
                    results: dict[int, GenerationResult], attempts: dict[int, Attempts], avoid: dict[int, int],
-                   deadline: Deadline) -> tuple[list[GenerationRequest], float]:
+                   deadline: Deadline, moving: Moving | None = None) -> tuple[list[GenerationRequest], float]:
         """One round: ``assignment``'s calls until each is answered, lost or past the deadline;
         (the requests to send again, not before when)."""
         inflight: dict[Call, tuple[Member, list[GenerationRequest]]] = {}
         again: list[GenerationRequest] = []
         not_before = 0.0
 
-        def retry(batch: list[GenerationRequest], error: BaseException, kind: str, shard: int) -> None:
+        def retry(batch: list[GenerationRequest], error: BaseException, kind: str, member: Member) -> None:
             nonlocal not_before
+            shard = member.slot
+            if moving is not None and kind == "dead":  # those that kept tokens go on from them, uncounted
+                carried, batch, done = moving.carry(member, batch, shard, self.result)
+                again.extend(carried)
+                results.update((r.index, r) for r in done)
             for req in batch:
                 decision = attempts[req.index].after(error, kind, shard)
                 if isinstance(decision, Fail):
@@ -254,30 +265,34 @@ class Router:
             for shard, batch in assignment.items():
                 handle = self.members.handle(shard)
                 inflight[self.driver.start_generate(handle, batch, sampling)] = (Member(handle.name, shard), batch)
+                if moving is not None:
+                    moving.sent(handle, batch)
             while inflight:
-                for call in self.driver.wait(inflight, deadline.wait_s(_POLL_S)):
+                for call in self.driver.wait(inflight, deadline.wait_s(POLL_S)):
                     member, batch = inflight.pop(call)
                     try:
                         out = self.driver.result(call)
                     except ShardDiedError as exc:  # the shard or its engine is gone: re-route
                         self._condemn(member, exc)
-                        retry(batch, exc, "dead", member.slot)
+                        retry(batch, exc, "dead", member)
                         continue
                     except Exception as exc:
                         if kind_of(exc) != "busy":
                             raise  # the request's own fault: the caller's to see
                         self.refused += len(batch)
-                        retry(batch, exc, "busy", member.slot)
+                        if moving is not None:
+                            moving.checkpointer.done(call.handle, batch)
+                        retry(batch, exc, "busy", member)
                         continue
                     self.slots.record_success(member.slot)
-                    for req, raw in zip(batch, out.results):
-                        results[req.index] = self.result(req, raw, out.shard, out.weight_version)
+                    results.update((r.index, r) for r in answers(moving, call.handle, batch, out.results, out.shard,
+                                                                 out.weight_version, self.result))
                 for call, (member, batch) in list(inflight.items()):
                     if self._lost(member):  # condemned meanwhile (its watch, its probes): answer elsewhere
                         del inflight[call]
                         self.driver.cancel(call)
                         retry(batch, ShardDiedError(member.slot, "condemned while it held the requests"), "dead",
-                              member.slot)
+                              member)
                     elif deadline.passed():  # slow: these requests fail; the shard serves on
                         del inflight[call]
                         self.driver.cancel(call)
@@ -300,13 +315,18 @@ class Router:
             return rejected[0]
         req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
         sampling = sampling_of(params)
-        with self.admission.admitted(1):
+        moving = moving_for(self.checkpointer, sampling)
+        batch = moving.keyed([req]) if moving is not None else [req]  # a moved request: its samples' continuations
+        with self.admission.admitted(1), closed(moving):
             while True:
                 shard = await self._pick_async(deadline, session_id, avoid)
                 handle = self.members.handle(shard)
                 member = Member(handle.name, shard)
+                if moving is not None:
+                    moving.sent(handle, batch)
                 try:
-                    out = await self._await(self.driver.generate_async(handle, [req], sampling), member, deadline)
+                    out = await answer(self.driver.generate_async(handle, batch, sampling), lambda: self._lost(member),
+                                       deadline, lambda: self._timeout(deadline, member.slot))
                 except (RequestTimeout, asyncio.CancelledError):
                     raise
                 except Exception as exc:
@@ -314,10 +334,17 @@ class Router:
                 else:
                     if out is not None:
                         self.slots.record_success(shard)
-                        return self.result(req, out.results[0], out.shard, out.weight_version)
+                        return answers(moving, handle, batch, out.results, out.shard, out.weight_version, self.result)[0]
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
                 finally:
                     self.selector.release(shard)
+                if moving is not None and kind == "dead":
+                    carried, again, done = moving.carry(member, batch, shard, self.result)
+                    if done:
+                        return done[0]
+                    batch = carried + again
+                    if not again:  # every part kept tokens: no re-route is counted
+                        continue
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
 
     def _failed(self, handle: Any, member: Member, exc: BaseException, what: str) -> tuple[BaseException, str]:
@@ -348,9 +375,9 @@ class Router:
                               timeout_s: float | None = None) -> AsyncIterator[Delta | GenerationResult]:
         """``generate_async`` as it is generated: ``Delta``s as the shard's engine makes tokens,
         then the ``GenerationResult`` (what ``generate_async`` returns). A shard lost before the
-        first delta was handed out: the request goes to another, unseen. Lost after: the stream
-        ends with ``ShardDiedError`` naming the shard and the tokens it had sent — never a
-        silently short answer. ``timeout_s`` (else ``fleet.request_timeout_s``) is the longest
+        first delta was handed out: the request goes to another, unseen. Lost after: it goes on
+        from the tokens it had sent (``fleet.migration``, one sample); else the stream ends with
+        ``ShardDiedError`` naming the shard and those tokens — never a silently short answer. ``timeout_s`` (else ``fleet.request_timeout_s``) is the longest
         wait between two items: past it, ``RequestTimeout``. Closing the iterator early cancels
         the request on its shard."""
         requests, rejected = await self.requests_async([prompt])
@@ -359,27 +386,33 @@ class Router:
             return
         req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
         sampling = sampling_of(params)
-        with self.admission.admitted(1):
+        moving = moving_for(self.checkpointer, sampling) if sampling.n == 1 else None  # one sample: what it sent
+        req = moving.keyed([req])[0] if moving is not None else req
+        with self.admission.admitted(1), closed(moving):
             while True:
                 shard = await self._pick_async(deadline, session_id, avoid)
                 handle = self.members.handle(shard)
                 member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
+                kept = Kept()  # what this try handed the caller: a lost shard's request goes on from it
                 decoder = StreamDecoder(self._text_tokenizer(), self._digest_of)
                 try:
                     stream = self.driver.generate_stream(handle, req, sampling)
                     deadline.restart()
-                    while (item := await self._next_item(stream, member, deadline)) is not _LOST:
+                    while (item := await next_item(stream, lambda: self._lost(member), deadline,
+                                                   lambda: self._timeout(deadline, member.slot, "no token"))) is not LOST:
                         deadline.restart()
                         if not isinstance(item, StreamDeltas):
                             finished = True
                             if item is None:
                                 raise ShardDiedError(shard, "the stream ended without a result")
                             self.slots.record_success(shard)
-                            yield self.result(req, item.result, item.shard, item.weight_version)
+                            yield answers(moving, handle, [req], [item.result], item.shard, item.weight_version,
+                                          self.result)[0]
                             return
                         for raw in item.deltas:
                             delta = decoder.delta(raw, shard)
                             sent += len(delta.token_ids)
+                            kept.extend(delta)
                             started = True
                             yield delta
                     error, kind = ShardDiedError(shard, "condemned while it streamed"), "dead"
@@ -391,43 +424,13 @@ class Router:
                     self.selector.release(shard)
                     if stream is not None and not finished:
                         stream.cancel()
+                if started and kind == "dead" and moving is not None:  # it goes on from what the caller has
+                    carried, _, done = moving.carry(member, [req], shard, self.result, [kept])
+                    if done:
+                        yield done[0]
+                        return
+                    req = carried[0]
+                    continue
                 if started and kind == "dead":  # the caller has part of the answer: it cannot be taken back
                     raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {getattr(error, 'detail', error)}")
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
-
-    async def _next_item(self, stream: Stream, member: Member, deadline: Deadline) -> Any:
-        """The stream's next item (None after its last); ``_LOST`` when its shard was lost
-        meanwhile; ``RequestTimeout`` past the deadline."""
-        task = asyncio.ensure_future(stream.next())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=deadline.wait_s(_POLL_S))
-                if done:
-                    return task.result()
-                if self._lost(member):
-                    return _LOST
-                if deadline.passed():
-                    raise self._timeout(deadline, member.slot, "no token")
-        finally:
-            if not task.done():
-                task.cancel()
-
-    async def _await(self, pending: Pending, member: Member, deadline: Deadline) -> GenerateReply | None:
-        """The call's answer; None when its shard was lost meanwhile; ``RequestTimeout`` at the
-        deadline. The call is cancelled on its shard unless it answered: at the deadline, when its
-        shard was lost, and when the awaiting task itself is cancelled."""
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending.future}, timeout=deadline.wait_s(_POLL_S))
-                if done:
-                    return pending.future.result()
-                if self._lost(member):
-                    pending.cancel()
-                    return None
-                if deadline.passed():
-                    pending.cancel()
-                    raise self._timeout(deadline, member.slot)
-        except asyncio.CancelledError:
-            pending.cancel()
-            raise
-

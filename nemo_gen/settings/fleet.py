@@ -7,9 +7,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from nemo_gen.core.migration import MigrationMode
 from nemo_gen.settings.base import Section, one_of
+
+
+class MigrationSettings(Section):
+    mode: MigrationMode = Field(
+        MigrationMode.ON, description="on: the driver checkpoints every running request's tokens (their "
+        "logprobs and weight versions), and when a shard is lost (dead, condemned by its probes, drained) "
+        "each of its requests goes on on a healthy shard from its prompt plus the tokens it had made, so "
+        "the work it did is kept (a loss that kept tokens does not count against fleet.max_reroutes). "
+        "off: a lost shard's requests start again from their prompts.",
+    )
+    checkpoint_s: float = Field(
+        0.1, gt=0, description="How often the driver asks each busy shard for its running requests' new "
+        "tokens (one small call per busy shard). A loss throws away at most the tokens made since the "
+        "last checkpoint, so a shorter period wastes less when a shard dies, at one call per period "
+        "(bench migration measures both).",
+    )
+
+    @model_validator(mode="after")
+    def _cadence_acts(self) -> "MigrationSettings":
+        # A cadence given with migration off would be accepted and do nothing.
+        if self.mode == MigrationMode.OFF and "checkpoint_s" in self.model_fields_set:
+            raise ValueError("fleet.migration.checkpoint_s is set but fleet.migration.mode is off: "
+                             "nothing is checkpointed (drop it, or set mode: on)")
+        return self
 
 
 class FleetSettings(Section):
@@ -60,6 +85,10 @@ class FleetSettings(Section):
     max_reroutes: int = Field(
         2, ge=0, description="Times one request is sent again after the shard serving it died; past it "
         "the request fails with ShardDiedError (in a batch: that prompt's result carries the error).",
+    )
+    migration: MigrationSettings = Field(
+        default_factory=MigrationSettings, description="Requests on a lost shard go on elsewhere from their "
+        "tokens (nemo_gen.core.migration).",
     )
     busy_retries: int = Field(
         3, ge=0, description="Times one request is offered to another shard after a shard refused it for "

@@ -17,18 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nemo_gen.core.migration import add_span  # noqa: F401  (the shard's readers import it from here)
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import RequestResult, SampleResult, pairs
-
-
-def add_span(spans: list[list[Any]], version: int | None, count: int) -> None:
-    """Extend ``spans`` ([version, tokens] in generation order) by ``count`` tokens of ``version``."""
-    if count <= 0:
-        return
-    if spans and spans[-1][0] == version:
-        spans[-1][1] += count
-    else:
-        spans.append([version, count])
 
 
 def sampled_by(version: int | None) -> Callable[[Any], list[tuple[Any, int]]]:

@@ -16,9 +16,10 @@ from typing import Any, AsyncIterator
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
-from nemo_gen.core.wire import RequestResult, StreamDeltas
+from nemo_gen.core.wire import RequestProgress, RequestResult, StreamDeltas
 from nemo_gen.shard.batch import Track, prompt_entries, prompt_result, spans_between
 from nemo_gen.shard.engine_base import BaseEngine, error_result
+from nemo_gen.shard.progress import checkpoint, for_request, sampled_logprobs
 from nemo_gen.shard.swap import AsyncSwap
 from nemo_gen.shard.streaming import Cursor
 from nemo_gen.vllm_ext.lora import lora_request_of
@@ -30,6 +31,8 @@ class AsyncEngine(BaseEngine):
     def __init__(self, llm: Any, load_s: float, version: int | None):
         super().__init__(llm, load_s, version)
         self.running: set[str] = set()  # its requests, by the id they were added with
+        # Each keyed request's latest output per sample, for its checkpoints (``progress``).
+        self._live: dict[str, tuple[str, dict[int, Any]]] = {}  # key -> (its engine id, latest outputs)
         self.swap = AsyncSwap(llm, self.gate, self.weights, self.running)
         vllm_compat.on_core_outputs(llm, self._stepped)
 
@@ -71,12 +74,38 @@ class AsyncEngine(BaseEngine):
     def _version_spans(self, comp: Any) -> list[tuple[int | None, int]]:
         return vllm_compat.label_spans(comp, self.weights.version_of)
 
+    def progress(self, known: dict[str, int]) -> tuple[RequestProgress, ...]:
+        """Checkpoints of the running keyed requests (``nemo_gen.shard.progress``): each running
+        sample from vLLM's output-processor state (what it holds whatever outputs the request
+        asked for), a finished one from its latest output."""
+        def reader(rid: str, latest: dict[int, Any]):
+            def read(start: int) -> list[Any]:
+                states, out = vllm_compat.sample_states(self._llm, rid), []
+                for i in range(max([*states, *latest], default=-1) + 1):
+                    if (state := states.get(i)) is not None:
+                        ids = state.detokenizer.output_token_ids[start:]
+                        lps = sampled_logprobs(ids, (state.logprobs_processor.logprobs or [])[start:])
+                        out.append((ids, lps, vllm_compat.state_spans(state, self.weights.version_of), None))
+                    elif (c := latest.get(i)) is not None:
+                        ids = list(c.token_ids[start:])
+                        out.append((ids, sampled_logprobs(ids, (c.logprobs or [])[start:]), self._version_spans(c),
+                                    c.finish_reason))
+                    else:
+                        out.append(([], [], (), None))
+                return out
+            return read
+
+        return checkpoint(known, ((key, reader(rid, latest)) for key, (rid, latest) in list(self._live.items())))
+
     async def _one(self, req: GenerationRequest, params: Any) -> RequestResult:
         request_id = f"nemo-gen-{next(self._ids)}"
         latest: dict[int, Any] = {}
         prompt_lps = None
+        params = for_request(params, req)
         self.weights.check()
         self.running.add(request_id)
+        if req.key is not None:
+            self._live[req.key] = (request_id, latest)
         try:
             with self.clock.running():
                 prompt = vllm_compat.tokens_prompt(req.prompt_token_ids, self.weights.salt)
@@ -91,6 +120,7 @@ class AsyncEngine(BaseEngine):
             return error_result(req, exc)
         finally:
             self.running.discard(request_id)
+            self._live.pop(req.key, None)
         self.weights.check()
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
@@ -102,6 +132,7 @@ class AsyncEngine(BaseEngine):
 
     async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
         rid = f"nemo-gen-{next(self._ids)}"
+        params = for_request(params, req)
         track = Track.start(req, params, rid, rid)
         cursor = Cursor(track)
         self.weights.check()

@@ -123,6 +123,11 @@ class BaseEngine(abc.ABC):
         ...
 
     @abc.abstractmethod
+    def progress(self, known: dict[str, int]) -> tuple[Any, ...]:
+        """Checkpoints of the running requests the driver keyed (``nemo_gen.shard.progress``)."""
+        ...
+
+    @abc.abstractmethod
     def shutdown(self, grace_s: float) -> None:
         ...
 

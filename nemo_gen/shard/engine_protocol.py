@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, AsyncContextManager, AsyncIterator, Protocol
 
 from nemo_gen.core.results import GenerationRequest
-from nemo_gen.core.wire import InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
+from nemo_gen.core.wire import InFlight, RequestProgress, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
 
 
 class EngineLike(Protocol):
@@ -40,6 +40,9 @@ class EngineLike(Protocol):
 
     # ``StreamDeltas`` items, then the request's ``RequestResult``
     def stream(self, req: GenerationRequest, sampling: Sampling) -> AsyncIterator[StreamDeltas | RequestResult]: ...
+
+    # its running keyed requests' tokens past what the driver knows (key -> tokens known): fleet.migration
+    def progress(self, known: dict[str, int]) -> tuple[RequestProgress, ...]: ...
 
     async def probe(self, sampling: Sampling, token_ids: list[int], stall_s: float,
                     warmup_s: float) -> dict[str, Any]: ...

@@ -18,8 +18,9 @@ from typing import Any, AsyncIterator, Callable
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.batch import Running, Track, sampled_by
-from nemo_gen.core.wire import RequestResult, StreamDeltas
+from nemo_gen.core.wire import RequestProgress, RequestResult, StreamDeltas
 from nemo_gen.shard.engine_base import BaseEngine, error_result
+from nemo_gen.shard.progress import SampleState, checkpoint, for_request, sampled_logprobs
 from nemo_gen.shard.swap import Swap
 from nemo_gen.shard.streaming import Cursor, merge
 from nemo_gen.vllm_ext.lora import lora_request_of
@@ -143,19 +144,21 @@ class SyncEngine(BaseEngine):
         final_only = on_step is None
         vllm_compat.output_kind(params, final_only)
         self.weights.check()
+        # By the request itself: a migrated request's samples go on as requests of one index.
         results: dict[int, RequestResult] = {}
         tracks: list[Track] = []
         self.batch.tracks = {}
         # enqueue one by one so vLLM's validation rejects only the bad request, not the batch.
         for req in requests:
             rid = f"nemo-gen-{next(self._ids)}"
+            own = for_request(params, req)
             try:
-                internal = vllm_compat.add_request(self._llm, rid, req.prompt_token_ids, params, self.weights.salt,
-                                                   lora_request=lora_request_of(params, self))
+                internal = vllm_compat.add_request(self._llm, rid, req.prompt_token_ids, own, self.weights.salt,
+                                                   lora_request=lora_request_of(own, self))
             except (ValueError, TypeError) as exc:
-                results[req.index] = error_result(req, exc)
+                results[id(req)] = error_result(req, exc)
                 continue
-            tracks.append(track := Track.start(req, params, rid, internal, final_only=final_only))
+            tracks.append(track := Track.start(req, own, rid, internal, final_only=final_only))
             self.batch.tracks[rid] = track
         if tracks:
             self.batch.on_step = (lambda: on_step(tracks)) if on_step is not None else None
@@ -164,8 +167,8 @@ class SyncEngine(BaseEngine):
             for t in tracks:
                 if t.result is None:
                     raise RuntimeError(f"vLLM returned no output for request {t.req.index}")
-                results[t.req.index] = t.result
-        return [results[r.index] for r in requests]
+                results[id(t.req)] = t.result
+        return [results[id(r)] for r in requests]
 
     def _run_to_completion(self) -> None:
         """``LLM.wait_for_completion`` with a heartbeat (each finished engine step is stamped,
@@ -192,6 +195,29 @@ class SyncEngine(BaseEngine):
                     batch.tracks.pop(out.request_id, None)
             batch.stepped()
             self.clock.stepped()
+
+    def progress(self, known: dict[str, int]) -> tuple[RequestProgress, ...]:
+        """Checkpoints of the running batch's requests (``nemo_gen.shard.progress``), read while
+        the step thread steps: each track's own tokens, then what vLLM's output processor holds
+        of a final-only one. A copy of the track table first: the step thread removes from it."""
+        tracks = list({id(t): t for t in list(self.batch.tracks.values())}.values())
+
+        def reader(t: Track):
+            def read(start: int) -> list[SampleState]:
+                # A cut that did not resume leaves its tokens in the track; what runs now is the engine's.
+                base = min(len(s.tokens) for s in t.samples)
+                since = max(0, start - base)
+                pieces = vllm_compat.pieces_so_far(self._llm, t, self.weights.version_of, since) if t.final_only else {}
+                out = []
+                for i, s in enumerate(t.samples):
+                    p = pieces.get(i)
+                    ids = s.tokens[start:] + (p.token_ids if p else [])
+                    lps = s.logprobs[start:] + (sampled_logprobs(p.token_ids, p.logprobs) if p else [])
+                    out.append((ids, lps, [*s.spans, *(p.spans if p else ())], s.finish_reason or (p and p.finish_reason)))
+                return out
+            return read
+
+        return checkpoint(known, ((t.req.key, reader(t)) for t in tracks if t.req.key is not None))
 
     def _final_spans(self, comp: Any) -> list[tuple[int | None, int]]:
         return vllm_compat.label_spans(comp, self.weights.version_of)

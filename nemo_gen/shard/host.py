@@ -26,6 +26,7 @@ SHARD_CALLS = frozenset({
     "info", "assign", "watch", "control_channel", "shutdown",  # the shell's
     "probe", "generate", "vllm_metrics", "unfinished", "step_gaps", "expected_manifest", "digest",
     "load_stats", "check_refit", "load_refit", "weight_sync", "adapter_call",  # the rules' (Shard)
+    "progress",  # the tokens made since the last answer (migration's checkpoints)
     "sleep", "wake", "reset_prefix_cache",  # the rules' sleep mode (nemo_gen.shard.sleep_rules)
 })
 

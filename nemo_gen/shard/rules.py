@@ -26,7 +26,7 @@ from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
 from nemo_gen.core.sleep import AWAKE
 from nemo_gen.core.wire import (
     AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
-    ProbeStatus, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
+    ProbeStatus, RequestProgress, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
     SyncReply, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft, SyncUpdate, Unfinished,
 )
 from nemo_gen.errors import EngineCrashError, ShardBusy
@@ -199,6 +199,11 @@ class Shard(SleepRules):
                         yield item
                     else:
                         yield StreamEnd(item, self.slot, version, time.perf_counter() - t0)
+
+    def progress(self, known: tuple[tuple[str, int], ...]) -> tuple[RequestProgress, ...]:
+        """Checkpoints of the running requests named in ``known`` ((key, tokens the driver knows)):
+        what each made since (``fleet.migration``). No engine: none."""
+        return () if self.engine is None else self.engine.progress(dict(known))
 
     @contextlib.asynccontextmanager
     async def _admission(self):

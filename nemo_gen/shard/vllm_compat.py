@@ -229,11 +229,12 @@ def stale_tokens(llm: Any, track: Track, current: int | None, version_of: Versio
     return most
 
 
-def pieces_so_far(llm: Any, track: Track, version_of: VersionOf) -> dict[int, Piece]:
+def pieces_so_far(llm: Any, track: Track, version_of: VersionOf, since: int = 0) -> dict[int, Piece]:
     """What each running sample of a final-only ``track`` on the sync engine has made since its
     part began, by sample, as vLLM's output processor holds it (the step thread is parked): a
     running engine request's state, or — one of ``n`` samples that finished — its final output,
-    waiting in the parent request for its siblings."""
+    waiting in the parent request for its siblings. ``since``: its ids and logprobs from that
+    token of the part on (a checkpoint copies only what is new); the spans cover the whole part."""
     processor = llm.llm_engine.output_processor
     pieces: dict[int, Piece] = {}
     for internal, sample in track.parts.values():
@@ -241,13 +242,14 @@ def pieces_so_far(llm: Any, track: Track, version_of: VersionOf) -> dict[int, Pi
         for i, child in enumerate(children):
             state, at = processor.request_states.get(child), i if sample is None else sample
             if state is not None:
-                detok = state.detokenizer
-                pieces[at] = Piece(list(detok.output_token_ids), state.logprobs_processor.logprobs,
-                                   detok.get_next_output_text(True, False), state_spans(state, version_of), None)
+                detok, lps = state.detokenizer, state.logprobs_processor.logprobs
+                pieces[at] = Piece(detok.output_token_ids[since:], lps[since:] if lps else lps,
+                                   detok.get_next_output_text(True, False) if not since else "",
+                                   state_spans(state, version_of), None)
             elif parent is not None and parent.output_aggregator and parent.output_aggregator[i] is not None:
                 done = parent.output_aggregator[i]
-                pieces[at] = Piece(list(done.token_ids), done.logprobs, done.text or "", label_spans(done, version_of),
-                                   done.finish_reason)
+                pieces[at] = Piece(list(done.token_ids)[since:], done.logprobs[since:] if done.logprobs else done.logprobs,
+                                   done.text or "", label_spans(done, version_of), done.finish_reason)
     return pieces
 
 

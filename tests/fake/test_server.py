@@ -314,12 +314,13 @@ def test_a_taken_port_is_a_config_error_naming_it(served):
     assert info.value.field == "server.port"
 
 
-def test_a_shard_lost_mid_stream_ends_the_stream_with_an_error_event_naming_it(make_settings):
+def test_without_migration_a_shard_lost_mid_stream_ends_the_stream_with_an_error_event_naming_it(make_settings):
+    """fleet.migration off (on, the stream goes on: tests/unit/test_migration_fleet.py)."""
     from nemo_gen.server import start_server
 
     driver = FakeDriver()
     settings = make_settings(fleet__name="fake-midstream", fleet__num_shards=2, health__probe_interval_s=60,
-                             health__auto_recover=False, server__port=0)
+                             health__auto_recover=False, server__port=0, fleet__migration__mode="off")
     fleet = fake_fleet(settings, driver)
     try:
         for handle in fleet.shards:

@@ -84,8 +84,9 @@ def test_a_shard_lost_before_the_first_token_is_re_routed_unseen(settings, drive
 
 
 @pytest.mark.parametrize("how", ["its stream fails", "it is condemned"])
-def test_a_shard_lost_mid_stream_ends_the_stream_with_an_error_naming_it(settings, driver, how):
-    with fake_fleet(settings(), driver) as fleet:
+def test_without_migration_a_shard_lost_mid_stream_ends_the_stream_with_an_error_naming_it(settings, driver, how):
+    """fleet.migration off (with it on, the stream goes on: tests/unit/test_migration_fleet.py)."""
+    with fake_fleet(settings(fleet__migration__mode="off"), driver) as fleet:
         for handle in fleet.shards:
             driver.set_token_s(handle.name, 0.02)
 
