@@ -248,7 +248,10 @@ def test_completions_with_n_samples_come_from_one_shard(served):
     assert [c.index for c in out.choices] == [0, 1]
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" and c.text for c in out.choices)
     assert {c.nemo_gen["shard"] for c in out.choices} == {out.nemo_gen["shard"]}  # one request, one shard
-    assert out.nemo_gen == {"weight_version": v, "shard": out.nemo_gen["shard"], "weight_versions": [[v, 8]]}
+    provenance = dict(out.nemo_gen)
+    digests = provenance.pop("weight_digests")  # beside each span: None for launch weights, a refit's wd1 digest
+    assert provenance == {"weight_version": v, "shard": out.nemo_gen["shard"], "weight_versions": [[v, 8]]}
+    assert len(digests) == 1 and (digests[0] is None if v == 0 else digests[0].startswith("wd1:")), digests
     assert out.usage.completion_tokens == 16
 
 
@@ -375,7 +378,7 @@ def test_metrics_show_the_fleet_and_its_engines(served):
         assert {s.labels.get("shard") for f in vllm for s in f.samples} == {"0", "1"}
 
 
-def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(shared_server, served):
+def test_a_shard_killed_mid_stream_moves_its_streams_to_the_survivor(shared_server, served):
     shared_server.spend()  # shard 0 stays dead (recovery off)
     v = served.version()
     shards = {s["index"]: s for s in served.info["shards"]}
@@ -443,18 +446,24 @@ def test_a_shard_killed_mid_stream_ends_its_streams_with_an_error_naming_it(shar
 
     results = asyncio.run(main())
     assert {s.shard for s in results} == {0, 1}  # least-loaded routing used both
-    cut = 0
+    moved = 0
     for s in results:
-        got = s.tokens()
-        if s.error is not None:  # cut off mid-stream: an error event that names the shard, never a quiet end
-            assert s.shard == 0 and "shard 0" in s.error.message, s.error
-            assert 0 < got < tokens and all(c.choices[0].finish_reason is None for c in s.chunks if c.choices)
-            cut += 1
-        else:  # whole: shard 1's, or one of shard 0's that was over before the freeze
-            assert got == tokens, (s.shard, got)
-            assert [c for c in s.chunks if c.choices][-1].choices[0].finish_reason == "length"
-            assert s.chunks[-1].nemo_gen["shard"] == s.shard and s.chunks[-1].nemo_gen["weight_versions"] == [[v, tokens]]
-    assert cut >= 1
+        # fleet.migration (on by default): a stream its shard's death cut goes on on the survivor from
+        # the tokens it had sent: never an error, no token missing, none twice
+        assert s.error is None, s.error
+        assert s.tokens() == tokens, (s.shard, s.tokens())
+        assert [c for c in s.chunks if c.choices][-1].choices[0].finish_reason == "length"
+        final = s.chunks[-1].nemo_gen
+        spans = final["weight_versions"]
+        assert {version for version, _ in spans} == {v} and sum(n for _, n in spans) == tokens, spans
+        if final.get("migrations"):
+            (move,) = final["migrations"]
+            assert s.shard == 0 and final["shard"] == 1 and move["from_shard"] == 0, final
+            assert 0 < move["at_token"] < tokens, final
+            moved += 1
+        else:  # shard 1's, or one of shard 0's that was over before the freeze
+            assert final["shard"] == s.shard and spans == [[v, tokens]], final
+    assert moved >= 1
     assert wait_gone([actor, *engines], 30) == []
     health = httpx.get(f"{served.url}/health").json()
     assert health["serving_shards"] == 1 and health["shards"].get("dead") == 1
@@ -540,6 +549,9 @@ def test_a_stream_goes_on_across_an_abort_refit_under_the_new_version(served_abo
     assert [v for v, _ in spans] == [before, before + 1] and sum(n for _, n in spans) == tokens, spans
     assert spans[0][1] >= at_freeze  # the cut came after what the client had when it sent the refit
     assert chunks[-1].nemo_gen["weight_version"] == before + 1  # as unstreamed: the version of the last token
-    assert text[-1].choices[0].nemo_gen == {"shard": 0, "weight_version": before + 1, "weight_versions": spans}
+    provenance = dict(text[-1].choices[0].nemo_gen)
+    digests = provenance.pop("weight_digests")  # one per span: the refit's weights are digested
+    assert provenance == {"shard": 0, "weight_version": before + 1, "weight_versions": spans}
+    assert len(digests) == len(spans) and digests[-1].startswith("wd1:"), digests
     after = client.completions.with_raw_response.create(model=s.model, prompt="after", max_tokens=4)
     assert after.headers["x-nemo-gen-weight-version"] == str(before + 1)
