@@ -42,7 +42,7 @@ from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import RequestResult, Sampling, StreamDeltas
-from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.errors import EngineCrashError, FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, ShardDriver
@@ -52,6 +52,13 @@ from nemo_gen.fleet.waiting import LOST, POLL_S, answer, next_item
 from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of, sessions_of
 
 __all__ = ["Prompt", "Router"]
+
+
+def movable(error: BaseException, kind: str) -> bool:
+    """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), except where
+    its engine exited on its own (``EngineCrashError``): one of them may have killed it, and moved
+    it would kill the next engine too (the fault model's poison rule)."""
+    return kind == "dead" and not isinstance(error, EngineCrashError)
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +252,7 @@ class Router:
         def retry(batch: list[GenerationRequest], error: BaseException, kind: str, member: Member) -> None:
             nonlocal not_before
             shard = member.slot
-            if moving is not None and kind == "dead":  # those that kept tokens go on from them, uncounted
+            if moving is not None and movable(error, kind):  # those that kept tokens go on from them, uncounted
                 carried, batch, done = moving.carry(member, batch, shard, self.result)
                 again.extend(carried)
                 results.update((r.index, r) for r in done)
@@ -338,7 +345,7 @@ class Router:
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
                 finally:
                     self.selector.release(shard)
-                if moving is not None and kind == "dead":
+                if moving is not None and movable(error, kind):
                     carried, again, done = moving.carry(member, batch, shard, self.result)
                     if done:
                         return done[0]
@@ -424,7 +431,7 @@ class Router:
                     self.selector.release(shard)
                     if stream is not None and not finished:
                         stream.cancel()
-                if started and kind == "dead" and moving is not None:  # it goes on from what the caller has
+                if started and moving is not None and movable(error, kind):  # it goes on from what the caller has
                     carried, _, done = moving.carry(member, [req], shard, self.result, [kept])
                     if done:
                         yield done[0]
