@@ -68,6 +68,13 @@ class Fail:
     error: BaseException
 
 
+def may_be_poison(error: BaseException) -> bool:
+    """The engine exited on its own (``EngineCrashError``) while it ran the request: the request
+    may be what killed it, and sent anywhere (re-routed, or migrated with its tokens) it would
+    kill the next engine too. Such a request fails; it goes to no other engine."""
+    return isinstance(error, EngineCrashError)
+
+
 class Attempts:
     """The tries of one request so far, and what to do after the next failure."""
 
@@ -80,7 +87,7 @@ class Attempts:
         """``error`` (of ``kind``: dead / busy / slow / data) ended the try on ``shard``."""
         p = self.policy
         if kind == "dead":
-            if isinstance(error, EngineCrashError):  # a poison pill would kill the next engine too
+            if may_be_poison(error):
                 return Fail(error)
             if self.rerouted >= p.max_reroutes:
                 detail = getattr(error, "detail", None) or str(error)

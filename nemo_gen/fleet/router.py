@@ -34,7 +34,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
+from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits, may_be_poison
 from nemo_gen.core.fleet_health import SERVING_STATES, HealthyShardSelector
 from nemo_gen.core.members import Member
 from nemo_gen.core.migration import Kept
@@ -42,7 +42,7 @@ from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import RequestResult, Sampling, StreamDeltas
-from nemo_gen.errors import EngineCrashError, FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
+from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, ShardDriver
@@ -55,10 +55,9 @@ __all__ = ["Prompt", "Router"]
 
 
 def movable(error: BaseException, kind: str) -> bool:
-    """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), except where
-    its engine exited on its own (``EngineCrashError``): one of them may have killed it, and moved
-    it would kill the next engine too (the fault model's poison rule)."""
-    return kind == "dead" and not isinstance(error, EngineCrashError)
+    """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), unless the
+    fault model's poison rule (``nemo_gen.core.attempts.may_be_poison``) keeps them off every engine."""
+    return kind == "dead" and not may_be_poison(error)
 
 log = logging.getLogger(__name__)
 
