@@ -23,6 +23,13 @@
 #                                               -> $OUT/rollout.json, rollout.log, nvidia-smi.txt, details.tgz (the arms'
 #                                               own files and py-spy's raw records: $OUT takes 8 files, 2 folders deep)
 #                                               (RO_ARGS: its flags, e.g. "--models 8b --profile-batch 512")
+#   bash .gpu-src/bench/gpu_sitting.sh model    install, make bench.rollout's 8b model in /tmp/nemo-gen-rollout (the runs below share it)
+#   bash .gpu-src/bench/gpu_sitting.sh colocated install, run tests/gpu/test_colocated_gpu.py -> $OUT/test_colocated.log
+#   bash .gpu-src/bench/gpu_sitting.sh sleepwake install, run python -m bench sleep_wake_gpu (8b) -> $OUT/sleep_wake_gpu.json, sleep_wake.log
+#   bash .gpu-src/bench/gpu_sitting.sh digest   install, run python -m bench refit_digest_gpu -> $OUT/refit_digest_gpu.json, refit_digest.log
+#   bash .gpu-src/bench/gpu_sitting.sh rolloutab install, the same bench rollout (AB_ARGS) from each tree of AB_TREES (folders of
+#                                               .gpu-src: git archives of other commits; "." is .gpu-src itself), one after the other
+#                                               -> $OUT/rollout-<tree>.json and .log, details.tgz
 # TESTS: which of tests/gpu the tests mode runs (default: all of it).
 set -uo pipefail
 root=$PWD
@@ -150,5 +157,57 @@ case "${1:-}" in
     ( cd "$OUT" && ls -d */ > /dev/null 2>&1 && tar czf details.tgz */ && rm -rf -- */ )
     grep -E "^\[|^model|^[a-z0-9]+ +(bfloat16|fp8) " "$OUT/rollout.log" | cut -c1-400 | tail -40
     ;;
-  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl|lorafp8|rollout"; exit 2 ;;
+  model)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    tail -1 "$OUT/install.log"
+    cd .gpu-src
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
+    python3 -c "from pathlib import Path; from bench.rollout import make; from nemo_gen.tiny_model import make_tiny_model
+w = Path('/tmp/nemo-gen-rollout'); print('made', make(None, '8b', w, make_tiny_model(w / 'tiny')))" 2>&1 | tail -3
+    ;;
+  colocated)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    end_left_gpu_processes
+    timeout "${CO_TIMEOUT:-560}" python3 -m pytest tests/gpu/test_colocated_gpu.py -v -s -p no:cacheprovider --timeout 400 \
+      > "$OUT/test_colocated.log" 2>&1
+    echo "pytest rc=$?"
+    end_left_gpu_processes
+    grep -E "PASSED|FAILED|ERROR|passed|failed|^E  |sleep level|wake:" "$OUT/test_colocated.log" | cut -c1-300 | tail -40
+    ;;
+  sleepwake)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    end_left_gpu_processes
+    timeout "${SW_TIMEOUT:-560}" python3 -m bench sleep_wake_gpu --work /tmp/nemo-gen-rollout --out "$OUT" ${SW_ARGS:-} \
+      > "$OUT/sleep_wake.log" 2>&1
+    echo "sleep_wake rc=$?"
+    end_left_gpu_processes
+    grep -E "^cold launch|^cycle|^sleep |verdicts|Error|error" "$OUT/sleep_wake.log" | cut -c1-600 | tail -20
+    ;;
+  digest)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    cd .gpu-src
+    end_left_gpu_processes
+    timeout "${DG_TIMEOUT:-560}" python3 -m bench refit_digest_gpu --out "$OUT" ${DG_ARGS:-} > "$OUT/refit_digest.log" 2>&1
+    echo "refit_digest rc=$?"
+    end_left_gpu_processes
+    grep -E "GB: digest|nemo_gen_ipc refit|Error|error" "$OUT/refit_digest.log" | cut -c1-400 | tail -20
+    ;;
+  rolloutab)
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    export NCCL_NVLS_ENABLE=0
+    cd .gpu-src
+    for tree in ${AB_TREES:-.}; do
+      end_left_gpu_processes
+      name=${tree#_}; [ "$tree" = . ] && name=head
+      ( cd "$tree" && PYTHONPATH=$PWD:/tmp/nemo-gen-site timeout "${AB_EACH_S:-180}" python3 -m bench rollout --out "$OUT/ab-$name" \
+          --work /tmp/nemo-gen-rollout ${AB_ARGS:-} > "$OUT/rollout-$name.log" 2>&1; echo "$name rc=$?" )
+      cp "$OUT/ab-$name/rollout.json" "$OUT/rollout-$name.json" 2> /dev/null
+      grep -E "^\[|^model|^[a-z0-9]+ +(bfloat16|fp8) " "$OUT/rollout-$name.log" | grep -v "^\[.*peaks" | cut -c1-300 | tail -8
+    done
+    end_left_gpu_processes
+    ( cd "$OUT" && ls -d */ > /dev/null 2>&1 && tar czf details.tgz */ && rm -rf -- */ )
+    ;;
+  *) echo "usage: gpu_sitting.sh tests|bench|recovery|inflight|rl|lorafp8|rollout|model|colocated|sleepwake|digest|rolloutab"; exit 2 ;;
 esac

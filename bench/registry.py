@@ -35,6 +35,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gpu_bench", "gpu", "refit >= 0.5 of copy bandwidth, launch and throughput near a bare vLLM, restart after SIGKILL"),
     Benchmark("gpu_recovery", "gpu", "SIGKILL -> full strength with a warm spare; no orphaned GPU memory"),
     Benchmark("refit_digest_gpu", "gpu", "the weight digest of a 16 GB nemo_gen_ipc refit, trainer and shard side, adds <= 0.3 of the refit's time"),
+    Benchmark("sleep_wake_gpu", "gpu", "sleep level 1 frees >= 0.9 of a colocated 8B-shaped engine's GPU memory; wake(weights) + wake(kv_cache) gives the same greedy tokens; sleep + wake against a cold launch"),
     Benchmark("cuda_ipc_refit", "gpu", "CUDA-IPC bucketed refit bandwidth as a fraction of device copy"),
     Benchmark("lora_fp8_gpu", "gpu", "an adapter refit moves <= 1/10 of a full refit's bytes, faster; FP8 refit from bf16 gives a fresh FP8 engine's tokens; FP8 / bf16 tokens/s >= 1.3 at each rollout batch, both fleets up side by side"),
     Benchmark("fp8_gemm_gpu", "gpu", "the most FP8 can give over bf16 for a decode step's matrix multiplies, by batch (Llama-3-8B's shapes): step ratio >= 1.3 where lora_fp8_gpu's target is reachable"),

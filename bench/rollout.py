@@ -112,13 +112,14 @@ def fleet_arm(args, model_dir: Path, precision: str, prompts: list[list[int]], w
     gpu = args.device == "gpu"
     over: dict[str, Any] = {
         "home": str(work / "home"), "model.path": str(model_dir), "fleet.name": "rollout", "fleet.device": args.device,
-        "fleet.num_shards": 1, "fleet.engine_start_timeout_s": 550, "health.probe_interval_s": 60.0,
+        "fleet.num_shards": args.shards, "fleet.engine_start_timeout_s": 550, "health.probe_interval_s": 60.0,
         "health.probe_timeout_s": 60.0, "ray.namespace": "nemo_gen_rollout",
         "generation.vllm_cfg.max_model_len": args.max_model_len, "generation.vllm_cfg.enable_vllm_metrics_logger": True,
         "generation.vllm_cfg.async_engine": args.engine == "async",
         "generation.vllm_cfg.max_num_seqs": max(args.batches + [args.profile_batch])}
     if gpu:
-        over.update({"generation.vllm_cfg.gpu_memory_utilization": args.util, "generation.vllm_cfg.enforce_eager": False,
+        over.update({"fleet.shards_per_gpu": args.shards, "generation.vllm_cfg.gpu_memory_utilization": args.util / args.shards,
+                     "generation.vllm_cfg.enforce_eager": False,
                      "generation.vllm_cfg.precision": precision,
                      "generation.vllm_cfg.max_cudagraph_capture_size": max(args.batches + [args.profile_batch])})
     t = time.monotonic()
@@ -264,7 +265,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-batch", type=int, default=0, help="one more run of this batch under py-spy (0: none)")
     ap.add_argument("--profile-s", type=float, default=3.0, help="seconds py-spy records (whole seconds)")
     ap.add_argument("--profile-delay-s", type=float, default=1.0)
-    ap.add_argument("--util", type=float, default=0.8, help="gpu_memory_utilization of each engine (one at a time)")
+    ap.add_argument("--util", type=float, default=0.8, help="gpu_memory_utilization of each arm (one at a time)")
+    ap.add_argument("--shards", type=int, default=1, help="the fleet's engines, all on the one GPU, --util split "
+                    "among them (2: two engine cores feed the GPU, each half the batch)")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--deadline-s", type=float, default=560, help="the bare arm is cut off by then")
     ap.add_argument("--work", default=None, help="models are made here (default: a fresh temporary directory)")
@@ -280,8 +283,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"unknown model(s) {unknown}: use {sorted(MODELS)}")
     if args.device == "cpu" and args.precisions != ["bfloat16"]:
         ap.error("the CPU dry run takes no --precisions (its engines run float32)")
-    if min(args.batches, default=0) < 1 or args.tokens < 1 or args.rounds < 1:
-        ap.error("--batches, --tokens and --rounds must be at least 1")
+    if min(args.batches, default=0) < 1 or args.tokens < 1 or args.rounds < 1 or args.shards < 1:
+        ap.error("--batches, --tokens, --rounds and --shards must be at least 1")
     if not args.arms or args.arms - {"fleet", "bare"}:
         ap.error("--arms: fleet, bare or both")
     return args

@@ -39,22 +39,6 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from nemo_gen.tiny_model import make_tiny_model
-
-    root = tmp_path_factory.mktemp("gpu-models")
-    return make_tiny_model(root / "a"), make_tiny_model(root / "b", seed=1)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(models):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(models[0]))
-    return [list(tok(p, add_special_tokens=True)["input_ids"]) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
 def reference(models, prompt_ids, tmp_path_factory):
     """Start the reference engine in the background; the test that needs it waits for it."""
     out = tmp_path_factory.mktemp("reference") / "reference.json"
