@@ -46,10 +46,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             try:
                 status = fleet.status()[0]
                 parents = {pid: psutil.Process(pid).ppid() for pid in status.engine_pids}
+                # CPU seconds each engine process has used: a spawned one's include its own imports
+                cpu_s = {pid: round(sum(psutil.Process(pid).cpu_times()[:2]), 1) for pid in status.engine_pids}
                 (result,) = fleet.generate(["Hello there"], temperature=0)
                 info = fleet.shards[0].info
                 out.append({"method": method, "launch_s": round(launch_s, 1), "used": info.engine_core_start,
-                            "actor": status.actor_pid, "parents": parents, "tokens": result.token_ids,
+                            "actor": status.actor_pid, "parents": parents, "cpu_s": cpu_s, "tokens": result.token_ids,
                             "load_s": info.load_s})
                 print(out[-1], flush=True)
             finally:

@@ -102,5 +102,5 @@ class RayTransport:
         teardown(handle.actor, handle.placement_group)
 
     def local_ip(self) -> str | None:
-        ip: str = get_node_ip_address()  # type: ignore[no-untyped-call]
+        ip: str = get_node_ip_address()
         return ip

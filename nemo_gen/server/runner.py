@@ -86,6 +86,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def freeze_heap() -> None:
+    """As vLLM's own server does after start: what the process holds now (torch, transformers,
+    vLLM, Ray: millions of objects) leaves the collector's view, since a full collection over it
+    takes ~0.4 s and a server's allocations set one off every few hundred requests. The young
+    generations are collected first, as vLLM's ``freeze_gc_heap`` does, but not the old one: that
+    is itself a walk of the whole heap, paid again by every start in a process that starts servers
+    one after another (a loop that serves between steps, the fast tier's fifty-odd servers). Old
+    garbage it would have found stays until ``stop()`` unfreezes the heap."""
+    gc.collect(0)
+    gc.collect(1)
+    gc.freeze()
+
+
 def start_server(fleet: Any, settings: Any = None, host: str | None = None, port: int | None = None,
                  tokenizer: Any = None) -> ServerHandle:
     """Serve ``fleet`` over OpenAI's HTTP API (``nemo_gen.server.app``) at ``server.host`` /
@@ -122,12 +135,7 @@ def start_server(fleet: Any, settings: Any = None, host: str | None = None, port
         gateway.close()
         gateway.api.tokens.close()
 
-    # As vLLM's own server does after start: what the process holds now (torch, transformers,
-    # vLLM, Ray: millions of objects) leaves the collector's view. A full collection over it takes
-    # ~0.4 s here, and a server's allocations set one off every few hundred requests.
-    from vllm.utils.gc_utils import freeze_gc_heap
-
-    freeze_gc_heap()
+    freeze_heap()
     bound_host, bound_port = sock.getsockname()[:2]
     bounds = settings.server
     # uvicorn's own bounds (between requests, and connections at once) and ours on request headers

@@ -67,7 +67,9 @@ class FleetSettings(Section):
     engine_core_start: Literal["forkserver", "spawn"] = Field(
         "forkserver", description="How a shard starts its vLLM EngineCore process. forkserver: forked from a "
         "server the shard actor starts first thing, which imports vLLM while the actor does, so the "
-        "EngineCore starts with vLLM imported, as a bare vllm.LLM's does. spawn: vLLM's own start inside a "
+        "EngineCore starts with vLLM imported, as a bare vllm.LLM's does; on CPU it forks its worker (the "
+        "process vLLM's CPU backend runs the model in) too, which spawn would make a third fresh interpreter "
+        "importing vLLM. spawn: vLLM's own start inside a "
         "Ray actor, a fresh interpreter that imports vLLM and torch again before it can load "
         "(bench/results/2026-12-03/h200-b.md). An engine with numa_bind is always spawned.",
     )

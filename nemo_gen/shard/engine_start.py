@@ -22,6 +22,13 @@ supplies it:
   read it at import;
 - NUMA binding (``numa_bind``) wraps the executable of a spawned child, which a fork cannot do:
   such engines are started with ``spawn``;
+- a CPU engine's worker: vLLM's CPU backend runs the model in a worker process of the
+  EngineCore's (its multiprocessing executor, for OMP's thread binding), and the spawn vLLM chose
+  in the actor would make it a third fresh interpreter importing vLLM and torch (most of a CPU
+  engine's start after the EngineCore's). The EngineCore forked here is no Ray actor, has no CUDA
+  and starts few threads before its executor, which is where a bare ``vllm.LLM`` on CPU forks its
+  worker, so its worker is forked too (``VLLM_WORKER_MULTIPROC_METHOD=fork`` in its environment);
+  a GPU engine's workers keep vLLM's choice;
 - fate: Ray ends a dead worker's own children, and the EngineCore is the server's, not the
   actor's. It dies with the server, which leaves with the actor (``share_the_shards_fate``).
 
@@ -51,6 +58,7 @@ log = logging.getLogger(__name__)
 METHODS = ("forkserver", "spawn")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PRELOAD = "nemo_gen.shard.engine_preload"
+WORKER_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM's multiprocessing executor starts workers
 
 
 class EngineCoreProcess(mp_context.ForkServerProcess):
@@ -164,11 +172,14 @@ def stop_server() -> None:
 
 
 @contextlib.contextmanager
-def engine_core_context(method: str, engine_kwargs: dict[str, Any], module: Any = None) -> Iterator[str]:
+def engine_core_context(method: str, engine_kwargs: dict[str, Any], module: Any = None,
+                        cpu: bool | None = None) -> Iterator[str]:
     """While an engine starts inside it, vLLM starts the EngineCore with ``method``. Yields the
     method that is used: ``spawn`` when asked, when the engine binds NUMA nodes, or when this
-    process has no forkserver running. ``module``: where vLLM's ``get_mp_context`` is looked up
-    (default: ``vllm.v1.engine.utils``, whose ``CoreEngineProcManager`` starts the EngineCore)."""
+    process has no forkserver running. A forked EngineCore of a CPU engine (``cpu``; default: vLLM's
+    platform says so) forks its worker too (the module doc says why). ``module``: where vLLM's
+    ``get_mp_context`` is looked up (default: ``vllm.v1.engine.utils``, whose
+    ``CoreEngineProcManager`` starts the EngineCore)."""
     if method not in METHODS:
         raise ValueError(f"fleet.engine_core_start must be one of {METHODS}, not {method!r}")
     if method == "spawn" or engine_kwargs.get("numa_bind") or server_pid() is None:
@@ -179,11 +190,19 @@ def engine_core_context(method: str, engine_kwargs: dict[str, Any], module: Any 
         return
     if module is None:
         import vllm.v1.engine.utils as module
+    if cpu is None:
+        from vllm.platforms import current_platform
+
+        cpu = current_platform.is_cpu()
     engine_utils = module
     vllm_context = engine_utils.get_mp_context
+    vllms_choice: list[str | None] = []
 
     def get_mp_context() -> multiprocessing.context.BaseContext:
         vllm_context()  # its environment: the Ray address, the workers' start method
+        if cpu:  # the EngineCore's environment is this one at its start (EngineCoreProcess)
+            vllms_choice.append(os.environ.get(WORKER_METHOD))
+            os.environ[WORKER_METHOD] = "fork"
         return CONTEXT
 
     engine_utils.get_mp_context = get_mp_context
@@ -191,3 +210,12 @@ def engine_core_context(method: str, engine_kwargs: dict[str, Any], module: Any 
         yield "forkserver"
     finally:
         engine_utils.get_mp_context = vllm_context
+        if vllms_choice:  # the actor's own environment as vLLM left it
+            _set_env(WORKER_METHOD, vllms_choice[0])
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value

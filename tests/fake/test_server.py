@@ -468,3 +468,35 @@ def test_the_model_field_names_a_lora_adapter_or_is_a_404_naming_it(served, clie
                                        stream=True)
     with pytest.raises(openai.NotFoundError, match="'policy-b' does not exist; this server serves .*'policy-a'"):
         client.completions.create(model="policy-b", prompt=[5], max_tokens=2)
+
+
+def test_the_heap_is_frozen_while_serving_without_a_full_collection_at_each_start(make_settings, monkeypatch):
+    """The server takes the process's heap out of the collector's view while it serves and gives
+    it back at stop; a start collects the young generations only: a full collection is a walk of
+    the whole heap, paid again by every start in a process that starts servers one after another."""
+    import gc
+
+    from nemo_gen.server import start_server
+
+    driver = FakeDriver()
+    fleet = fake_fleet(make_settings(fleet__name="fake-gc", fleet__num_shards=1, health__probe_interval_s=60,
+                                     server__port=0), driver)
+    collected: list[int] = []  # the collections asked for (the interpreter's own may come too)
+    collect = gc.collect
+
+    def asked(generation=2):
+        collected.append(generation)
+        return collect(generation)
+
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(gc, "collect", asked)
+            handle = start_server(fleet)
+        with handle:
+            assert gc.get_freeze_count() > 0
+            assert httpx.get(f"{handle.url}/health").status_code == 200
+        assert gc.get_freeze_count() == 0
+    finally:
+        fleet.shutdown()
+        driver.close()
+    assert collected == [0, 1], collected

@@ -150,6 +150,7 @@ class _StandIn:
 
     def _vllm(self):
         self.calls += 1
+        os.environ[engine_start.WORKER_METHOD] = "spawn"  # what vLLM sets inside a Ray actor
         return "vllm's spawn context"
 
 
@@ -161,14 +162,27 @@ def running(monkeypatch):
 def test_the_context_patches_vllms_start_only_inside_it(running):
     module = _StandIn()
     original = module.get_mp_context
-    with engine_start.engine_core_context("forkserver", {}, module=module) as used:
+    with engine_start.engine_core_context("forkserver", {}, module=module, cpu=False) as used:
         assert used == "forkserver"
         assert module.get_mp_context() is engine_start.CONTEXT
         assert module.calls == 1  # vLLM's own still ran, for its environment
     assert module.get_mp_context == original
-    with pytest.raises(RuntimeError), engine_start.engine_core_context("forkserver", {}, module=module):
+    with pytest.raises(RuntimeError), engine_start.engine_core_context("forkserver", {}, module=module, cpu=False):
         raise RuntimeError("the engine failed to start")
     assert module.get_mp_context == original
+
+
+@pytest.mark.parametrize("cpu, inside", [(True, "fork"), (False, "spawn")])
+def test_a_forked_cpu_engine_core_forks_its_worker_and_the_actor_keeps_vllms_choice(running, monkeypatch, cpu, inside):
+    """The EngineCore's environment is the actor's at its start: a CPU engine's says fork, for the
+    worker vLLM's CPU backend starts; a GPU engine's keeps what vLLM chose; after the start the
+    actor's own environment is as vLLM left it."""
+    monkeypatch.delenv(engine_start.WORKER_METHOD, raising=False)
+    module = _StandIn()
+    with engine_start.engine_core_context("forkserver", {}, module=module, cpu=cpu):
+        assert module.get_mp_context() is engine_start.CONTEXT
+        assert os.environ[engine_start.WORKER_METHOD] == inside
+    assert os.environ[engine_start.WORKER_METHOD] == "spawn"
 
 
 @pytest.mark.parametrize("method, kwargs, server, why", [
@@ -180,7 +194,7 @@ def test_spawn_is_used_when_asked_for_numa_binding_or_without_a_server(monkeypat
     monkeypatch.setattr(engine_start, "server_pid", lambda: server)
     module = _StandIn()
     original = module.get_mp_context
-    with engine_start.engine_core_context(method, kwargs, module=module) as used:
+    with engine_start.engine_core_context(method, kwargs, module=module, cpu=True) as used:
         assert used == "spawn" and module.get_mp_context == original
     if why:
         assert why in caplog.text
