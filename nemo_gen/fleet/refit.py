@@ -84,15 +84,20 @@ class Refitter:
         # before_catch_up: the same for one newcomer (a sleep may have reached it before its catch-up).
         self.before_refit: list[Callable[[], None]] = []
         self.before_catch_up: list[Callable[[Member, ShardHandle], None]] = []
-        self.waves: RollingRefit | None = None  # refit.rollout waves: ``refit`` moves the shards a wave at a time
+        self._rollout: tuple[Any, Callable[[int], int]] | None = None  # (settings, open sessions per slot)
 
     def roll_in_waves(self, settings: Any, open_sessions: Callable[[int], int]) -> None:
-        """With ``refit.rollout: waves``, refits go through ``nemo_gen.fleet.rolling`` (``open_sessions``:
-        the open sessions pinned to a slot, which its wave waits for)."""
-        r = settings.refit
-        if r.rollout is Rollout.WAVES:
-            self.waves = RollingRefit(self, WavePlan.of(r.wave_size, r.min_serving, settings.fleet.num_shards),
-                                      open_sessions)
+        """Refits follow ``settings.refit.rollout`` as it is at each refit: with ``waves`` they go
+        through ``nemo_gen.fleet.rolling`` (``open_sessions``: a slot's open sessions, which its wave waits for)."""
+        self._rollout = (settings, open_sessions)
+
+    @property
+    def waves(self) -> RollingRefit | None:
+        """The rolling refit, when ``refit.rollout`` is ``waves`` now."""
+        if self._rollout is None or (s := self._rollout[0]).refit.rollout is not Rollout.WAVES:
+            return None
+        return RollingRefit(self, WavePlan.of(s.refit.wave_size, s.refit.min_serving, s.fleet.num_shards),
+                            self._rollout[1])
 
     @property
     def draft_full(self) -> bool:
@@ -143,8 +148,8 @@ class Refitter:
 
     def refit(self, source: Any, version: int | None, in_flight: InFlight) -> RefitReport:
         """``in_flight``: what the shards do to running requests (``policies.in_flight``)."""
-        if self.waves is not None:
-            return self.waves.refit(source, version, in_flight)
+        if (waves := self.waves) is not None:
+            return waves.refit(source, version, in_flight)
         with self.weights.refitting():
             new_version, members, staged, report = self.prepare(source, version)
             t1 = time.perf_counter()
