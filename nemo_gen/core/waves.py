@@ -8,9 +8,9 @@ serves one version at a time and its requests drain before it loads): never a mi
 result. Once the roll ends every shard that loaded serves ``new``.
 
 - a **new request** goes to the newest version that a serving, non-moving shard holds;
-- a **session** (``session_id``) that ran on version v stays on a shard of v while one serves
-  (not moving) and it has made at most ``max_staleness`` tokens since a newer version began to
-  serve; else it moves to the newest (at a turn boundary: a turn never changes version).
+- shards move fewest open sessions first, and a wave waits for the open sessions pinned to its
+  shards (the fleet bounds the wait), so a session keeps its version until it ends; one still
+  open then moves at a turn boundary (a turn never changes version).
 
 The fleet side (``nemo_gen.fleet.rolling``) reads these answers; the slot table holds each
 shard's version and the roll's state (``nemo_gen.core.slots.SlotTable.begin_wave``).
@@ -96,17 +96,6 @@ def newest(versions: Mapping[int, int | None], roll: Roll | None) -> list[int]:
         return []
     top = max(-1 if v is None else v for v in open_.values())
     return sorted(slot for slot, v in open_.items() if (-1 if v is None else v) == top)
-
-
-def session_shards(session_version: int | None, stale_tokens: int, max_staleness: int | None,
-                   versions: Mapping[int, int | None], roll: Roll | None) -> list[int]:
-    """The shards a session's next turn may go to: those serving its version (not moving) while
-    its staleness allows, else the newest (``newest``). ``stale_tokens``: the tokens the session
-    made on its version since a newer one began to serve."""
-    if roll is None or session_version is None or (max_staleness is not None and stale_tokens > max_staleness):
-        return newest(versions, roll)
-    same = sorted(slot for slot, v in versions.items() if v == session_version and slot not in roll.moving)
-    return same or newest(versions, roll)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,8 @@ class Refitter:
         """The rolling refit, when ``refit.rollout`` is ``waves`` now."""
         if self._rollout is None or (s := self._rollout[0]).refit.rollout is not Rollout.WAVES:
             return None
+        if self.weights.version is None:  # train mode's first refit: nothing serves yet, all move at once
+            return None
         return RollingRefit(self, WavePlan.of(s.refit.wave_size, s.refit.min_serving, s.fleet.num_shards),
                             self._rollout[1])
 

@@ -80,7 +80,8 @@ class RollingRefit:
                 pending = self.plan.order(sorted(by_slot), {s: self.open_sessions(s) for s in by_slot})
                 while pending:
                     serving = [s for s in r.health.serving_shards() if s not in failed]
-                    wave = self.plan.next_wave(pending, len(serving))
+                    # a STALE shard serves nothing: it takes the weights at once, costing no one
+                    wave = tuple(s for s in pending if s not in serving) or self.plan.next_wave(pending, len(serving))
                     if not wave:
                         raise RefitError(RollOutcome(old, new, tuple(moved), tuple(pending), tuple(failed),
                                                      f"refit.min_serving {self.plan.min_serving}: only "

@@ -1,6 +1,6 @@
 """The rolling refit's pure decisions (nemo_gen.core.waves) and its settings (refit.rollout,
 refit.wave_size, refit.min_serving): which combinations act, wave order and size under the floor,
-where new requests and sessions go while two versions serve, and the slot table's roll state."""
+where new requests go while two versions serve, and the slot table's roll state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from nemo_gen.core.fleet_health import GenerationFleetHealth
 from nemo_gen.core.slots import SlotConflict, SlotTable
-from nemo_gen.core.waves import Roll, RollOutcome, Rollout, WavePlan, newest, rollout_problem, session_shards
+from nemo_gen.core.waves import Roll, RollOutcome, Rollout, WavePlan, newest, rollout_problem
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import ENV_PREFIX, NemoGenSettings
 
@@ -77,17 +77,6 @@ def test_new_requests_go_to_the_newest_version_serving_and_not_to_a_moving_shard
     assert newest(versions, Roll(0, 1, frozenset({1}))) == [0]  # shard 0 moved: it takes the new ones
     assert newest({0: 1, 1: 0}, Roll(0, 1, frozenset({0, 1}))) == []
     assert newest({0: None, 1: 0}, Roll(None, 1)) == [1]  # a shard with no version is never the newest
-
-
-def test_a_session_stays_on_its_version_while_its_staleness_allows():
-    versions = {0: 1, 1: 0, 2: 0}
-    roll = Roll(0, 1, frozenset({2}))
-    assert session_shards(0, 10, None, versions, roll) == [1]  # its version, not the moving shard
-    assert session_shards(0, 10, 10, versions, roll) == [1]
-    assert session_shards(0, 11, 10, versions, roll) == [0]  # past refit.max_staleness: it moves
-    assert session_shards(0, 0, None, {0: 1, 1: 0}, Roll(0, 1, frozenset({1}))) == [0]  # none of v0 left
-    assert session_shards(1, 0, None, versions, roll) == [0]
-    assert session_shards(0, 0, None, versions, None) == [0, 1, 2]  # no roll: anywhere
 
 
 def test_a_stopped_roll_names_each_shards_version():

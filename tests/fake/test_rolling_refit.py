@@ -120,11 +120,23 @@ def _three_turns(fleet, between):
         return s.trajectory().to_json()
 
 
+@pytest.fixture
+def patient_driver():
+    """A fake driver whose refit deadline (refit.timeout_s: how long a wave waits for its sessions)
+    outlasts a loaded machine's three turns."""
+    from nemo_gen.fleet.driver import DriverTimeouts
+    from tests.fakes import FakeDriver
+
+    d = FakeDriver(timeouts=DriverTimeouts(control_s=0.5, stop_s=0.5, engine_grace_s=0.1, refit_s=60.0))
+    yield d
+    d.close()
+
+
 @pytest.mark.parametrize("rollout", ["waves", "all"])
 def test_an_open_session_keeps_its_version_through_a_roll_and_all_switches_it(rollout, fake_fleet_settings,
-                                                                              driver, tmp_path):
+                                                                              patient_driver, tmp_path):
     settings = fake_fleet_settings(refit__rollout=rollout, refit__staging_dir=str(tmp_path))
-    with fake_fleet(settings, driver) as fleet:
+    with fake_fleet(settings, patient_driver) as fleet:
         done = []
         refit = threading.Thread(target=lambda: done.append(fleet.refit(_tensors())), daemon=True)
 
@@ -144,6 +156,20 @@ def test_an_open_session_keeps_its_version_through_a_roll_and_all_switches_it(ro
         else:
             assert versions[0] == [[0, 4]] and versions[1:] == [[[1, 4]]] * 2  # the spans show the switch
         assert {r.weight_version for r in fleet.generate(PROMPTS)} == {1}
+
+
+def test_a_session_that_outlives_the_wait_moves_at_a_turn_boundary(fake_fleet_settings, driver, tmp_path):
+    """The wave waits refit.timeout_s (the fake driver's: 1 s) at most; then the session's next turn
+    runs on the new version, whole."""
+    settings = fake_fleet_settings(refit__rollout="waves", refit__staging_dir=str(tmp_path))
+    with fake_fleet(settings, driver) as fleet:
+        with fleet.session() as s:
+            messages = [{"role": "user", "content": "q"}]
+            first = s.chat(messages, max_new_tokens=4)
+            report = fleet.refit(_tensors())  # returns once the wait ran out and the last wave moved
+            messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "r"}]
+            second = s.chat(messages, max_new_tokens=4)
+        assert report.ok and first.weight_versions == [(0, 4)] and second.weight_versions == [(1, 4)]
 
 
 def _refit_visible(fleet, rollout, done):
@@ -176,3 +202,15 @@ def test_in_flight_keep_is_refused_in_waves_naming_the_field(fake_fleet_settings
         with pytest.raises(RefitError, match="refit.in_flight 'keep' cannot act with refit.rollout waves"):
             fleet.refit(_tensors(), in_flight="keep")
         assert fleet.weight_version == 0
+
+
+def test_a_train_fleets_first_refit_in_waves_moves_every_shard(fake_fleet_settings, driver, tmp_path):
+    settings = fake_fleet_settings(fleet__mode="train", fleet__num_shards=3, refit__rollout="waves",
+                                   refit__staging_dir=str(tmp_path))
+    with fake_fleet(settings, driver) as fleet:
+        assert fleet.weight_version is None  # dummy weights: nothing serves, nothing to keep serving
+        report = fleet.refit(_tensors())
+        assert report.ok and sorted(s.shard for s in report.shards) == [0, 1, 2]
+        assert {r.weight_version for r in fleet.generate(PROMPTS * 2)} == {report.version}
+        again = fleet.refit(_tensors(2.0))  # and the next one rolls
+        assert again.ok and {s.weight_version for s in fleet.status()} == {again.version}
