@@ -34,7 +34,6 @@ from pathlib import Path
 from bench.lib.result import write_result
 from bench.lib.setup import quiet_environment, two_tiny_models
 from bench.lib.stats import verdict
-from bench.refit_inflight import step_gaps
 
 ARMS = (("no refit", "all", None), ("all/drain", "all", "drain"), ("all/keep", "all", "keep"),
         ("all/abort", "all", "abort"), ("waves", "waves", "drain"))
