@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench.lib.result import write_result
-from bench.lib.setup import quiet_environment
+from bench.lib.setup import quiet_environment, two_tiny_models
 from bench.lib.stats import verdict
 
 
@@ -118,11 +117,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     quiet_environment()
 
     from nemo_gen import GenerationFleet
-    from nemo_gen.tiny_model import make_tiny_model
 
-    work = Path(tempfile.mkdtemp(prefix="nemo-gen-bench-inflight-"))
-    a = make_tiny_model(work / "a")
-    b = make_tiny_model(work / "b", seed=1)
+    work, a, b = two_tiny_models("nemo-gen-bench-inflight-")
     fleet = GenerationFleet.launch(settings(work / "home", a, args.shards, args.device))
     out = {"device": args.device, "window_s": args.window, "every_s": args.every, "clients": args.clients, "tokens": args.tokens}
     try:

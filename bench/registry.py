@@ -28,6 +28,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("refit_call", "cpu", "a refit's fixed cost: direct control channel well under a Ray actor call"),
     Benchmark("refit_digest", "cpu", "the weight digest's cost (trainer and shard side) as a fraction of a refit's time, measured; results carry it"),
     Benchmark("refit_inflight", "cpu", "tokens/s kept under refits every few seconds, per in-flight mode (drain, keep, abort)"),
+    Benchmark("rolling_refit", "cpu", "a 4-shard fleet under session load, a refit every few seconds: waves tokens/s during refits >= 0.95 of no refit, 0 aborts, against all in each in-flight mode (longest no-step stretch, aborts per refit, version spread per session)"),
     Benchmark("rl_step", "cpu", "an async GRPO step takes less wall time than a sync one (examples/grpo.py's loop)"),
     Benchmark("step_loop", "cpu", "the shard's batch step loop / vLLM's LLM.generate <= 1.05"),
     Benchmark("front_end", "cpu", "the shard actor's front-end work per batch close to a plain process's; a fleet batch's, text decoded by the router, below the engine's own text"),

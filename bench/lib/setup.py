@@ -122,3 +122,12 @@ def one_shard_tiny(name: str):
 def token_prompts(n: int, length: int = 32) -> list[list[int]]:
     """``n`` distinct prompts of ``length`` token ids (BOS first), inside the tiny model's vocabulary."""
     return [[1] + [(7 * i + j) % 250 + 4 for j in range(length - 1)] for i in range(n)]
+
+
+def two_tiny_models(prefix: str) -> tuple[Path, Path, Path]:
+    """(a work directory, the tiny model, one of the same shape with other weights): the two
+    checkpoints a refit benchmark alternates between."""
+    from nemo_gen.tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    return work, make_tiny_model(work / "a"), make_tiny_model(work / "b", seed=1)

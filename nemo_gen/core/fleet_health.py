@@ -214,7 +214,8 @@ class GenerationFleetHealth:
             for shard in self._shards:
                 idx = shard.dp_shard_idx
                 metrics[f"gen_fleet/restart_attempts/{idx}"] = float(shard.restart_attempts)
-                # A serving shard whose version trails the fleet's is a correctness bug.
+                # Outside a rolling refit a serving shard whose version trails the fleet's is a
+                # correctness bug; during one (refit.rollout waves) two versions serve, per shard here.
                 metrics[f"gen_fleet/shard_weight_version/{idx}"] = float(shard.weight_version)
             return metrics
 

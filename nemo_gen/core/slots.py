@@ -20,6 +20,9 @@ lock:
   with the reason on record); ``record_probe_answer``, ``record_success``: what probes and
   requests saw; ``begin_restart``, ``retire_slot``, ``restart_failed``: recovery's steps;
   ``seed``: a fleet's opening state;
+- ``begin_roll`` / ``begin_wave`` / ``end_roll``: a rolling refit (``nemo_gen.core.waves``): the
+  shards in their wave take no new request while their running ones finish, the others serve on;
+  each shard's version is its entry's (``versions``), recorded by ``record_refit`` as it loads;
 - ``begin_sleep`` / ``record_sleep`` / ``record_wake``: the fleet's sleep state
   (``nemo_gen.core.sleep``; the colocated layout). Sleep is a state, not a fault: it leaves every
   slot's ledger state as it is (a sleeping slot keeps its version and its place), and the router,
@@ -45,6 +48,7 @@ from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.ledger_view import LedgerView
 from nemo_gen.core.members import Member
 from nemo_gen.core.planner import Seed
+from nemo_gen.core.waves import Roll
 from nemo_gen.core.sleep import AWAKE, SleepLevel, SleepState, WakeTag, after_sleep, after_wake, draining
 
 H = TypeVar("H")
@@ -81,6 +85,7 @@ class SlotTable(Generic[H]):
         self._news = threading.Condition(self._lock)
         self._closed = False  # the fleet is going away: its actors' deaths are no news
         self._sleep: SleepState = AWAKE  # the fleet's (every slot's engine follows it)
+        self._roll: Roll | None = None  # a rolling refit under way (router and status read it)
         self.ledger = LedgerView(health)  # what every other part reads
 
     # -- reads (never write) ---------------------------------------------------------------------
@@ -112,6 +117,15 @@ class SlotTable(Generic[H]):
     def sleep_state(self) -> SleepState:
         with self._lock:
             return self._sleep
+
+    def roll(self) -> Roll | None:
+        """The rolling refit under way, if any (read without the lock: one reference)."""
+        return self._roll
+
+    def versions(self, slots: Iterable[int]) -> dict[int, int | None]:
+        """Each of ``slots``' weight version as the driver recorded it."""
+        with self._lock:
+            return {i: self._slots[i].version for i in slots if i in self._slots}
 
     def ready_spares(self, version: int | None) -> list[str]:
         """Spares believed to be at ``version``."""
@@ -282,6 +296,25 @@ class SlotTable(Generic[H]):
                     self._health.mark_loaded(seed.slot)
                 elif version is not None:
                     self._health.report_refit(seed.slot, version)
+
+    def begin_roll(self, old: int | None, new: int) -> Roll:
+        """A rolling refit from ``old`` to ``new`` began; no shard moves yet."""
+        with self._lock:
+            self._roll = Roll(old, new)
+            return self._roll
+
+    def begin_wave(self, slots: Iterable[int]) -> Roll:
+        """``slots`` are the roll's wave now (no new request; the previous wave's are open again)."""
+        with self._lock:
+            if self._roll is None:
+                raise SlotConflict("no rolling refit is under way")
+            self._roll = Roll(self._roll.old, self._roll.new, frozenset(slots))
+            return self._roll
+
+    def end_roll(self) -> None:
+        """The roll ended (done or stopped): every shard takes new requests by its version again."""
+        with self._lock:
+            self._roll = None
 
     def begin_sleep(self, level: SleepLevel) -> SleepState:
         """A sleep began: from here the fleet admits no new request (its running ones finish)."""

@@ -24,6 +24,7 @@ from typing import Any
 from nemo_gen.core.fleet_health import SERVING_STATES
 from nemo_gen.core.session_placement import SessionPlacement
 from nemo_gen.errors import ShardUnavailableError
+from nemo_gen.fleet.rolling import open_to_sessions, placeable
 
 # Sessions remembered (least recently used forgotten first): enough for every live agent.
 _SESSIONS = 100_000
@@ -46,7 +47,7 @@ class SessionAffinity:
         return self._place(session)
 
     def _place(self, session: str) -> int:
-        serving = [s for s in self.health.serving_shards() if self.members.has_slot(s)]
+        serving = placeable(self.members.table, [s for s in self.health.serving_shards() if self.members.has_slot(s)])
         if not serving:
             raise ShardUnavailableError(f"no shard serves: session {session!r} cannot be placed")
         return self.placement.place(session, serving, self.selector.inflight)
@@ -73,7 +74,7 @@ class SessionAffinity:
             return pinned
         with self._lock:
             slot = self._last.get(session)
-        if slot is None or not self._serves(slot):
+        if slot is None or not self._serves(slot) or not open_to_sessions(self.members.table, slot):
             return None
         try:
             least = self.selector.next_shard()

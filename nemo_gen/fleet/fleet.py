@@ -93,6 +93,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
                              limits=policies.request_limits(s), decode_text=bool(gen_cfg["vllm_cfg"].get("skip_tokenizer_init")),
                              serving_version=lambda: self.weights.version, fleet_name=s.fleet.name, session_slack=s.fleet.session_affinity_slack,
                              vocab_size=resolved.vocab_size, digest_of=self.weights.digests.of)
+        self.refitter.roll_in_waves(s, self.router.affinity.placement.active)  # refit.rollout: nemo_gen.fleet.rolling
         self.sleeper = FleetSleep(**parts, weights=self.weights, refitter=self.refitter, enabled=s.generation.colocated.enabled, fleet_name=s.fleet.name)
         tokens = list(self._tokenizer("ping", add_special_tokens=True)["input_ids"]) or [0]
         self.prober = Prober(**parts, sampling=resolve_sampling(gen_cfg, {"max_new_tokens": 1, "temperature": 0.0}),
@@ -197,11 +198,10 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
         return self.weights.version
 
     def refit(self, source: Any, version: int | None = None, in_flight: str | None = None) -> RefitReport:
-        """Push new weights into every shard that holds an engine (``nemo_gen.fleet.refit``):
-        ``source`` a checkpoint directory, a ``WeightSource``, or live tensors (an ``nn.Module``, a
-        name->tensor mapping, or a callable returning one); ``version`` default previous + 1;
-        ``in_flight`` ``drain`` | ``abort`` | ``keep`` (default ``refit.in_flight``). A bad manifest:
-        ``RefitError``, nothing changed; a shard failing while loading is quarantined."""
+        """Push new weights into every shard that holds an engine (``nemo_gen.fleet.refit``; a wave at a time
+        with ``refit.rollout: waves``): ``source`` a checkpoint directory, a ``WeightSource``, or live tensors;
+        ``version`` default previous + 1; ``in_flight`` ``drain`` | ``abort`` | ``keep`` (default ``refit.in_flight``).
+        A bad manifest: ``RefitError``, nothing changed; a shard failing while loading is quarantined."""
         self.background.check_open()
         with self.adapters.full_refit(mode := policies.in_flight(self.settings, in_flight)):
             report = self.refitter.refit(source, version, mode)

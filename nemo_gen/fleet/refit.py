@@ -46,6 +46,8 @@ from nemo_gen.fleet.members import Membership
 from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.weights import FleetWeights, StagedRefit
 from nemo_gen.fleet.weight_sources import as_source
+from nemo_gen.core.waves import Rollout, WavePlan
+from nemo_gen.fleet.rolling import RollingRefit
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,22 @@ class Refitter:
         # before_catch_up: the same for one newcomer (a sleep may have reached it before its catch-up).
         self.before_refit: list[Callable[[], None]] = []
         self.before_catch_up: list[Callable[[Member, ShardHandle], None]] = []
+        self._rollout: tuple[Any, Callable[[int], int]] | None = None  # (settings, open sessions per slot)
+
+    def roll_in_waves(self, settings: Any, open_sessions: Callable[[int], int]) -> None:
+        """Refits follow ``settings.refit.rollout`` as it is at each refit: with ``waves`` they go
+        through ``nemo_gen.fleet.rolling`` (``open_sessions``: a slot's open sessions, which its wave waits for)."""
+        self._rollout = (settings, open_sessions)
+
+    @property
+    def waves(self) -> RollingRefit | None:
+        """The rolling refit, when ``refit.rollout`` is ``waves`` now."""
+        if self._rollout is None or (s := self._rollout[0]).refit.rollout is not Rollout.WAVES:
+            return None
+        if self.weights.version is None:  # train mode's first refit: nothing serves yet, all move at once
+            return None
+        return RollingRefit(self, WavePlan.of(s.refit.wave_size, s.refit.min_serving, s.fleet.num_shards),
+                            self._rollout[1])
 
     @property
     def draft_full(self) -> bool:
@@ -132,14 +150,10 @@ class Refitter:
 
     def refit(self, source: Any, version: int | None, in_flight: InFlight) -> RefitReport:
         """``in_flight``: what the shards do to running requests (``policies.in_flight``)."""
+        if (waves := self.waves) is not None:
+            return waves.refit(source, version, in_flight)
         with self.weights.refitting():
-            new_version = next_version(self.weights.version, version)
-            self.ready_weights()
-            members = self.refit_members()
-            staged = self.stage(source, new_version)
-            report = RefitReport(version=new_version, bytes=staged.total, tensors=staged.tensors,
-                                 stage_seconds=staged.stage_seconds, load_seconds=0.0, digest=staged.digest,
-                                 digest_seconds=staged.digest_seconds)
+            new_version, members, staged, report = self.prepare(source, version)
             t1 = time.perf_counter()
             outcome = self.apply_staged(staged, members, in_flight)
             refused = [error for ok, _, error in outcome.values() if not ok]
@@ -153,6 +167,18 @@ class Refitter:
                 self.weights.landed(new_version, staged.source, staged)
                 self.count(report)
             return report
+
+    def prepare(self, source: Any, version: int | None
+                ) -> tuple[int, dict[Member, ShardHandle], StagedRefit, RefitReport]:
+        """Under the refit lock: the new version, who takes it, its staged bytes and the report to fill."""
+        new_version = next_version(self.weights.version, version)
+        self.ready_weights()
+        members = self.refit_members()
+        staged = self.stage(source, new_version)
+        report = RefitReport(version=new_version, bytes=staged.total, tensors=staged.tensors,
+                             stage_seconds=staged.stage_seconds, load_seconds=0.0, digest=staged.digest,
+                             digest_seconds=staged.digest_seconds)
+        return new_version, members, staged, report
 
     def count(self, report: RefitReport) -> None:
         """A refit landed: add it to the totals."""

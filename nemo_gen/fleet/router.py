@@ -47,6 +47,7 @@ from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.rolling import route_new
 from nemo_gen.fleet.migrate import Checkpointer, Moving, answers, closed, moving_for
 from nemo_gen.fleet.waiting import LOST, POLL_S, answer, next_item
 from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of, sessions_of
@@ -128,6 +129,9 @@ class Router:
                 f"fleet {self._fleet_name!r} runs in fleet.mode=train and has not been refit "
                 "yet: its engines hold dummy weights and serve nothing until the first refit"
             )
+        if (roll := self.slots.roll()) is not None and (
+                shard := route_new(self.slots, self.health, self.members, self.selector, roll, avoid)) is not None:
+            return shard  # a rolling refit: the newest version serving (nemo_gen.fleet.rolling)
         try:
             shard = self.selector.next_shard(avoid)
         except ShardUnavailableError:

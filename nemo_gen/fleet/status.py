@@ -1,5 +1,6 @@
 """What ``fleet.status()`` reports: one row per slot (ledger state, weight version, PIDs, node,
-restarts, last error, orphans a dead actor of the slot left running), then one per spare.
+restarts, last error, orphans a dead actor of the slot left running, its place in a rolling
+refit), then one per spare.
 
 Live shards are asked for their own account (``info``). A read never writes: one found dead
 shows as "dead" in its row and is reported to recovery as a ``ShardLost`` (queued, not acted on).
@@ -17,6 +18,7 @@ from nemo_gen.errors import ShardDiedError
 from nemo_gen.host import gpu_memory
 from nemo_gen.fleet.driver import ShardDriver
 from nemo_gen.fleet.members import Membership
+from nemo_gen.fleet.rolling import roll_label
 from nemo_gen.host.processes import alive
 
 
@@ -36,6 +38,7 @@ class ShardStatus:
     orphans: list[dict[str, Any]] = field(default_factory=list)
     gpu_memory_bytes: int | None = None  # what the shard's processes hold on GPUs (NVML); None: no GPU
     sleep: str = "awake"  # the colocated layout's state (nemo_gen.core.sleep): "asleep (level 1)", ...
+    rolling: str | None = None  # during a rolling refit: "moving" (its wave), "moved" or "waiting"; else None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -50,6 +53,7 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
              and s.state not in (ShardState.RETIRED, ShardState.DEAD)} if live else {}
     spares = {spare.name: spare for spare in members.spares()}
     sleep = members.table.sleep_state().label()  # every slot's engine is in the fleet's state
+    roll = members.table.roll()
     answers = driver.infos({**asked, **(spares if live else {})})  # one wait for all of them
     for snap in snaps:
         slot = snap.dp_shard_idx
@@ -70,6 +74,7 @@ def fleet_status(health: GenerationFleetHealth, members: Membership, driver: Sha
             node_id=info.node_id, restarts=snap.restart_attempts, last_error=snap.last_error or None,
             name=handle.name if handle else None, orphans=_with_gpu(left),
             gpu_memory_bytes=_gpu_bytes([info.actor_pid, *info.engine_pids]), sleep=sleep,
+            rolling=roll_label(roll, slot, members.table.versions([slot]).get(slot)),
         ))
     for spare in spares.values():
         answer = answers.get(spare.name)

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from nemo_gen.core.migration import MigrationMode
+from nemo_gen.core.waves import Rollout
 from nemo_gen.settings.base import Section, one_of
 
 
@@ -221,6 +222,23 @@ class RefitSettings(Section):
         "older weights is cut and resumed on the new ones (its prefix re-computed); unset: no bound. vLLM "
         "preempts the running requests together, so every one of them is re-computed when one is past "
         "the bound.",
+    )
+    rollout: Rollout = Field(
+        Rollout.ALL,
+        description="How a refit reaches the shards: 'all' moves every shard at once (each pauses or drains "
+        "together, per refit.in_flight); 'waves' moves refit.wave_size shards at a time while the others "
+        "serve, so the fleet never stops serving and no request is cut: new requests go to the newest "
+        "version serving, a session stays on its version until it ends or passes refit.max_staleness.",
+    )
+    wave_size: int | None = Field(
+        None, ge=1,
+        description="With refit.rollout waves: shards moved at a time (unset: 1). Larger waves finish "
+        "the roll sooner and leave fewer shards serving meanwhile.",
+    )
+    min_serving: int | None = Field(
+        None, ge=1,
+        description="With refit.rollout waves: the fewest shards that serve at any moment of the roll "
+        "(unset: fleet.num_shards - refit.wave_size); a wave shrinks, or the roll stops, rather than go under it.",
     )
     recompute_kv: bool = Field(
         False,

@@ -128,6 +128,18 @@ class NemoGenSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_rollout(self) -> "NemoGenSettings":
+        """``refit.wave_size`` / ``refit.min_serving`` act only in waves, and only where a wave can move."""
+        from nemo_gen.core.waves import rollout_problem
+
+        r = self.refit
+        problem = rollout_problem(r.rollout, r.wave_size, r.min_serving, self.fleet.num_shards, r.in_flight)
+        if problem:
+            key, why = problem
+            raise invalid(type(self).__name__, ("refit", key), getattr(r, key), "rollout", "{why}", {"why": why})
+        return self
+
+    @model_validator(mode="after")
     def _check_quantize(self) -> "NemoGenSettings":
         """``refit.quantize: trainer`` acts only on an FP8 fleet."""
         from nemo_gen.core.fp8 import quantize_problem
