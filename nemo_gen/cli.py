@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from nemo_gen.cli_parser import build_parser
+from nemo_gen.core.modes import RefitMode
 from nemo_gen.errors import DataError, NemoGenError
 from nemo_gen.interrupt import SignalGuard
 
@@ -290,7 +291,7 @@ _SERVE_DEFAULTS = {**_RUN_DEFAULTS, "generation.vllm_cfg.enable_vllm_metrics_log
 def _unset_defaults(settings, defaults: dict[str, Any]) -> list[str]:
     """``defaults`` the settings do not name, as ``--set`` overrides to put before the user's."""
     return [f"{k}={json.dumps(v)}" for k, v in defaults.items() if not _explicit(settings, k)
-            and not (k.endswith("async_engine") and settings.refit.in_flight != "drain")]
+            and not (k.endswith("async_engine") and settings.refit.in_flight is not RefitMode.DRAIN)]
 
 
 def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:

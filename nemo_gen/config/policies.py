@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import FleetHealthPolicy
+from nemo_gen.core.modes import RefitMode, parse
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings import NemoGenSettings
 
@@ -49,19 +50,18 @@ def request_limits(settings: NemoGenSettings):
                          checkpoint_s=m.checkpoint_s if m.mode == MigrationMode.ON else None)
 
 
-IN_FLIGHT_MODES = ("drain", "abort", "keep")
-
-
-def in_flight(settings: NemoGenSettings, mode: str | None = None):
-    """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given),
-    as the shards take it (``nemo_gen.core.wire.InFlight``)."""
+def in_flight(settings: NemoGenSettings, mode: RefitMode | str | None = None):
+    """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given: a
+    caller's spelling, from the CLI, the HTTP API or a flow's parameter, parsed here into the
+    ``RefitMode``), as the shards take it (``nemo_gen.core.wire.InFlight``)."""
     from nemo_gen.core.wire import InFlight
 
     r = settings.refit
-    mode = r.in_flight if mode is None else mode
-    if mode not in IN_FLIGHT_MODES:
-        raise ConfigError(f"must be one of {list(IN_FLIGHT_MODES)}, got {mode!r}", field="refit.in_flight")
-    return InFlight(mode=mode, resume_aborted=r.resume_aborted, max_staleness=r.max_staleness,
+    try:
+        parsed = r.in_flight if mode is None else parse(RefitMode, mode, "refit.in_flight")
+    except ValueError as exc:
+        raise ConfigError(str(exc).removeprefix("refit.in_flight: "), field="refit.in_flight") from None
+    return InFlight(mode=parsed, resume_aborted=r.resume_aborted, max_staleness=r.max_staleness,
                     recompute_kv=r.recompute_kv)
 
 

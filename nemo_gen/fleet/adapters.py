@@ -42,6 +42,7 @@ from nemo_gen.core.adapters import (
     refuse,
 )
 from nemo_gen.core.manifest import TensorMeta, canonical_dtype, is_floating, layout
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove, AdapterState, InFlight
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 from nemo_gen.vllm_ext.staging import SharedMemoryStaging
@@ -138,7 +139,7 @@ class FleetAdapters:
 
     def base(self) -> BaseLoraManifest:
         if self._base is None:
-            expected = self.refitter.expected("policy")
+            expected = self.refitter.expected(WeightTarget.POLICY)
             engine = self._modules()
             self._base = base_lora_manifest(expected.tensors, engine.supported,
                                             min(self.max_rank, engine.max_rank), self._model_names)

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
     AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, Sampling, ShardInfo,
@@ -247,7 +248,7 @@ class ShardDriver:
         metrics: list[dict[str, Any]] = self._call(handle, "vllm_metrics", timeout_s=self.timeouts.control_s)
         return metrics
 
-    def expected_manifest(self, handle: ShardHandle, target: str) -> EngineManifest:
+    def expected_manifest(self, handle: ShardHandle, target: WeightTarget) -> EngineManifest:
         manifest: EngineManifest = self._call(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
         return manifest
 

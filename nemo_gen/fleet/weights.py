@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from nemo_gen.core.digest import DigestBook
+from nemo_gen.core.modes import WeightTarget
 
 
 @dataclass
@@ -88,8 +89,8 @@ class FleetWeights:
         with self._lock:
             yield self
 
-    def manifest(self, target: str, ask: Callable[[], Any]) -> Any:
-        """The engines' manifest for ``target`` ("policy" or "draft"); every shard runs the same
+    def manifest(self, target: WeightTarget, ask: Callable[[], Any]) -> Any:
+        """The engines' manifest for ``target``; every shard runs the same
         model, so ``ask`` is called once per target."""
         if target not in self._manifests:
             self._manifests[target] = ask()

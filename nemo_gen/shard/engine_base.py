@@ -19,7 +19,7 @@ import psutil
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
-from nemo_gen.core.wire import InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
+from nemo_gen.core.wire import FailureKind, InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.gate import Gate
@@ -257,7 +257,7 @@ class BaseEngine(abc.ABC):
         try:
             (out,) = await self.generate([GenerationRequest(index=0, prompt_token_ids=token_ids)], sampling)
         except Exception as exc:
-            if kind_of(exc) == "busy":  # its queue is full: a frontend that answers is alive
+            if kind_of(exc) is FailureKind.BUSY:  # its queue is full: a frontend that answers is alive
                 return {"ok": True, "busy": True, "refused": describe(exc)}
             raise
         if out.error:

@@ -21,11 +21,12 @@ from typing import Any, AsyncIterator, Mapping
 
 from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.manifest import needs_whole
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
 from nemo_gen.core.sleep import AWAKE
 from nemo_gen.core.wire import (
-    AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
+    AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, FailureKind, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, RequestProgress, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
     SyncReply, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft, SyncUpdate, Unfinished,
 )
@@ -220,7 +221,7 @@ class Shard(SleepRules):
         try:
             yield
         except Exception as exc:
-            if kind_of(exc) == "busy" and not isinstance(exc, ShardBusy):
+            if kind_of(exc) is FailureKind.BUSY and not isinstance(exc, ShardBusy):
                 raise ShardBusy(slot, describe(exc)) from None
             if self.engine is not None and _engine_died(exc):
                 code = await self.engine.core_exit(CORE_EXIT_WAIT_S)
@@ -385,11 +386,11 @@ class Shard(SleepRules):
 
     # -- the rest --------------------------------------------------------------------------------
 
-    async def expected_manifest(self, target: str = "policy") -> EngineManifest:
+    async def expected_manifest(self, target: WeightTarget = WeightTarget.POLICY) -> EngineManifest:
         (manifest, *_) = await self._engine().rpc("nemo_gen_expected_manifest", target)
         return EngineManifest.of(manifest)
 
-    async def digest(self, target: str = "policy") -> float:
+    async def digest(self, target: WeightTarget = WeightTarget.POLICY) -> float:
         (value, *_) = await self._engine().rpc("nemo_gen_digest", target)
         return value
 
