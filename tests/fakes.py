@@ -45,7 +45,7 @@ from nemo_gen.core.wire import (
     StreamEnd, Unfinished,
 )
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.shard.batch import add_span
+from nemo_gen.core.migration import add_span
 from nemo_gen.shard.gate import Gate
 from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec

@@ -48,7 +48,7 @@ class ShardActor(ShardHost):
                 log.warning("the shard's forkserver did not start: %s", exc)
         self._engine_core_start = engine_core_start
         self._kwargs = engine_kwargs
-        host = Host(os.getpid(), ray.get_runtime_context().get_node_id(), get_node_ip_address())
+        host = Host(os.getpid(), ray.get_runtime_context().get_node_id(), get_node_ip_address())  # type: ignore[no-untyped-call]  # (Ray's, unannotated)
         super().__init__(Shard(index, weight_version, slot, fleet, async_engine, host))
         self._engine_pids: list[int] = []
 

@@ -29,7 +29,7 @@ class Swap:
 
     def __init__(self, llm: Any, core: vllm_compat.CoreClient, gate: Gate, weights: Weights, batch: Running):
         self._llm, self._core, self._gate, self._weights, self._batch = llm, core, gate, weights, batch
-        self._pause: concurrent.futures.Future | None = None  # the pause, until its resume
+        self._pause: concurrent.futures.Future[Any] | None = None  # the pause, until its resume
 
     async def begin(self) -> None:
         """The pause is sent, not waited for: the engine core takes its messages in order, so the
@@ -44,13 +44,15 @@ class Swap:
         the new version's label and the resume go to the core back to back, and the batch's
         stall is the load and one trip to the core. Cutting needs every output sampled before
         the pause counted first."""
-        batch = self._batch
-        pending = [self._pause]
+        batch, pause = self._batch, self._pause
+        if pause is None:  # (the engine's end_swap follows its begin_swap: a bug otherwise)
+            raise RuntimeError("a swap ended that did not begin")
+        pending = [pause]
         try:
             if failed is not None:
                 self._weights.poisoned = failed
             if batch.generating and (failed is not None or mode is RefitMode.ABORT or max_staleness is not None):
-                await asyncio.wrap_future(self._pause)
+                await asyncio.wrap_future(pause)
                 await self._settled()
                 if batch.generating:
                     recompute_kv = self._cut(version, mode, resume_aborted, max_staleness) or recompute_kv
