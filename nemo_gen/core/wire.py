@@ -158,7 +158,7 @@ class ProbeReply:
 @dataclass(frozen=True)
 class InFlight:
     """What a refit does to running requests (``refit.in_flight`` and its options, built by
-    ``nemo_gen.config.policies.in_flight``): ``drain`` holds new ones back until the running
+    ``nemo_gen.settings.policies.in_flight``): ``drain`` holds new ones back until the running
     ones finish; ``keep`` / ``abort`` swap the weights under them, cutting those with more than
     ``max_staleness`` tokens from older weights (``keep``) or all (``abort``), resumed on the new
     weights when ``resume_aborted``; ``recompute_kv``: their KV recomputed as they resume."""

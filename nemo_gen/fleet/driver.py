@@ -43,6 +43,7 @@ from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread
 from nemo_gen.fleet.faults import classify, failure_of, root_cause, unanswered
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec, slot_from_name
 from nemo_gen.fleet.transport import ItemStream, Pending, Ref, ShardTransport, Unanswered
+from nemo_gen.settings import NemoGenSettings
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ ProgressFn = Callable[[int, str, dict[str, Any]], None]
 
 @dataclass(frozen=True)
 class DriverTimeouts:
-    """Deadlines of the calls the driver makes (built from settings by ``nemo_gen.config.policies``)."""
+    """Deadlines of the calls the driver makes (built from settings by ``driver_timeouts`` below)."""
 
     control_s: float  # info / assign: a live actor answers at once
     stop_s: float  # a clean engine stop before the actor is killed
@@ -385,3 +386,19 @@ class ShardDriver:
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)
+
+
+def driver_timeouts(settings: NemoGenSettings) -> DriverTimeouts:
+    """Deadlines of the driver's calls on shard actors (built here, beside the driver: the
+    settings side never imports the fleet)."""
+    return DriverTimeouts(
+        control_s=settings.fleet.control_timeout_s,
+        stop_s=settings.fleet.stop_timeout_s,
+        engine_grace_s=settings.fleet.engine_stop_grace_s,
+        refit_s=settings.refit.timeout_s,
+    )
+
+
+def shard_driver(settings: NemoGenSettings) -> ShardDriver:
+    """The Ray driver for a fleet of these settings."""
+    return ShardDriver(driver_timeouts(settings), channels=settings.refit.control_channel)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Sequence
 
-from nemo_gen.config import policies
+from nemo_gen.settings import policies
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.planner import Seed, attach_seeds
 from nemo_gen.core.wire import FleetRecordState
@@ -29,7 +29,7 @@ from nemo_gen.fleet import services
 from nemo_gen.fleet.adapters import AdapterVerbs
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
-from nemo_gen.fleet.driver import ProgressFn, ShardDriver
+from nemo_gen.fleet.driver import ProgressFn, ShardDriver, shard_driver
 from nemo_gen.fleet.members import Membership, claimed_slots
 from nemo_gen.fleet.monitor import DeathWatch, FleetMonitor, Prober
 from nemo_gen.host.processes import reap
@@ -60,7 +60,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
                  recorded: FleetRecordState | None = None, driver: ShardDriver | None = None):
         self.resolved = resolved
         self.settings = s = resolved.settings
-        self.driver = driver or policies.shard_driver(s)
+        self.driver = driver or shard_driver(s)
         self._ray = ray_connection
         self._tokenizer = tokenizer or load_tokenizer(resolved.tokenizer_dir)
         self.health = GenerationFleetHealth(shard_count=s.fleet.num_shards, policy=policies.health_policy(s))
@@ -297,4 +297,4 @@ def _connect(settings: NemoGenSettings) -> tuple[RayConnection, ShardDriver]:
     from nemo_gen.environment import configure_environment
 
     configure_environment(settings)
-    return init_ray(settings.ray), policies.shard_driver(settings)
+    return init_ray(settings.ray), shard_driver(settings)

@@ -54,7 +54,7 @@ class NemoRlRefit:
                                    address: str | None = None) -> RefitReport:
         """Receive one NeMo-RL stream on every shard (``address``: the senders' socket; None: each
         GPU's ``ipc:///tmp/<GPU-UUID>.sock``) and serve it as ``version`` (default previous + 1)."""
-        from nemo_gen.config import policies
+        from nemo_gen.settings import policies
 
         entries = self._announced("update_weights_via_ipc_zmq")
         mode = policies.in_flight(self.fleet.settings, in_flight)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from nemo_gen.config import policies
+from nemo_gen.settings import policies
 from nemo_gen.core import modes, retry, wire
 from nemo_gen.core.modes import RecoveryAction, RefitMode, WeightTarget, parse
 from nemo_gen.errors import ConfigError, EngineCrashError, RequestTimeout, ShardBusy, ShardDiedError
