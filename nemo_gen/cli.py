@@ -313,12 +313,12 @@ def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:
     from nemo_gen import progress
     from nemo_gen.cli_view import LiveView
     from nemo_gen.fleet.fleet import GenerationFleet
-    from nemo_gen.server import start_server
+    from nemo_gen.server import serve, start_server
 
     with LiveView(enabled=not args.json) as view, progress.listening(view.on_event):
-        fleet = GenerationFleet.launch(settings, progress=progress.shard_event)
+        fleet = serve(GenerationFleet.launch(settings, progress=progress.shard_event))
     with fleet:
-        url = getattr(fleet, "http_url", None)  # the fleet started it (vllm_cfg.expose_http_server)
+        url = getattr(fleet, "http_url", None)  # its own server (vllm_cfg.expose_http_server)
         handle = None if url else start_server(fleet, settings)
         try:
             url = url or handle.url

@@ -25,7 +25,6 @@ from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.request_policy import honour
 from nemo_gen.core.sampling import resolve_sampling
 from nemo_gen.errors import ShardUnavailableError
-from nemo_gen.fleet import services
 from nemo_gen.fleet.adapters import AdapterVerbs
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
@@ -99,7 +98,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
                              tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)
         if watch and s.health.enabled:
             self._start_monitor()
-        self.http = services.start_http(self, self._tokenizer, on_failure=self.detach if attached else self.shutdown)
+        self.http: Any = None  # its own HTTP server, when the process composed one (nemo_gen.server.serve)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -189,7 +188,8 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
     # -- weights -----------------------------------------------------------------------------
     @property
     def http_url(self) -> str | None:
-        """The fleet's OpenAI-compatible server (``generation.vllm_cfg.expose_http_server``)."""
+        """The fleet's OpenAI-compatible server (``generation.vllm_cfg.expose_http_server``, started
+        by ``nemo_gen.server.serve`` where the process is composed); None without one."""
         return self.http.url if getattr(self, "http", None) else None
 
     @property

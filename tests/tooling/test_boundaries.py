@@ -70,3 +70,12 @@ def test_the_checks_see_a_function_level_import(tmp_path):
     found = outside_imports(planted, ("flows", "tasks"))
     assert [hit.split(" ")[1] for hit in found] == ["flows.pipeline", "tasks.fleet"]
     assert PACKAGE.is_dir()
+
+
+def test_the_fleet_starts_no_service_of_its_own_package():
+    # The HTTP server is composed with the fleet where the process is (``nemo_gen.server.serve``),
+    # never looked up by the fleet behind an entry point, which hid the edge from the import graph.
+    hits = [f"{p.relative_to(ROOT)}" for p in (PACKAGE / "fleet").rglob("*.py")
+            if "entry_points" in p.read_text() or "importlib.metadata" in p.read_text()]
+    assert hits == []
+    assert importers("nemo_gen.server", "nemo_gen.fleet") == []
