@@ -23,7 +23,6 @@ from a copy of the bytes each id was loaded from.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -293,27 +292,6 @@ class FleetAdapters:
                 f"in_flight {in_flight.mode!r} would run their requests on after that: use in_flight='drain'"
             )
         yield
-
-
-class AdapterVerbs:
-    """The facade's adapter verbs and its ``adapters`` (``GenerationFleet`` inherits them)."""
-
-    @functools.cached_property
-    def adapters(self) -> FleetAdapters:
-        return FleetAdapters(self.refitter, self.driver, self.weights, self.settings)
-
-    def refit_adapter(self, name: str, source: Any, version: int | None = None) -> AdapterReport:
-        """Load LoRA adapter ``name`` into every shard as ``version`` (default its previous + 1).
-        ``source``: a PEFT directory, or live tensors ``{"config": peft_config, "tensors": {name:
-        tensor}}`` (staged in shared memory: no disk). Checked against the base model first — a bad
-        adapter is an ``AdapterError`` naming it, nothing changed; each load gets a fresh engine id,
-        so no request after it reaches an older version; running requests are not paused."""
-        self.background.check_open()
-        return self.adapters.refit(name, source, version)
-
-    def adapter_versions(self) -> dict[str, int]:
-        """The adapters served now: name -> the version a request for it gets."""
-        return self.adapters.registry.names() if self.adapters.enabled else {}
 
 
 def _plain(config: Mapping[str, Any]) -> dict[str, Any]:
