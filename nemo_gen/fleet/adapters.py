@@ -43,6 +43,12 @@ from nemo_gen.core.adapters import (
 from nemo_gen.core.manifest import TensorMeta, canonical_dtype, is_floating, layout
 from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove, AdapterState, InFlight
+from nemo_gen.core.members import Member
+from nemo_gen.fleet.driver import ShardDriver
+from nemo_gen.fleet.handles import ShardHandle
+from nemo_gen.fleet.refit import Refitter
+from nemo_gen.fleet.weights import FleetWeights
+from nemo_gen.settings import NemoGenSettings
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
@@ -117,7 +123,7 @@ class FleetAdapters:
     """The fleet's adapters. ``refitter`` gives the members and the base manifest, ``driver``
     carries the calls, ``weights`` holds the refit lock and the base version."""
 
-    def __init__(self, refitter: Any, driver: Any, weights: Any, settings: Any):
+    def __init__(self, refitter: Refitter, driver: ShardDriver, weights: FleetWeights, settings: NemoGenSettings):
         lora = settings.generation.vllm_cfg.lora
         self.enabled = lora.enabled
         self.refitter = refitter
@@ -208,7 +214,7 @@ class FleetAdapters:
         loaded = {e.engine_id for e in self.registry.loaded()}
         self._kept = {i: kept for i, kept in self._kept.items() if i in loaded}
 
-    def catch_up(self, member: Any, handle: Any) -> None:
+    def catch_up(self, member: Member, handle: ShardHandle) -> None:
         """A newcomer (a replacement, a spare) that caught up with the base weights loads every
         adapter the fleet holds on them, under the same ids (``Refitter.after_catch_up``, under the
         refit lock). One that fails is left out on that shard: its requests there fail by name

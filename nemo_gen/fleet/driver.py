@@ -28,7 +28,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
 
 from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.results import GenerationRequest
@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 
 # progress(shard_index, event, detail): "loading" | "ready" | "failed"
 ProgressFn = Callable[[int, str, dict[str, Any]], None]
+
+
+# A fan-out's keys (a ``Member``, a slot, a name: whatever the caller tells its shards by) and targets.
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -211,12 +216,12 @@ class ShardDriver:
         except Exception as exc:
             raise classify(handle, exc, what, timeout_s) from None
 
-    def _all(self, targets: Mapping[Any, Any], what: str, call: Callable[[Any], Ref]) -> dict[Any, Any]:
+    def _all(self, targets: Mapping[K, T], what: str, call: Callable[[T], Ref]) -> dict[K, Any]:
         """``call(target)`` on every target at once and one wait of ``fleet.control_timeout_s``
         for all of them: key -> the answer, or the classified error (never a wait per target)."""
         refs = {key: call(target) for key, target in targets.items()}
         self.transport.wait(list(refs.values()), self.timeouts.control_s)
-        out: dict[Any, Any] = {}
+        out: dict[K, Any] = {}
         for key, ref in refs.items():
             try:
                 out[key] = self.transport.get(ref, 0)
@@ -224,7 +229,7 @@ class ShardDriver:
                 out[key] = classify(None, exc, what, self.timeouts.control_s)
         return out
 
-    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
+    def infos(self, handles: Mapping[K, ShardHandle]) -> dict[K, ShardInfo | BaseException]:
         """``info`` of every handle at once (refreshing each ``handle.info`` that answered): key ->
         its info, or the error its call ended with."""
         out = self._all(handles, "info", lambda h: self.transport.call(h.actor, "info"))
@@ -253,8 +258,8 @@ class ShardDriver:
         manifest: EngineManifest = self._call(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
         return manifest
 
-    def fan_out(self, handles: Mapping[Any, ShardHandle], message: RefitMessage | Mapping[Any, RefitMessage],
-                margin_s: float) -> dict[Any, Outcome]:
+    def fan_out(self, handles: Mapping[K, ShardHandle], message: RefitMessage | Mapping[K, RefitMessage],
+                margin_s: float) -> dict[K, Outcome]:
         """Send a refit ``message`` (``CheckRefit``, ``LoadRefit``, a weight-sync step or an
         adapter call; the same for all, or one per key) to every handle at once; key -> Outcome.
         The workers enforce the refit deadline; ``margin_s`` on top covers a frozen actor that
@@ -265,9 +270,9 @@ class ShardDriver:
         per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
         wait = self.timeouts.refit_s + margin_s
         deadline = time.monotonic() + wait
-        direct: dict[Any, Channel] = {}
+        direct: dict[K, Channel] = {}
 
-        def send(key: Any) -> Ref:
+        def send(key: K) -> Ref:
             msg = per_key[key]
             return self.transport.call(handles[key].actor, _METHODS[type(msg)], msg)
 
@@ -282,7 +287,7 @@ class ShardDriver:
                     self._drop_channel(handle)
                 except Exception:  # not picklable without Ray's cloudpickle; nothing was sent
                     line.lock.release()
-        out: dict[Any, Outcome] = {}
+        out: dict[K, Outcome] = {}
         try:
             refs = {k: send(k) for k in handles if k not in direct}
             for key, line in direct.items():
