@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, str, dict[str, Any]], None]
 
 
+# What a fan-out carries: a refit message, NeMo-RL's IPC refit, or a sleep call (``_METHODS``).
+FanOutMessage = RefitMessage | IpcZmqRefit | SleepOrder | WakeOrder | ResetPrefixCache
 # A fan-out's keys (a ``Member``, a slot, a name: whatever the caller tells its shards by) and targets.
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -258,7 +260,7 @@ class ShardDriver:
         manifest: EngineManifest = self._call(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
         return manifest
 
-    def fan_out(self, handles: Mapping[K, ShardHandle], message: RefitMessage | Mapping[K, RefitMessage],
+    def fan_out(self, handles: Mapping[K, ShardHandle], message: FanOutMessage | Mapping[K, FanOutMessage],
                 margin_s: float) -> dict[K, Outcome]:
         """Send a refit ``message`` (``CheckRefit``, ``LoadRefit``, a weight-sync step or an
         adapter call; the same for all, or one per key) to every handle at once; key -> Outcome.

@@ -85,7 +85,7 @@ class GenerationFleet:
         self.monitor: FleetMonitor | None = None
         self.watches = DeathWatch(driver=self.driver, interval_s=s.health.watch_interval_s)
         gen_cfg = resolved.generation_config
-        parts = dict(slots=self.members.table, members=self.members, driver=self.driver)
+        parts: dict[str, Any] = dict(slots=self.members.table, members=self.members, driver=self.driver)  # (each part takes all three)
         self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes, digest=s.refit.digest)
         self.adapters = FleetAdapters(self.refitter, self.driver, self.weights, s)  # (loads adapters into newcomers)
         self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,

@@ -64,7 +64,7 @@ class FleetSession:
     ``chat`` / ``chat_async`` (a library caller's); ``trajectory()``; ``close()`` releases its shard."""
 
     def __init__(self, session_id: str, tokenizer: Any, render: Render | None = None,
-                 fleet: Any = None, on_close: Callable[[str], None] | None = None,
+                 fleet: Any = None, on_close: Callable[[str], object] | None = None,
                  parsers: ChatParsers | None = None):
         self.id = session_id
         self.tokenizer = tokenizer

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from nemo_gen.core.members import Member
 from nemo_gen.core.manifest import (
@@ -438,7 +438,7 @@ class FleetWeightSyncClient:
         self.refitter.settle(report, member, version, error, report.load_seconds)
 
     @staticmethod
-    def _errors(failed: dict[Member, str]) -> str:
+    def _errors(failed: Mapping[Member, str | None]) -> str:
         return "; ".join(f"shard {k.label}: {e}" for k, e in failed.items())
 
 
