@@ -59,7 +59,8 @@ unit: setup
 	$(PY) -m pytest $(FAST_TIERS) $(PYTEST_ARGS)
 
 # The linter (ruff: pyflakes and pycodestyle's errors, everywhere) and the type checker (mypy, strict
-# on nemo_gen/core and the driver's transports): their settings are pyproject.toml's. Part of `make check` and `make test`.
+# on nemo_gen/core, nemo_gen/shard and the driver's transports): their settings are pyproject.toml's.
+# Part of `make check` and `make test`.
 lint: setup
 	$(VENV)/bin/ruff check nemo_gen flows tasks bench tests examples
 	$(VENV)/bin/mypy

@@ -63,7 +63,7 @@ def per_tensor_refit(fleet, path: str) -> tuple[float, int]:
     import ray
     import torch
 
-    from nemo_gen.config import policies
+    from nemo_gen.settings import policies
     from nemo_gen.core.manifest import layout
     from nemo_gen.core.wire import LoadRefit
     from nemo_gen.fleet.weight_sources import CheckpointSource

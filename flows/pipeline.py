@@ -32,7 +32,7 @@ from nemo_gen import pipeline, progress
 from nemo_gen.fleet.fleet import GenerationFleet
 from nemo_gen.fleet.resolve import ResolvedGeneration
 from nemo_gen.fleet.handles import ShardHandle
-from nemo_gen.config.policies import shard_driver
+from nemo_gen.fleet.driver import shard_driver
 from nemo_gen.settings import NemoGenSettings
 from tasks import fleet as fleet_tasks
 from tasks import setup as setup_tasks

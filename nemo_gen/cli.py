@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from nemo_gen.cli_parser import build_parser
+from nemo_gen.core.modes import RefitMode
 from nemo_gen.errors import DataError, NemoGenError
 from nemo_gen.interrupt import SignalGuard
 
@@ -290,7 +291,7 @@ _SERVE_DEFAULTS = {**_RUN_DEFAULTS, "generation.vllm_cfg.enable_vllm_metrics_log
 def _unset_defaults(settings, defaults: dict[str, Any]) -> list[str]:
     """``defaults`` the settings do not name, as ``--set`` overrides to put before the user's."""
     return [f"{k}={json.dumps(v)}" for k, v in defaults.items() if not _explicit(settings, k)
-            and not (k.endswith("async_engine") and settings.refit.in_flight != "drain")]
+            and not (k.endswith("async_engine") and settings.refit.in_flight is not RefitMode.DRAIN)]
 
 
 def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:
@@ -312,12 +313,12 @@ def _serve(args: argparse.Namespace, guard: SignalGuard) -> int:
     from nemo_gen import progress
     from nemo_gen.cli_view import LiveView
     from nemo_gen.fleet.fleet import GenerationFleet
-    from nemo_gen.server import start_server
+    from nemo_gen.server import serve, start_server
 
     with LiveView(enabled=not args.json) as view, progress.listening(view.on_event):
-        fleet = GenerationFleet.launch(settings, progress=progress.shard_event)
+        fleet = serve(GenerationFleet.launch(settings, progress=progress.shard_event))
     with fleet:
-        url = getattr(fleet, "http_url", None)  # the fleet started it (vllm_cfg.expose_http_server)
+        url = getattr(fleet, "http_url", None)  # its own server (vllm_cfg.expose_http_server)
         handle = None if url else start_server(fleet, settings)
         try:
             url = url or handle.url

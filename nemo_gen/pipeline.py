@@ -364,7 +364,7 @@ def run_pipeline(settings: NemoGenSettings, name: str = "run") -> dict[str, Any]
     from nemo_gen.fleet.cluster import cluster_resources, init_ray, shutdown_ray
     from nemo_gen.fleet.fleet import GenerationFleet
     from nemo_gen.fleet.resolve import resolve_generation
-    from nemo_gen.config.policies import shard_driver
+    from nemo_gen.fleet.driver import shard_driver
 
     lines = load_prompts(settings)  # a bad input file (or output to resume) fails before anything starts
     resumable(settings, lines)

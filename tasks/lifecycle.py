@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from nemo_gen import progress
 from nemo_gen.errors import DataError, ShardUnavailableError
 from nemo_gen.fleet.fleet import GenerationFleet
+from nemo_gen.server import serve
 from nemo_gen.settings import NemoGenSettings
 
 
@@ -30,8 +31,9 @@ def attach(settings: NemoGenSettings, missing_ok: bool = False) -> GenerationFle
 
 @task(name="launch-fleet", cache_policy=NO_CACHE)
 def launch(settings: NemoGenSettings) -> GenerationFleet:
-    """Start every shard (and spare) as detached, named actors; they outlive this run."""
-    return GenerationFleet.launch(settings, progress=progress.shard_event)
+    """Start every shard (and spare) as detached, named actors; they outlive this run. Its own
+    HTTP server (``generation.vllm_cfg.expose_http_server``) is composed here, in this process."""
+    return serve(GenerationFleet.launch(settings, progress=progress.shard_event))
 
 
 @task(name="check-weight-version", cache_policy=NO_CACHE)

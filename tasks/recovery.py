@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from nemo_gen.core.retry import is_retriable
 from nemo_gen.fleet import recovery
-from nemo_gen.config.policies import backoff_policy
+from nemo_gen.settings.policies import backoff_policy
 
 
 def retry_on_infra(task, task_run, state) -> bool:

@@ -45,7 +45,7 @@ from nemo_gen.core.wire import (
     StreamEnd, Unfinished,
 )
 from nemo_gen.errors import ShardDiedError
-from nemo_gen.shard.batch import add_span
+from nemo_gen.core.migration import add_span
 from nemo_gen.shard.gate import Gate
 from nemo_gen.fleet.driver import DriverTimeouts, ShardDriver
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec
@@ -607,7 +607,9 @@ def fake_fleet(settings, driver: FakeDriver, watch: bool = True):
     started = driver.launch_all(resolved.shards + resolved.spares)
     shards = [h for h in started if h.info.slot is not None]
     spares = [h for h in started if h.info.slot is None]
-    return GenerationFleet(resolved, shards, spares=spares, driver=driver, watch=watch)
+    from nemo_gen.server import serve
+
+    return serve(GenerationFleet(resolved, shards, spares=spares, driver=driver, watch=watch))
 
 
 

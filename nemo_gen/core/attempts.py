@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from nemo_gen.core.wire import FailureKind
 from nemo_gen.errors import EngineCrashError, FleetBusy, ShardDiedError
 
 Clock = Callable[[], float]
@@ -83,10 +84,10 @@ class Attempts:
         self.rerouted = 0  # sent again after a dead shard
         self.refused = 0  # refused by busy shards
 
-    def after(self, error: BaseException, kind: str, shard: int | None) -> Retry | Fail:
+    def after(self, error: BaseException, kind: FailureKind, shard: int | None) -> Retry | Fail:
         """``error`` (of ``kind``: dead / busy / slow / data) ended the try on ``shard``."""
         p = self.policy
-        if kind == "dead":
+        if kind is FailureKind.DEAD:
             if may_be_poison(error):
                 return Fail(error)
             if self.rerouted >= p.max_reroutes:
@@ -96,7 +97,7 @@ class Attempts:
                                            f"fleet.max_reroutes={p.max_reroutes})"))
             self.rerouted += 1
             return Retry()
-        if kind == "busy":
+        if kind is FailureKind.BUSY:
             self.refused += 1
             if self.refused > p.busy_retries:
                 return Fail(FleetBusy(

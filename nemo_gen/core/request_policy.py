@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from nemo_gen.core.modes import RefitMode
 from nemo_gen.core.wire import InFlight
 from nemo_gen.errors import RequestError
 
@@ -44,7 +45,7 @@ def split_policy(kwargs: Mapping[str, Any]) -> tuple[RequestPolicy, dict[str, An
 def staleness_bound(in_flight: InFlight) -> int | None:
     """The most tokens from older weights a running request can carry through a refit done this
     way; None: no bound."""
-    if in_flight.mode != "keep" or in_flight.recompute_kv:
+    if in_flight.mode is not RefitMode.KEEP or in_flight.recompute_kv:
         return 0
     return in_flight.max_staleness
 

@@ -32,7 +32,9 @@ from nemo_gen.core import wire
 from nemo_gen.errors import DataError, FleetBusy, InfraError, RequestTimeout, ShardBusy
 
 FailureClass = Literal["infra", "data"]
-FailureKind = Literal["dead", "busy", "slow", "data"]
+# The kinds are the wire's enum (one type of that name): ``kind_of`` answers a member.
+FailureKind = wire.FailureKind
+DEAD, BUSY, SLOW, DATA = FailureKind.DEAD, FailureKind.BUSY, FailureKind.SLOW, FailureKind.DATA
 
 # Ray exceptions that mean a worker, node, object or the control plane went away — never
 # the input. Matched by class name anywhere in the MRO, so subclasses Ray adds under these
@@ -120,15 +122,15 @@ def http_status_kind(status: int) -> FailureKind:
     """429 and 503: busy (come back later); 408 and 504: slow (a deadline passed); any other
     5xx: the endpoint is unwell (dead); any other 4xx describes the request (data)."""
     if status in (429, 503):
-        return "busy"
+        return BUSY
     if status in (408, 504):
-        return "slow"
-    return "dead" if status >= 500 else "data"
+        return SLOW
+    return DEAD if status >= 500 else DATA
 
 
 def http_status_is_infra(status: int) -> bool:
     """5xx, 408 and 429 mean the endpoint is unwell or busy; any other 4xx describes the request."""
-    return http_status_kind(status) != "data"
+    return http_status_kind(status) is not DATA
 
 
 # Exceptions that carry an HTTP status and are classified by it: the attribute per class name.
@@ -151,23 +153,23 @@ def _http_status(exc: BaseException) -> int | None:
 def _single_kind(exc: BaseException) -> FailureKind | None:
     """The kind of this one exception, ignoring what it wraps; None: not recognised."""
     if isinstance(exc, (ShardBusy, FleetBusy)):
-        return "busy"
+        return BUSY
     if isinstance(exc, RequestTimeout):
-        return "slow"
+        return SLOW
     if isinstance(exc, InfraError):
-        return "dead"
+        return DEAD
     if isinstance(exc, DataError):
-        return "data"
+        return DATA
     names = {cls.__name__ for cls in type(exc).__mro__}
     if names & BUSY_NAMES:
-        return "busy"
+        return BUSY
     status = _http_status(exc)
     if status is not None:
         return http_status_kind(status)
     if names & RAY_INFRA_NAMES or names & TRANSPORT_INFRA_NAMES or names & ENGINE_INFRA_NAMES:
-        return "dead"
+        return DEAD
     # ValueError, TypeError, KeyError and everything else unknown fall through to data.
-    return "dead" if isinstance(exc, _STDLIB_INFRA_TYPES) else None
+    return DEAD if isinstance(exc, _STDLIB_INFRA_TYPES) else None
 
 
 def _wrapped(exc: BaseException) -> list[BaseException]:
@@ -195,19 +197,19 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def kind_of(exc: BaseException) -> FailureKind:
-    """``"dead"``, ``"busy"``, ``"slow"`` or ``"data"``: see the module doc.
+    """``DEAD``, ``BUSY``, ``SLOW`` or ``DATA`` (``FailureKind``): see the module doc.
 
     An explicit ``DataError`` at the top wins: a caller that knows the input is bad has said
     so. Otherwise the exception and what it wraps are searched (breadth first, bounded) and
     the first one recognised gives the kind; none recognised: data.
     """
     if isinstance(exc, DataError):
-        return "data"
+        return DATA
     for current in _chain(exc):
         kind = _single_kind(current)
-        if kind is not None and kind != "data":
+        if kind is not None and kind is not DATA:
             return kind
-    return "data"
+    return DATA
 
 
 def failure(exc: BaseException, said: BaseException | None = None) -> wire.Failure:
@@ -215,7 +217,7 @@ def failure(exc: BaseException, said: BaseException | None = None) -> wire.Failu
     what the shard said (``said``: the exception a transport's error wraps; ``exc`` itself by
     default). One form whichever way the call went: over Ray, over the direct line, in process."""
     type_name, _, detail = wire.exception_line(said or exc).partition(": ")
-    return wire.Failure(wire.FailureKind(kind_of(exc)), type_name, detail)
+    return wire.Failure(kind_of(exc), type_name, detail)
 
 
 def client_error(exc: BaseException) -> BaseException | None:
@@ -247,7 +249,7 @@ def ended_on_its_own(exit_code: int | None) -> bool:
 def classify(exc: BaseException) -> FailureClass:
     """``"infra"`` if retrying ``exc`` elsewhere or later may succeed (dead, busy, slow),
     else ``"data"``."""
-    return "data" if kind_of(exc) == "data" else "infra"
+    return "data" if kind_of(exc) is DATA else "infra"
 
 
 def is_retriable(exc: BaseException) -> bool:
@@ -257,7 +259,7 @@ def is_retriable(exc: BaseException) -> bool:
 
 def condemns(exc: BaseException) -> bool:
     """Whether ``exc`` is evidence that its shard is dead (the only kind that condemns one)."""
-    return kind_of(exc) == "dead"
+    return kind_of(exc) is DEAD
 
 
 def describe(exc: BaseException) -> str:

@@ -34,6 +34,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Union
 
+from nemo_gen.core.modes import RefitMode, WeightTarget
+
 # The generate path's messages and the diagnostics, in their own module for size; part of the wire.
 from nemo_gen.core.wire_generation import (  # noqa: F401
     GenerateReply, LoadStats, RequestProgress, RequestResult, SampleDelta, SampleProgress, SampleResult, Sampling, Spans, StepGaps, StreamDeltas,
@@ -43,8 +45,9 @@ from nemo_gen.core.wire_generation import (  # noqa: F401
 # -- failures --------------------------------------------------------------------------------------
 
 
-class FailureKind(str, enum.Enum):
-    """The fault model's kinds (``nemo_gen.core.retry``): only DEAD condemns a shard."""
+class FailureKind(enum.StrEnum):
+    """The fault model's kinds (``nemo_gen.core.retry``): only DEAD condemns a shard. The one type
+    of that name: ``retry.kind_of`` answers it, the router and the attempts policy take it."""
 
     DEAD = "dead"  # the actor, its engine or its node is gone, or a control call went unanswered
     BUSY = "busy"  # admission refused for now: retry elsewhere, later
@@ -155,19 +158,22 @@ class ProbeReply:
 @dataclass(frozen=True)
 class InFlight:
     """What a refit does to running requests (``refit.in_flight`` and its options, built by
-    ``nemo_gen.config.policies.in_flight``): ``drain`` holds new ones back until the running
+    ``nemo_gen.settings.policies.in_flight``): ``drain`` holds new ones back until the running
     ones finish; ``keep`` / ``abort`` swap the weights under them, cutting those with more than
     ``max_staleness`` tokens from older weights (``keep``) or all (``abort``), resumed on the new
     weights when ``resume_aborted``; ``recompute_kv``: their KV recomputed as they resume."""
 
-    mode: str
+    mode: RefitMode
     resume_aborted: bool = True
     max_staleness: int | None = None
     recompute_kv: bool = False
 
+    def __post_init__(self) -> None:  # a spelling ("keep") becomes the member; an unknown one fails here
+        object.__setattr__(self, "mode", RefitMode(self.mode))
+
     @property
     def drain(self) -> bool:
-        return self.mode == "drain"
+        return self.mode is RefitMode.DRAIN
 
 
 
@@ -262,8 +268,11 @@ class SyncApply:
     step: ClassVar[SyncStep] = SyncStep.APPLY
     in_flight: InFlight
     update_info: Mapping[str, Any]
-    target: str  # "policy" or "draft"
+    target: WeightTarget
     version: int
+
+    def __post_init__(self) -> None:  # as ``InFlight.mode``: the member, whatever spelling came
+        object.__setattr__(self, "target", WeightTarget(self.target))
 
 
 SyncPayload = Union[SyncInit, SyncStart, SyncStartDraft, SyncUpdate, SyncFinish, SyncAbort, SyncShutdown, SyncApply]

@@ -23,7 +23,6 @@ from a copy of the bytes each id was loaded from.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -42,7 +41,14 @@ from nemo_gen.core.adapters import (
     refuse,
 )
 from nemo_gen.core.manifest import TensorMeta, canonical_dtype, is_floating, layout
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.wire import AdapterLoad, AdapterModules, AdapterRemove, AdapterState, InFlight
+from nemo_gen.core.members import Member
+from nemo_gen.fleet.driver import ShardDriver
+from nemo_gen.fleet.handles import ShardHandle
+from nemo_gen.fleet.refit import Refitter
+from nemo_gen.fleet.weights import FleetWeights
+from nemo_gen.settings import NemoGenSettings
 from nemo_gen.vllm_ext.lora import EXTRA_KEY
 from nemo_gen.vllm_ext.staging import SharedMemoryStaging
 
@@ -117,7 +123,7 @@ class FleetAdapters:
     """The fleet's adapters. ``refitter`` gives the members and the base manifest, ``driver``
     carries the calls, ``weights`` holds the refit lock and the base version."""
 
-    def __init__(self, refitter: Any, driver: Any, weights: Any, settings: Any):
+    def __init__(self, refitter: Refitter, driver: ShardDriver, weights: FleetWeights, settings: NemoGenSettings):
         lora = settings.generation.vllm_cfg.lora
         self.enabled = lora.enabled
         self.refitter = refitter
@@ -138,7 +144,7 @@ class FleetAdapters:
 
     def base(self) -> BaseLoraManifest:
         if self._base is None:
-            expected = self.refitter.expected("policy")
+            expected = self.refitter.expected(WeightTarget.POLICY)
             engine = self._modules()
             self._base = base_lora_manifest(expected.tensors, engine.supported,
                                             min(self.max_rank, engine.max_rank), self._model_names)
@@ -208,7 +214,7 @@ class FleetAdapters:
         loaded = {e.engine_id for e in self.registry.loaded()}
         self._kept = {i: kept for i, kept in self._kept.items() if i in loaded}
 
-    def catch_up(self, member: Any, handle: Any) -> None:
+    def catch_up(self, member: Member, handle: ShardHandle) -> None:
         """A newcomer (a replacement, a spare) that caught up with the base weights loads every
         adapter the fleet holds on them, under the same ids (``Refitter.after_catch_up``, under the
         refit lock). One that fails is left out on that shard: its requests there fail by name
@@ -289,30 +295,9 @@ class FleetAdapters:
         if self.registry.loaded() and not in_flight.drain:
             raise AdapterError(
                 f"a full refit drops the loaded adapters ({', '.join(sorted(self.registry.names()))}) and "
-                f"in_flight {in_flight.mode!r} would run their requests on after that: use in_flight='drain'"
+                f"in_flight '{in_flight.mode}' would run their requests on after that: use in_flight='drain'"
             )
         yield
-
-
-class AdapterVerbs:
-    """The facade's adapter verbs and its ``adapters`` (``GenerationFleet`` inherits them)."""
-
-    @functools.cached_property
-    def adapters(self) -> FleetAdapters:
-        return FleetAdapters(self.refitter, self.driver, self.weights, self.settings)
-
-    def refit_adapter(self, name: str, source: Any, version: int | None = None) -> AdapterReport:
-        """Load LoRA adapter ``name`` into every shard as ``version`` (default its previous + 1).
-        ``source``: a PEFT directory, or live tensors ``{"config": peft_config, "tensors": {name:
-        tensor}}`` (staged in shared memory: no disk). Checked against the base model first — a bad
-        adapter is an ``AdapterError`` naming it, nothing changed; each load gets a fresh engine id,
-        so no request after it reaches an older version; running requests are not paused."""
-        self.background.check_open()
-        return self.adapters.refit(name, source, version)
-
-    def adapter_versions(self) -> dict[str, int]:
-        """The adapters served now: name -> the version a request for it gets."""
-        return self.adapters.registry.names() if self.adapters.enabled else {}
 
 
 def _plain(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
-
-from nemo_gen.core.fleet_health import SERVING_STATES
+from nemo_gen.core.fleet_health import SERVING_STATES, HealthyShardSelector
+from nemo_gen.core.ledger_view import LedgerView
+from nemo_gen.fleet.members import Membership
 from nemo_gen.core.session_placement import SessionPlacement
 from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet.rolling import open_to_sessions, placeable
@@ -31,7 +31,7 @@ _SESSIONS = 100_000
 
 
 class SessionAffinity:
-    def __init__(self, health: Any, members: Any, selector: Any, slack: int):
+    def __init__(self, health: LedgerView, members: Membership, selector: HealthyShardSelector, slack: int):
         self.health, self.members, self.selector, self.slack = health, members, selector, slack
         self.placement = SessionPlacement()
         self._last: OrderedDict[str, int] = OrderedDict()  # session id -> the slot of its last turn

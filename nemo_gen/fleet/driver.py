@@ -28,8 +28,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, TypeVar
 
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import (
     AdapterLoad, AdapterModules, AdapterRemove, CheckRefit, EngineManifest, Failure, FailureKind, LoadRefit, RefitMessage, Sampling, ShardInfo,
@@ -42,6 +43,7 @@ from nemo_gen.shard.control_channel import Channel, ChannelBroken, FrameUnread
 from nemo_gen.fleet.faults import classify, failure_of, root_cause, unanswered
 from nemo_gen.fleet.handles import ShardHandle, ShardSpec, slot_from_name
 from nemo_gen.fleet.transport import ItemStream, Pending, Ref, ShardTransport, Unanswered
+from nemo_gen.settings import NemoGenSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,16 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, str, dict[str, Any]], None]
 
 
+# What a fan-out carries: a refit message, NeMo-RL's IPC refit, or a sleep call (``_METHODS``).
+FanOutMessage = RefitMessage | IpcZmqRefit | SleepOrder | WakeOrder | ResetPrefixCache
+# A fan-out's keys (a ``Member``, a slot, a name: whatever the caller tells its shards by) and targets.
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class DriverTimeouts:
-    """Deadlines of the calls the driver makes (built from settings by ``nemo_gen.config.policies``)."""
+    """Deadlines of the calls the driver makes (built from settings by ``driver_timeouts`` below)."""
 
     control_s: float  # info / assign: a live actor answers at once
     stop_s: float  # a clean engine stop before the actor is killed
@@ -209,12 +218,12 @@ class ShardDriver:
         except Exception as exc:
             raise classify(handle, exc, what, timeout_s) from None
 
-    def _all(self, targets: Mapping[Any, Any], what: str, call: Callable[[Any], Ref]) -> dict[Any, Any]:
+    def _all(self, targets: Mapping[K, T], what: str, call: Callable[[T], Ref]) -> dict[K, Any]:
         """``call(target)`` on every target at once and one wait of ``fleet.control_timeout_s``
         for all of them: key -> the answer, or the classified error (never a wait per target)."""
         refs = {key: call(target) for key, target in targets.items()}
         self.transport.wait(list(refs.values()), self.timeouts.control_s)
-        out: dict[Any, Any] = {}
+        out: dict[K, Any] = {}
         for key, ref in refs.items():
             try:
                 out[key] = self.transport.get(ref, 0)
@@ -222,7 +231,7 @@ class ShardDriver:
                 out[key] = classify(None, exc, what, self.timeouts.control_s)
         return out
 
-    def infos(self, handles: Mapping[Any, ShardHandle]) -> dict[Any, ShardInfo | BaseException]:
+    def infos(self, handles: Mapping[K, ShardHandle]) -> dict[K, ShardInfo | BaseException]:
         """``info`` of every handle at once (refreshing each ``handle.info`` that answered): key ->
         its info, or the error its call ended with."""
         out = self._all(handles, "info", lambda h: self.transport.call(h.actor, "info"))
@@ -247,12 +256,12 @@ class ShardDriver:
         metrics: list[dict[str, Any]] = self._call(handle, "vllm_metrics", timeout_s=self.timeouts.control_s)
         return metrics
 
-    def expected_manifest(self, handle: ShardHandle, target: str) -> EngineManifest:
+    def expected_manifest(self, handle: ShardHandle, target: WeightTarget) -> EngineManifest:
         manifest: EngineManifest = self._call(handle, "expected_manifest", target, timeout_s=self.timeouts.refit_s)
         return manifest
 
-    def fan_out(self, handles: Mapping[Any, ShardHandle], message: RefitMessage | Mapping[Any, RefitMessage],
-                margin_s: float) -> dict[Any, Outcome]:
+    def fan_out(self, handles: Mapping[K, ShardHandle], message: FanOutMessage | Mapping[K, FanOutMessage],
+                margin_s: float) -> dict[K, Outcome]:
         """Send a refit ``message`` (``CheckRefit``, ``LoadRefit``, a weight-sync step or an
         adapter call; the same for all, or one per key) to every handle at once; key -> Outcome.
         The workers enforce the refit deadline; ``margin_s`` on top covers a frozen actor that
@@ -263,9 +272,9 @@ class ShardDriver:
         per_key = message if isinstance(message, Mapping) else {k: message for k in handles}
         wait = self.timeouts.refit_s + margin_s
         deadline = time.monotonic() + wait
-        direct: dict[Any, Channel] = {}
+        direct: dict[K, Channel] = {}
 
-        def send(key: Any) -> Ref:
+        def send(key: K) -> Ref:
             msg = per_key[key]
             return self.transport.call(handles[key].actor, _METHODS[type(msg)], msg)
 
@@ -280,7 +289,7 @@ class ShardDriver:
                     self._drop_channel(handle)
                 except Exception:  # not picklable without Ray's cloudpickle; nothing was sent
                     line.lock.release()
-        out: dict[Any, Outcome] = {}
+        out: dict[K, Outcome] = {}
         try:
             refs = {k: send(k) for k in handles if k not in direct}
             for key, line in direct.items():
@@ -384,3 +393,19 @@ class ShardDriver:
 
     def classify(self, handle: ShardHandle, exc: BaseException, what: str) -> BaseException:
         return classify(handle, exc, what)
+
+
+def driver_timeouts(settings: NemoGenSettings) -> DriverTimeouts:
+    """Deadlines of the driver's calls on shard actors (built here, beside the driver: the
+    settings side never imports the fleet)."""
+    return DriverTimeouts(
+        control_s=settings.fleet.control_timeout_s,
+        stop_s=settings.fleet.stop_timeout_s,
+        engine_grace_s=settings.fleet.engine_stop_grace_s,
+        refit_s=settings.refit.timeout_s,
+    )
+
+
+def shard_driver(settings: NemoGenSettings) -> ShardDriver:
+    """The Ray driver for a fleet of these settings."""
+    return ShardDriver(driver_timeouts(settings), channels=settings.refit.control_channel)

@@ -44,12 +44,12 @@ def classify(handle: ShardHandle | None, exc: BaseException, what: str, timeout_
     if isinstance(exc, (Unanswered, ray.exceptions.GetTimeoutError)):
         return ShardDiedError(index, f"{what} did not answer within {timeout_s:g}s")
     kind = kind_of(exc)
-    if kind == "data" and (client := client_error(exc)) is not None:
+    if kind is FailureKind.DATA and (client := client_error(exc)) is not None:
         # vLLM refused the request (an id out of vocabulary, a bad parameter): the caller's
         # RequestError, in vLLM's words and without Ray's frame around them
         return RequestError(exception_line(client))
-    if kind == "busy":
+    if kind is FailureKind.BUSY:
         return ShardBusy(index, root_cause(exc))
-    if kind == "dead":
+    if kind is FailureKind.DEAD:
         return ShardDiedError(index, root_cause(exc))
     return exc

@@ -1,22 +1,27 @@
 """``GenerationFleet``: N vLLM shards on Ray behind one generate call — the facade.
 
-It owns no logic of its own: it builds the parts from the settings and hands each the others
-it needs, by keyword. Each piece of state has one owner: ``members`` (``Membership`` over the
+It owns no logic of its own: it builds every part explicitly in ``__init__`` from the settings
+and hands each the others it needs, by keyword; its verbs are one-line calls into a part (no
+mixins, no part built on first use). Its HTTP server is not one of its parts: the process that
+composes the fleet adds it (``nemo_gen.server.serve``). Each piece of state has one owner: ``members`` (``Membership`` over the
 core ``SlotTable``: each slot's actor, ``health`` state and version, the spares, the losses
 ``recovery`` drains; the table is the ledger's one writer, and the parts get it, not the ledger), ``weights`` (``FleetWeights``: version, source, staged refit, refit lock),
 ``adapters`` (``FleetAdapters``) and ``background`` (``Background``: open or not, its threads).
 
 The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
 ``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back (what to do is
-``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes; ``session()`` is ``fleet/session.py``'s.
+``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes, ``sleeper`` sleeps and
+wakes the engines; ``session()`` opens a ``FleetSession`` (``fleet/session.py``).
 No fleet module imports this one.
 """
 from __future__ import annotations
 
+import secrets
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterable, Sequence
 
-from nemo_gen.config import policies
+from nemo_gen.chat.answers import ChatParsers
+from nemo_gen.settings import policies
 from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
 from nemo_gen.core.planner import Seed, attach_seeds
 from nemo_gen.core.wire import FleetRecordState
@@ -24,12 +29,12 @@ from nemo_gen.core.manifest import RefitReport
 from nemo_gen.core.results import Delta, GenerationResult
 from nemo_gen.core.request_policy import honour
 from nemo_gen.core.sampling import resolve_sampling
+from nemo_gen.core.sleep import SleepLevel, SleepState
 from nemo_gen.errors import ShardUnavailableError
-from nemo_gen.fleet import services
-from nemo_gen.fleet.adapters import AdapterVerbs
+from nemo_gen.fleet.adapters import AdapterReport, FleetAdapters
 from nemo_gen.fleet.background import Background
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
-from nemo_gen.fleet.driver import ProgressFn, ShardDriver
+from nemo_gen.fleet.driver import ProgressFn, ShardDriver, shard_driver
 from nemo_gen.fleet.members import Membership, claimed_slots
 from nemo_gen.fleet.monitor import DeathWatch, FleetMonitor, Prober
 from nemo_gen.host.processes import reap
@@ -38,8 +43,8 @@ from nemo_gen.fleet.recovery import Recovery
 from nemo_gen.fleet.refit import Refitter
 from nemo_gen.fleet.resolve import ResolvedGeneration, load_tokenizer, resolve_generation
 from nemo_gen.fleet.router import Prompt, Router
-from nemo_gen.fleet.session import SessionVerbs
-from nemo_gen.fleet.sleep import FleetSleep, SleepVerbs
+from nemo_gen.fleet.session import FleetSession
+from nemo_gen.fleet.sleep import FleetSleep, SleepReport
 from nemo_gen.fleet.handles import ShardHandle
 from nemo_gen.fleet.spares import SparePool
 from nemo_gen.fleet.status import ShardStatus, fleet_metrics, fleet_status
@@ -50,7 +55,7 @@ from nemo_gen.settings import NemoGenSettings
 __all__ = ["GenerationFleet", "ShardStatus"]
 
 
-class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
+class GenerationFleet:
     """A running fleet. Build it with ``GenerationFleet.launch(settings)``; use as a context
     manager, or call ``shutdown()`` (idempotent)."""
 
@@ -60,9 +65,10 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
                  recorded: FleetRecordState | None = None, driver: ShardDriver | None = None):
         self.resolved = resolved
         self.settings = s = resolved.settings
-        self.driver = driver or policies.shard_driver(s)
+        self.driver = driver or shard_driver(s)
         self._ray = ray_connection
         self._tokenizer = tokenizer or load_tokenizer(resolved.tokenizer_dir)
+        self._session_parsers: ChatParsers | None = None  # built by the first session()
         self.health = GenerationFleetHealth(shard_count=s.fleet.num_shards, policy=policies.health_policy(s))
         self.members = Membership(health=self.health, slots=shards, spares=spares, first_spare_seq=len(resolved.spares))
         # eval: engines loaded the checkpoint (version 0). train: dummy weights, STALE until the
@@ -79,8 +85,9 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
         self.monitor: FleetMonitor | None = None
         self.watches = DeathWatch(driver=self.driver, interval_s=s.health.watch_interval_s)
         gen_cfg = resolved.generation_config
-        parts = dict(slots=self.members.table, members=self.members, driver=self.driver)
+        parts: dict[str, Any] = dict(slots=self.members.table, members=self.members, driver=self.driver)  # (each part takes all three)
         self.refitter = Refitter(**parts, weights=self.weights, generation_config=gen_cfg, bucket_bytes=s.refit.bucket_bytes, digest=s.refit.digest)
+        self.adapters = FleetAdapters(self.refitter, self.driver, self.weights, s)  # (loads adapters into newcomers)
         self.spares = SparePool(members=self.members, driver=self.driver, refitter=self.refitter, background=self.background,
                                 template=(resolved.spares or resolved.shards)[0], fleet_name=s.fleet.name,
                                 num_slots=s.fleet.num_shards, wanted=lambda: self.settings.fleet.spares,
@@ -100,7 +107,7 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
                              tokens=tokens, timeout_s=s.health.probe_timeout_s, warmup_s=s.health.warmup_grace_s)
         if watch and s.health.enabled:
             self._start_monitor()
-        self.http = services.start_http(self, self._tokenizer, on_failure=self.detach if attached else self.shutdown)
+        self.http: Any = None  # its own HTTP server, when the process composed one (nemo_gen.server.serve)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -190,7 +197,8 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
     # -- weights -----------------------------------------------------------------------------
     @property
     def http_url(self) -> str | None:
-        """The fleet's OpenAI-compatible server (``generation.vllm_cfg.expose_http_server``)."""
+        """The fleet's OpenAI-compatible server (``generation.vllm_cfg.expose_http_server``, started
+        by ``nemo_gen.server.serve`` where the process is composed); None without one."""
         return self.http.url if getattr(self, "http", None) else None
 
     @property
@@ -259,6 +267,48 @@ class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
             self.monitor.stop()
         self.background.join()
 
+    # -- adapters, sessions, sleep (each a part's verbs: FleetAdapters, FleetSession, FleetSleep) ---
+
+    def refit_adapter(self, name: str, source: Any, version: int | None = None) -> AdapterReport:
+        """Load LoRA adapter ``name`` into every shard as ``version`` (default its previous + 1).
+        ``source``: a PEFT directory, or live tensors ``{"config": peft_config, "tensors": {name:
+        tensor}}`` (staged in shared memory: no disk). Checked against the base model first — a bad
+        adapter is an ``AdapterError`` naming it, nothing changed; each load gets a fresh engine id,
+        so no request after it reaches an older version; running requests are not paused."""
+        self.background.check_open()
+        return self.adapters.refit(name, source, version)
+
+    def adapter_versions(self) -> dict[str, int]:
+        """The adapters served now: name -> the version a request for it gets."""
+        return self.adapters.registry.names() if self.adapters.enabled else {}
+
+    def session(self, session_id: str | None = None) -> FleetSession:
+        """A new recorded session (``nemo_gen.fleet.session``), placed on the serving shard with the
+        fewest open sessions; ``close()`` it (or use it as a context manager) to release the shard."""
+        self.background.check_open()
+        sid = session_id or f"sess-{secrets.token_hex(12)}"
+        if self._session_parsers is None:  # the server's parsers (server.*), built once per fleet
+            self._session_parsers = ChatParsers.from_settings(self.settings.server, self._tokenizer)
+        self.router.open_session(sid)
+        return FleetSession(sid, self._tokenizer, fleet=self, on_close=self.router.close_session,
+                            parsers=self._session_parsers)
+
+    def sleep(self, level: int | SleepLevel = 1) -> SleepReport:
+        """Every engine sleeps at ``level`` (1: weights to CPU memory, KV cache dropped; 2: both
+        dropped, refit before generating again) once its running requests finished; until woken
+        the fleet refuses requests (``FleetAsleep``). Needs ``generation.colocated.enabled``."""
+        self.background.check_open()
+        return self.sleeper.sleep(level)
+
+    def wake(self, tags: Iterable[str] | None = None) -> SleepReport:
+        """Bring ``tags`` back (``["weights"]``, ``["kv_cache"]``; None: both). A no-op when awake."""
+        self.background.check_open()
+        return self.sleeper.wake(tags)
+
+    @property
+    def sleep_state(self) -> SleepState:
+        return self.sleeper.state
+
     # -- status and shutdown -----------------------------------------------------------------
 
     def status(self) -> list[ShardStatus]:
@@ -297,4 +347,4 @@ def _connect(settings: NemoGenSettings) -> tuple[RayConnection, ShardDriver]:
     from nemo_gen.environment import configure_environment
 
     configure_environment(settings)
-    return init_ray(settings.ray), policies.shard_driver(settings)
+    return init_ray(settings.ray), shard_driver(settings)

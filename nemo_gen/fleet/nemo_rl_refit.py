@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from nemo_gen.core.ipc_zmq import Entry, IpcZmqRefit, entries_of, nbytes_of
 from nemo_gen.core.manifest import RefitError, RefitReport, TensorMeta, check_manifest, is_floating, next_version
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.nemo_rl_collective import collective_init_info, collective_update_info
 from nemo_gen.errors import ConfigError
 from nemo_gen.fleet.refit import Refitter, metas_of
@@ -39,7 +40,7 @@ class NemoRlRefit:
         manifest now (``RefitError``: nothing will be sent that cannot load)."""
         entries = entries_of(state_dict_info)
         engine_dtype = self.refitter.engine_dtype
-        expected = self.refitter.expected("policy")
+        expected = self.refitter.expected(WeightTarget.POLICY)
         offered = [TensorMeta.of(n, shape, engine_dtype if is_floating(dt) else dt) for n, shape, dt in entries]
         check_manifest(metas_of(expected), offered, optional=expected.optional, what="model")
         self.entries = entries
@@ -53,7 +54,7 @@ class NemoRlRefit:
                                    address: str | None = None) -> RefitReport:
         """Receive one NeMo-RL stream on every shard (``address``: the senders' socket; None: each
         GPU's ``ipc:///tmp/<GPU-UUID>.sock``) and serve it as ``version`` (default previous + 1)."""
-        from nemo_gen.config import policies
+        from nemo_gen.settings import policies
 
         entries = self._announced("update_weights_via_ipc_zmq")
         mode = policies.in_flight(self.fleet.settings, in_flight)

@@ -31,6 +31,7 @@ from ray.util import get_node_ip_address
 from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import SERVING_STATES, ShardState
 from nemo_gen.core.members import Member
+from nemo_gen.core.modes import RecoveryAction
 from nemo_gen.core.planner import Action, CatchUp, PromoteSpare, Retire, plan, plan_slot
 from nemo_gen.core.retry import describe, is_retriable
 from nemo_gen.core.slots import SlotConflict, SlotTable
@@ -227,28 +228,28 @@ class Recovery:
     def restart_shard(self, index: int) -> dict[str, Any]:
         """One recovery attempt for shard ``index``: the planner's action for it, carried out.
 
-        Returns what was done (``action``: "none" | "caught-up" | "promoted-spare" | "restarted"
-        | "restarted-stale"). Raises ``ShardRetired`` when the attempts are spent,
+        Returns what was done (``action``: a ``RecoveryAction``, its public spelling in the
+        report: "none" | "caught-up" | "promoted-spare" | "restarted" | "restarted-stale"). Raises ``ShardRetired`` when the attempts are spent,
         ``EngineStartError``/``ShardDiedError`` (infra: worth another attempt) when the
         replacement fails, ``PlacementError`` (data) when the cluster cannot hold it."""
         health = self.health
         self.drain()
         shard = self._slot(index)
         if shard.state in SERVING_STATES:
-            return {"shard": index, "action": "none", "state": shard.state.value}
+            return {"shard": index, "action": RecoveryAction.NONE, "state": shard.state.value}
         if shard.state is ShardState.RETIRED:
             raise ShardRetired(f"shard {index} is retired: {shard.last_error or 'no error recorded'}")
         action = plan_slot(shard, self.weights.version, self.spares.ready(self.weights.version),
                            health.policy.max_restart_attempts_per_shard)
         if action is None:  # STALE with no version to catch up to yet
-            return {"shard": index, "action": "none", "state": shard.state.value}
+            return {"shard": index, "action": RecoveryAction.NONE, "state": shard.state.value}
         if isinstance(action, CatchUp):  # up, but behind: a refit from what is staged is enough
             handle = self.members.handle(index)
             try:
                 caught_up = handle is not None and self.refitter.catch_up(Member(handle.name, index), handle)
             except StaleShard:
                 caught_up = False
-            return {"shard": index, "action": "caught-up" if caught_up else "none", "state": health.state_of(index).value}
+            return {"shard": index, "action": RecoveryAction.CAUGHT_UP if caught_up else RecoveryAction.NONE, "state": health.state_of(index).value}
         if isinstance(action, Retire):
             self.slots.retire_slot(index, action.reason)
             self._note(index)
@@ -279,7 +280,7 @@ class Recovery:
     def _attempts(self, index: int) -> int:
         return self._slot(index).restart_attempts
 
-    def _promote(self, index: int, name: str) -> str | None:
+    def _promote(self, index: int, name: str) -> RecoveryAction | None:
         """The spare takes the slot, under the refit lock: a refit in progress finishes first
         (the spare takes it too), so the slot never gets weights behind the fleet's. None when
         no spare is at the version after all (a restart follows)."""
@@ -296,9 +297,9 @@ class Recovery:
                 return None
             self.watches.watch(member, spare)
         self.spares.replenish()
-        return "promoted-spare"
+        return RecoveryAction.PROMOTED_SPARE
 
-    def _restart(self, index: int) -> str:
+    def _restart(self, index: int) -> RecoveryAction:
         attempt = self._attempts(index)
         spec = dataclasses.replace(self._specs[index], name=f"{self._fleet_name}-shard-{index}-r{attempt}")
         handle = self.driver.launch(spec)
@@ -311,9 +312,9 @@ class Recovery:
         self.watches.watch(member, handle)
         try:
             self.refitter.catch_up(member, handle)
-            return "restarted"
+            return RecoveryAction.RESTARTED
         except StaleShard:
-            return "restarted-stale"
+            return RecoveryAction.RESTARTED_STALE
 
     def recover(self, index: int, rng: random.Random | None = None) -> dict[str, Any] | None:
         """The library's retry policy around ``restart_shard`` (what the Prefect task does with

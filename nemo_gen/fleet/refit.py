@@ -25,6 +25,7 @@ from typing import Any, Callable
 from nemo_gen.core.digest import WeightDigest, is_mismatch
 from nemo_gen.core.fleet_health import ABSENT_STATES
 from nemo_gen.core.members import Member
+from nemo_gen.core.modes import RefitMode, WeightTarget
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.manifest import (
     DRAFT_PREFIX,
@@ -52,7 +53,7 @@ from nemo_gen.fleet.rolling import RollingRefit
 log = logging.getLogger(__name__)
 
 # How a newcomer that serves nothing yet takes its catch-up refit.
-_DRAIN = InFlight("drain")
+_DRAIN = InFlight(RefitMode.DRAIN)
 # refit.timeout_s bounds each phase on a shard, the load's wait for running requests (drain)
 # included: the workers enforce it inside, and the driver stops waiting at the same deadline,
 # so a shard frozen mid-phase is given up on (and quarantined) then, not later.
@@ -126,7 +127,7 @@ class Refitter:
         for hook in self.before_refit:
             hook()
 
-    def expected(self, target: str) -> EngineManifest:
+    def expected(self, target: WeightTarget) -> EngineManifest:
         """The engine's own manifest for ``target``, asked of each refittable shard in turn (so
         a shard lost right now does not fail the refit), then cached."""
         def ask() -> EngineManifest:
@@ -186,16 +187,16 @@ class Refitter:
         self.totals["seconds"] += report.stage_seconds + report.load_seconds
         self.totals["bytes"] += report.bytes
 
-    def _groups(self, metas: list[TensorMeta]) -> list[tuple[str, list[TensorMeta]]]:
+    def _groups(self, metas: list[TensorMeta]) -> list[tuple[WeightTarget, list[TensorMeta]]]:
         """Check the manifest against the engine; return (target, tensors) groups to load."""
         policy, draft = split_draft(metas)
-        groups: list[tuple[str, list[TensorMeta]]] = []
+        groups: list[tuple[WeightTarget, list[TensorMeta]]] = []
         if policy:
-            exp = self.expected("policy")
+            exp = self.expected(WeightTarget.POLICY)
             check_manifest(metas_of(exp), policy, optional=exp.optional, what="model")
-            groups.append(("policy", policy))
+            groups.append((WeightTarget.POLICY, policy))
         if draft:
-            exp = self.expected("draft")
+            exp = self.expected(WeightTarget.DRAFT)
             if not exp.available:
                 raise RefitError(
                     f"the refit carries {len(draft)} '{DRAFT_PREFIX}' tensors but the engines run no "
@@ -203,7 +204,7 @@ class Refitter:
                 )
             check_manifest(metas_of(exp), draft, optional=exp.optional, partial=not self.draft_full,
                            what="draft model")
-            groups.append(("draft", draft))
+            groups.append((WeightTarget.DRAFT, draft))
         elif self.draft_full:
             raise RefitError(
                 f"_draft_full_refit is set (draft_full_refit_enabled) but the refit has no '{DRAFT_PREFIX}' tensors"
@@ -229,7 +230,7 @@ class Refitter:
         # Bucket by bucket into reused shared-memory pages. Tensors are placed under their source
         # names (a drafter's "draft.x" and the policy's "x" both exist).
         t0 = time.perf_counter()
-        items = [(target, (DRAFT_PREFIX + m.name) if target == "draft" else m.name, m)
+        items = [(target, (DRAFT_PREFIX + m.name) if target is WeightTarget.DRAFT else m.name, m)
                  for target, group in groups for m in group]
         staged = [TensorMeta(src_name, m.shape, m.dtype) for _, src_name, m in items]
         placed, total = layout(staged)

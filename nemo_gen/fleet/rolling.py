@@ -65,7 +65,7 @@ class RollingRefit:
     def refit(self, source: Any, version: int | None, in_flight: InFlight) -> RefitReport:
         r = self.refitter
         if not in_flight.drain:
-            raise RefitError(f"refit.in_flight {in_flight.mode!r} cannot act with refit.rollout waves: a shard in "
+            raise RefitError(f"refit.in_flight '{in_flight.mode}' cannot act with refit.rollout waves: a shard in "
                              "its wave lets its running requests finish (drain) while the others serve")
         with r.weights.refitting():
             old = r.weights.version

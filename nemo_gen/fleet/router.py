@@ -41,7 +41,7 @@ from nemo_gen.core.migration import Kept
 from nemo_gen.core.retry import describe, kind_of
 from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
 from nemo_gen.core.slots import SlotTable
-from nemo_gen.core.wire import RequestResult, Sampling, StreamDeltas
+from nemo_gen.core.wire import FailureKind, RequestResult, Sampling, StreamDeltas
 from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
 from nemo_gen.fleet.affinity import SessionAffinity
 from nemo_gen.fleet.decode import StreamDecoder, decode_result
@@ -55,10 +55,10 @@ from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of
 __all__ = ["Prompt", "Router"]
 
 
-def movable(error: BaseException, kind: str) -> bool:
+def movable(error: BaseException, kind: FailureKind) -> bool:
     """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), unless the
     fault model's poison rule (``nemo_gen.core.attempts.may_be_poison``) keeps them off every engine."""
-    return kind == "dead" and not may_be_poison(error)
+    return kind is FailureKind.DEAD and not may_be_poison(error)
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class Router:
         again: list[GenerationRequest] = []
         not_before = 0.0
 
-        def retry(batch: list[GenerationRequest], error: BaseException, kind: str, member: Member) -> None:
+        def retry(batch: list[GenerationRequest], error: BaseException, kind: FailureKind, member: Member) -> None:
             nonlocal not_before
             shard = member.slot
             if moving is not None and movable(error, kind):  # those that kept tokens go on from them, uncounted
@@ -264,7 +264,7 @@ class Router:
                 if isinstance(decision, Fail):
                     results[req.index] = GenerationResult.failed(req, describe(decision.error), shard=shard)
                     continue
-                if kind == "dead":
+                if kind is FailureKind.DEAD:
                     self.rerouted += 1
                 if decision.avoid is not None:
                     avoid[req.index] = decision.avoid
@@ -284,15 +284,15 @@ class Router:
                         out = self.driver.result(call)
                     except ShardDiedError as exc:  # the shard or its engine is gone: re-route
                         self._condemn(member, exc)
-                        retry(batch, exc, "dead", member)
+                        retry(batch, exc, FailureKind.DEAD, member)
                         continue
                     except Exception as exc:
-                        if kind_of(exc) != "busy":
+                        if kind_of(exc) is not FailureKind.BUSY:
                             raise  # the request's own fault: the caller's to see
                         self.refused += len(batch)
                         if moving is not None:
                             moving.checkpointer.done(call.handle, batch)
-                        retry(batch, exc, "busy", member)
+                        retry(batch, exc, FailureKind.BUSY, member)
                         continue
                     self.slots.record_success(member.slot)
                     results.update((r.index, r) for r in answers(moving, call.handle, batch, out.results, out.shard,
@@ -301,7 +301,7 @@ class Router:
                     if self._lost(member):  # condemned meanwhile (its watch, its probes): answer elsewhere
                         del inflight[call]
                         self.driver.cancel(call)
-                        retry(batch, ShardDiedError(member.slot, "condemned while it held the requests"), "dead",
+                        retry(batch, ShardDiedError(member.slot, "condemned while it held the requests"), FailureKind.DEAD,
                               member)
                     elif deadline.passed():  # slow: these requests fail; the shard serves on
                         del inflight[call]
@@ -345,7 +345,7 @@ class Router:
                     if out is not None:
                         self.slots.record_success(shard)
                         return answers(moving, handle, batch, out.results, out.shard, out.weight_version, self.result)[0]
-                    error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
+                    error, kind = ShardDiedError(shard, "condemned while it held the request"), FailureKind.DEAD
                 finally:
                     self.selector.release(shard)
                 if moving is not None and movable(error, kind):
@@ -357,24 +357,24 @@ class Router:
                         continue
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
 
-    def _failed(self, handle: Any, member: Member, exc: BaseException, what: str) -> tuple[BaseException, str]:
+    def _failed(self, handle: Any, member: Member, exc: BaseException, what: str) -> tuple[BaseException, FailureKind]:
         """A try of one request raised ``exc``: (the error it means, its kind); a dead shard is
         condemned here, so the per-request path and the stream condemn alike."""
         error = self.driver.classify(handle, exc, what)
         kind = kind_of(error)
-        if kind == "dead":
+        if kind is FailureKind.DEAD:
             self._condemn(member, error)
         return error, kind
 
-    async def _next_try(self, attempts: Attempts, error: BaseException, kind: str, shard: int,
+    async def _next_try(self, attempts: Attempts, error: BaseException, kind: FailureKind, shard: int,
                         deadline: Deadline) -> int | None:
         """After a failed try of one request: raise what it fails with, or wait what the fault
         model says and return the shard to avoid on the next try."""
         decision = attempts.after(error, kind, shard)
         if isinstance(decision, Fail):
             raise decision.error from None
-        self.rerouted += kind == "dead"
-        self.refused += kind == "busy"
+        self.rerouted += kind is FailureKind.DEAD
+        self.refused += kind is FailureKind.BUSY
         if decision.delay_s:
             await asyncio.sleep(deadline.wait_s(decision.delay_s))
         return decision.avoid
@@ -425,7 +425,7 @@ class Router:
                             kept.extend(delta)
                             started = True
                             yield delta
-                    error, kind = ShardDiedError(shard, "condemned while it streamed"), "dead"
+                    error, kind = ShardDiedError(shard, "condemned while it streamed"), FailureKind.DEAD
                 except RequestTimeout:
                     raise
                 except Exception as exc:
@@ -441,6 +441,6 @@ class Router:
                         return
                     req = carried[0]
                     continue
-                if started and kind == "dead":  # the caller has part of the answer: it cannot be taken back
+                if started and kind is FailureKind.DEAD:  # the caller has part of the answer: it cannot be taken back
                     raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {getattr(error, 'detail', error)}")
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)

@@ -21,7 +21,6 @@ parsers), so a library caller's ``result.message`` is the HTTP route's ``choices
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -65,7 +64,7 @@ class FleetSession:
     ``chat`` / ``chat_async`` (a library caller's); ``trajectory()``; ``close()`` releases its shard."""
 
     def __init__(self, session_id: str, tokenizer: Any, render: Render | None = None,
-                 fleet: Any = None, on_close: Callable[[str], None] | None = None,
+                 fleet: Any = None, on_close: Callable[[str], object] | None = None,
                  parsers: ChatParsers | None = None):
         self.id = session_id
         self.tokenizer = tokenizer
@@ -238,23 +237,3 @@ class FleetSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class SessionVerbs:
-    """``GenerationFleet.session()``: a mixin, so the facade stays small."""
-
-    router: Any
-    settings: Any
-    _tokenizer: Any
-    _session_parsers: ChatParsers | None = None
-
-    def session(self, session_id: str | None = None) -> FleetSession:
-        """A new recorded session (``nemo_gen.fleet.session``), placed on the serving shard with the
-        fewest open sessions; ``close()`` it (or use it as a context manager) to release the shard."""
-        self.background.check_open()  # type: ignore[attr-defined]
-        sid = session_id or f"sess-{secrets.token_hex(12)}"
-        if self._session_parsers is None:  # the server's parsers (server.*), built once per fleet
-            self._session_parsers = ChatParsers.from_settings(self.settings.server, self._tokenizer)
-        self.router.open_session(sid)
-        return FleetSession(sid, self._tokenizer, fleet=self, on_close=self.router.close_session,
-                            parsers=self._session_parsers)

@@ -161,25 +161,3 @@ class FleetSleep:
             answer = self.driver.fan_out({member: handle}, order, _MARGIN_S)[member]
             if not answer.ok:
                 raise ShardDiedError(member.slot, f"could not take the fleet's state ({state.label()}): {answer.error}")
-
-
-class SleepVerbs:
-    """``GenerationFleet.sleep()`` / ``wake()``: a mixin, so the facade stays small."""
-
-    sleeper: FleetSleep
-
-    def sleep(self, level: int | SleepLevel = 1) -> SleepReport:
-        """Every engine sleeps at ``level`` (1: weights to CPU memory, KV cache dropped; 2: both
-        dropped, refit before generating again) once its running requests finished; until woken
-        the fleet refuses requests (``FleetAsleep``). Needs ``generation.colocated.enabled``."""
-        self.background.check_open()  # type: ignore[attr-defined]
-        return self.sleeper.sleep(level)
-
-    def wake(self, tags: Iterable[str] | None = None) -> SleepReport:
-        """Bring ``tags`` back (``["weights"]``, ``["kv_cache"]``; None: both). A no-op when awake."""
-        self.background.check_open()  # type: ignore[attr-defined]
-        return self.sleeper.wake(tags)
-
-    @property
-    def sleep_state(self) -> SleepState:
-        return self.sleeper.state

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from nemo_gen.core.members import Member
 from nemo_gen.core.manifest import (
@@ -43,6 +43,7 @@ from nemo_gen.core.manifest import (
     next_version,
     nccl_rank_offsets,
 )
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.wire import (
     InFlight, SyncAbort, SyncApply, SyncFinish, SyncInit, SyncPayload, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft,
     SyncUpdate,
@@ -63,7 +64,7 @@ _PER_RANK_LISTS = ("per-rank update lists address one multi-replica vLLM engine;
 
 @dataclass
 class _Session:
-    target: str  # "policy" or "draft"
+    target: WeightTarget
     version: int
     handles: dict[Member, ShardHandle]
     started: float
@@ -169,15 +170,15 @@ class FleetWeightSyncClient:
     # -- one refit -----------------------------------------------------------------------------
 
     def start_weight_update(self) -> None:
-        self._start("draft" if self.draft else "policy")
+        self._start(WeightTarget.DRAFT if self.draft else WeightTarget.POLICY)
 
     def start_draft_weight_update(self) -> None:
         """The update that follows loads into the speculative drafter (names without 'draft.')."""
-        self._start("draft")
+        self._start(WeightTarget.DRAFT)
 
-    def _start(self, target: str) -> None:
+    def _start(self, target: WeightTarget) -> None:
         with self._opened(target) as session:
-            start = SyncStartDraft(self.in_flight) if target == "draft" else SyncStart(self.in_flight)
+            start = SyncStartDraft(self.in_flight) if target is WeightTarget.DRAFT else SyncStart(self.in_flight)
             failed = self._fan_out(session, start)
             # A shard that cannot start has loaded nothing: it sits this refit out.
             session.failed.update(failed)
@@ -187,14 +188,14 @@ class FleetWeightSyncClient:
         self._session = session
 
     @contextlib.contextmanager
-    def _opened(self, target: str):
+    def _opened(self, target: WeightTarget):
         """A new session: the refit lock taken, its version chosen, the shards it reaches
         admitted — nothing sent to them yet. The lock is released when the block ends, unless
         the block moved it out of ``session.lock`` (``pop_all``)."""
         if self._session is not None:
             raise RefitError("a weight update is already in progress on this client: finish it first")
         self._check_open()
-        if target == "draft" and not self.refitter.expected("draft").available:
+        if target is WeightTarget.DRAFT and not self.refitter.expected(WeightTarget.DRAFT).available:
             raise RefitError("a draft weight update, but the engines run no draft model "
                              "(generation.vllm_kwargs.speculative_config)")
         with contextlib.ExitStack() as lock:
@@ -214,7 +215,7 @@ class FleetWeightSyncClient:
         versions and report as the three steps, and one more guarantee: the chunk is checked
         whole (names, shapes, nothing the model needs left out) before any shard sees it, so a
         bad one changes nothing anywhere."""
-        target = "draft" if self.draft else "policy"
+        target = WeightTarget.DRAFT if self.draft else WeightTarget.POLICY
         if isinstance(update_info, list):
             raise RefitError(_PER_RANK_LISTS)
         with self._opened(target) as session:
@@ -338,7 +339,7 @@ class FleetWeightSyncClient:
 
     def _check_chunk(self, session: _Session, metas: list[TensorMeta]) -> None:
         exp = self.refitter.expected(session.target)
-        what = "draft model" if session.target == "draft" else "model"
+        what = "draft model" if session.target is WeightTarget.DRAFT else "model"
         again = sorted(m.name for m in metas if m.name in session.seen)
         if again:
             raise RefitError(f"refit refused: tensors sent twice in one update: {', '.join(again[:8])}")
@@ -367,7 +368,7 @@ class FleetWeightSyncClient:
             return session.version
 
     def _missing(self, session: _Session) -> str | None:
-        full = session.target == "policy" or self.refitter.draft_full
+        full = session.target is WeightTarget.POLICY or self.refitter.draft_full
         if not full or not session.seen:
             return None
         exp = self.refitter.expected(session.target)
@@ -437,7 +438,7 @@ class FleetWeightSyncClient:
         self.refitter.settle(report, member, version, error, report.load_seconds)
 
     @staticmethod
-    def _errors(failed: dict[Member, str]) -> str:
+    def _errors(failed: Mapping[Member, str | None]) -> str:
         return "; ".join(f"shard {k.label}: {e}" for k, e in failed.items())
 
 

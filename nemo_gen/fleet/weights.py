@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from nemo_gen.core.digest import DigestBook
+from nemo_gen.core.modes import WeightTarget
+from nemo_gen.core.wire import EngineManifest
+from nemo_gen.fleet.record import RecordWriter
 
 
 @dataclass
@@ -41,11 +44,11 @@ class StagedRefit:
 
 
 class FleetWeights:
-    def __init__(self, *, version: int | None, source: str | None, staging_dir: str, fleet_name: str, record: Any):
+    def __init__(self, *, version: int | None, source: str | None, staging_dir: str, fleet_name: str, record: RecordWriter):
         self._version = version
         self._source = source
         self._staged: StagedRefit | None = None
-        self._manifests: dict[str, dict[str, Any]] = {}
+        self._manifests: dict[WeightTarget, EngineManifest] = {}
         self._staging = None
         self._staging_dir = staging_dir
         self._fleet_name = fleet_name
@@ -78,7 +81,7 @@ class FleetWeights:
         return self._staged
 
     @property
-    def record(self) -> Any:
+    def record(self) -> RecordWriter:
         """The fleet record's writer (``nemo_gen.fleet.record.RecordWriter``)."""
         return self._record
 
@@ -88,8 +91,8 @@ class FleetWeights:
         with self._lock:
             yield self
 
-    def manifest(self, target: str, ask: Callable[[], Any]) -> Any:
-        """The engines' manifest for ``target`` ("policy" or "draft"); every shard runs the same
+    def manifest(self, target: WeightTarget, ask: Callable[[], EngineManifest]) -> EngineManifest:
+        """The engines' manifest for ``target``; every shard runs the same
         model, so ``ask`` is called once per target."""
         if target not in self._manifests:
             self._manifests[target] = ask()

@@ -61,6 +61,7 @@ from vllm.utils import random_uuid
 from nemo_gen.core.attempts import Admission
 from nemo_gen.core.fleet_health import SERVING_STATES
 from nemo_gen.core.manifest import RefitError
+from nemo_gen.core.modes import RefitMode, parse
 from nemo_gen.core.results import out_of_vocab
 from nemo_gen.errors import DataError, NemoGenError, RequestError
 from nemo_gen.server import protocol, responses
@@ -282,8 +283,11 @@ class FleetApi:
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise protocol.bad("version: an integer or null", "version")
         kwargs: dict[str, Any] = {"version": version}
-        if body.get("in_flight") is not None:
-            kwargs["in_flight"] = body["in_flight"]
+        if body.get("in_flight") is not None:  # the body's spelling, parsed here into the enum
+            try:
+                kwargs["in_flight"] = parse(RefitMode, body["in_flight"], "in_flight")
+            except ValueError as exc:
+                raise protocol.bad(str(exc), "in_flight") from None
         try:
             report = await asyncio.to_thread(self.fleet.refit, body["checkpoint"], **kwargs)
         except (RefitError, DataError, ValueError) as exc:

@@ -33,7 +33,7 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.logprobs import Logprob
 
 from nemo_gen.core.detokenize import IncrementalText
-from nemo_gen.shard.batch import add_span
+from nemo_gen.core.migration import add_span
 from nemo_gen.server.protocol import Call
 
 

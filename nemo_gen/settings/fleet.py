@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from nemo_gen.core.migration import MigrationMode
+from nemo_gen.core.modes import RefitMode
 from nemo_gen.core.waves import Rollout
 from nemo_gen.settings.base import Section, one_of
 
@@ -202,8 +203,8 @@ class RefitSettings(Section):
         "path). Checkpoint refits are read from disk as they are and quantized in the engine. 'trainer' "
         "needs precision fp8.",
     )
-    in_flight: Literal["drain", "abort", "keep"] = Field(
-        "drain",
+    in_flight: RefitMode = Field(
+        RefitMode.DRAIN,
         description="What a refit does to requests running on a shard: 'drain' waits for them to finish "
         "(strict on-policy); 'abort' stops them at once and, with refit.resume_aborted, sends each on as "
         "prompt + its tokens so far on the new weights; 'keep' freezes them with their KV cache, swaps the "

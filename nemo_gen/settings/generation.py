@@ -147,7 +147,9 @@ class VllmCfg(Section):
     expose_http_server: bool = Field(
         False, description="The fleet serves itself over the OpenAI-compatible HTTP server (nemo_gen.server) "
         "at server.host:server.port while it runs (fleet.http_url); the engines then load their tokenizer. "
-        "`nemo-gen serve` starts the same server by itself.",
+        "The server is composed with the fleet where the process is: `nemo-gen serve` (which starts it "
+        "anyway), the pipeline's launch task, NeMo-RL's VllmGeneration; a library caller of "
+        "GenerationFleet.launch composes it with nemo_gen.server.serve(fleet).",
     )
     lora: LoraCfg = Field(default_factory=LoraCfg, description="LoRA adapters (nemo_gen.fleet.adapters).")
     worker_extension_cls: str | None = Field(

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from nemo_gen.core.modes import RefitMode
 from nemo_gen.errors import ConfigError
 from nemo_gen.settings.base import ENV_PREFIX, GPU_SHARE_HEADROOM, invalid, invalid_keys
 from nemo_gen.settings.fleet import FleetSettings, HealthSettings, RefitSettings
@@ -120,7 +121,7 @@ class NemoGenSettings(BaseSettings):
     def _check_recompute_kv(self) -> "NemoGenSettings":
         """Only ``keep`` leaves requests running on KV from older weights: elsewhere
         ``refit.recompute_kv`` could not act."""
-        if self.refit.recompute_kv and self.refit.in_flight != "keep":
+        if self.refit.recompute_kv and self.refit.in_flight is not RefitMode.KEEP:
             raise invalid(type(self).__name__, ("refit", "recompute_kv"), True, "recompute_kv",
                           "refit.recompute_kv re-computes the KV of requests a refit kept running, but "
                           "refit.in_flight is {mode}, which keeps none; set refit.in_flight=keep",

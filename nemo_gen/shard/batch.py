@@ -15,9 +15,9 @@ completion outputs it reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
-from nemo_gen.core.migration import add_span  # noqa: F401  (the shard's readers import it from here)
+from nemo_gen.core.migration import add_span
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import RequestResult, SampleResult, pairs
 
@@ -69,7 +69,7 @@ def prompt_entries(prompt_logprobs: Any) -> list[dict[int, float] | None] | None
             for entry in prompt_logprobs]
 
 
-def prompt_result(entries: list[dict[int, float] | None] | None) -> tuple | None:
+def prompt_result(entries: list[dict[int, float] | None] | None) -> tuple[Any, ...] | None:
     """``prompt_entries`` as the wire's ``RequestResult.prompt_logprobs``."""
     return None if entries is None else tuple(None if e is None else pairs(e) for e in entries)
 
@@ -164,7 +164,7 @@ class Track:
         ``pieces``: what running final-only parts have made so far, not yet absorbed)."""
         pieces = pieces or {}
 
-        def stale(spans) -> int:
+        def stale(spans: Iterable[Sequence[Any]]) -> int:
             return sum(count for version, count in spans if version != current)
 
         return max(stale(s.spans) + stale(pieces[i].spans if i in pieces else ()) for i, s in enumerate(self.samples))

@@ -37,8 +37,9 @@ import socket
 import struct
 import tempfile
 import threading
-from multiprocessing.connection import (AuthenticationError, Connection, Listener, answer_challenge,
-                                        deliver_challenge)
+# AuthenticationError is multiprocessing's own (typeshed lists it under multiprocessing only)
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Awaitable, Callable
 
@@ -73,7 +74,7 @@ class ChannelServer:
         self._closed = False
         self._lines: set[Connection] = set()  # the loop's: every open connection
         # the loop's: connections with a call in flight, and its task (asyncio keeps tasks only weakly)
-        self._busy: dict[Connection, asyncio.Task] = {}
+        self._busy: dict[Connection, asyncio.Task[None]] = {}
         self._frames: dict[Connection, _Frame] = {}  # the loop's: calls partly read
         self.calls = 0  # calls served so far (the shard's info says how many came this way)
         threading.Thread(target=self._accept, name="nemo-gen-channel", daemon=True).start()
@@ -133,7 +134,7 @@ class ChannelServer:
         self.calls += 1
         self._busy[conn] = self._loop.create_task(self._serve(conn, args))
 
-    async def _serve(self, conn: Connection, args: tuple) -> None:
+    async def _serve(self, conn: Connection, args: tuple[Any, ...]) -> None:
         cancelled = None
         try:
             answer = (True, await self._handler(*args))
@@ -146,7 +147,7 @@ class ChannelServer:
         if cancelled is not None:
             raise cancelled
 
-    def _answer(self, conn: Connection, answer: tuple) -> None:
+    def _answer(self, conn: Connection, answer: tuple[bool | str, Any]) -> None:
         try:
             frame = ForkingPickler.dumps(answer)
         except Exception as exc:  # noqa: BLE001 — the call ran; its answer does not pickle
@@ -237,7 +238,7 @@ class Channel:
         self._conn = conn
         self.lock = threading.Lock()
 
-    def send(self, args: tuple) -> None:
+    def send(self, args: tuple[Any, ...]) -> None:
         """Raises ``ChannelBroken`` when the line is down (nothing reached the actor)."""
         try:
             self._conn.send(args)

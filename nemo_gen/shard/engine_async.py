@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, Callable
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
 from nemo_gen.core.wire import RequestProgress, RequestResult, StreamDeltas
 from nemo_gen.shard.batch import Track, prompt_entries, prompt_result, spans_between
 from nemo_gen.shard.engine_base import BaseEngine, error_result
-from nemo_gen.shard.progress import checkpoint, for_request, sampled_logprobs
+from nemo_gen.shard.progress import SampleState, checkpoint, for_request, sampled_logprobs
 from nemo_gen.shard.swap import AsyncSwap
 from nemo_gen.shard.streaming import Cursor
 from nemo_gen.vllm_ext.lora import lora_request_of
@@ -55,9 +55,10 @@ class AsyncEngine(BaseEngine):
         self.weights.version = version
         await self._llm.engine_core.set_weight_version_async(self.weights.label(version))
 
-    async def _collective_rpc(self, method: str, args: tuple, timeout: float | None) -> list[Any]:
+    async def _collective_rpc(self, method: str, args: tuple[Any, ...], timeout: float | None) -> list[Any]:
         async with self._rpc_lock:
-            return await self._llm.collective_rpc(method, timeout=timeout, args=args)
+            answers: list[Any] = await self._llm.collective_rpc(method, timeout=timeout, args=args)
+            return answers
 
     def _busy_probe(self, stall_s: float, warmup_s: float) -> dict[str, Any] | None:
         if self.clock.active:
@@ -78,9 +79,10 @@ class AsyncEngine(BaseEngine):
         """Checkpoints of the running keyed requests (``nemo_gen.shard.progress``): each running
         sample from vLLM's output-processor state (what it holds whatever outputs the request
         asked for), a finished one from its latest output."""
-        def reader(rid: str, latest: dict[int, Any]):
-            def read(start: int) -> list[Any]:
-                states, out = vllm_compat.sample_states(self._llm, rid), []
+        def reader(rid: str, latest: dict[int, Any]) -> Callable[[int], list[SampleState]]:
+            def read(start: int) -> list[SampleState]:
+                states = vllm_compat.sample_states(self._llm, rid)
+                out: list[SampleState] = []
                 for i in range(max([*states, *latest], default=-1) + 1):
                     if (state := states.get(i)) is not None:
                         ids = state.detokenizer.output_token_ids[start:]
@@ -120,7 +122,8 @@ class AsyncEngine(BaseEngine):
             return error_result(req, exc)
         finally:
             self.running.discard(request_id)
-            self._live.pop(req.key, None)
+            if req.key is not None:
+                self._live.pop(req.key, None)
         self.weights.check()
         # Each token under the version that sampled it: a refit under keep or abort may land
         # while the request runs, and vLLM's final output carries its spans of labels.
@@ -130,7 +133,7 @@ class AsyncEngine(BaseEngine):
         prompt = prompt_result(prompt_entries(prompt_lps)) if params.prompt_logprobs is not None else None
         return RequestResult(req.index, samples, None, prompt)
 
-    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
+    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncGenerator[StreamDeltas | RequestResult, None]:
         rid = f"nemo-gen-{next(self._ids)}"
         params = for_request(params, req)
         track = Track.start(req, params, rid, rid)
@@ -140,7 +143,7 @@ class AsyncEngine(BaseEngine):
                                      lora_request=lora_request_of(params, self))
         made: dict[int, int] = {}  # tokens told so far, by sample
 
-        def spans_of(comp) -> list[tuple[int | None, int]]:
+        def spans_of(comp: Any) -> list[tuple[int | None, int]]:
             # A delta's tokens by the label of the step that sampled each (a refit under keep or
             # abort lands between two steps of a running request).
             lo = made.get(comp.index, 0)

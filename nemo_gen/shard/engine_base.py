@@ -13,13 +13,13 @@ import contextlib
 import itertools
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncContextManager, AsyncGenerator
 
 import psutil
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
-from nemo_gen.core.wire import InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
+from nemo_gen.core.wire import FailureKind, InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.gate import Gate
@@ -106,7 +106,7 @@ class BaseEngine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
+    def _stream(self, req: GenerationRequest, params: Any) -> AsyncGenerator[StreamDeltas | RequestResult, None]:
         ...
 
     @abc.abstractmethod
@@ -115,7 +115,7 @@ class BaseEngine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    async def _collective_rpc(self, method: str, args: tuple, timeout: float | None) -> list[Any]:
+    async def _collective_rpc(self, method: str, args: tuple[Any, ...], timeout: float | None) -> list[Any]:
         ...
 
     @abc.abstractmethod
@@ -161,7 +161,7 @@ class BaseEngine(abc.ABC):
         async with self.gate.serving():
             return await self._generate(requests, params)
 
-    async def stream(self, req: GenerationRequest, sampling: Sampling) -> AsyncIterator[StreamDeltas | RequestResult]:
+    async def stream(self, req: GenerationRequest, sampling: Sampling) -> AsyncGenerator[StreamDeltas | RequestResult, None]:
         """One request as it is generated (``nemo_gen.shard.streaming``): ``StreamDeltas``
         items, per sample the tokens since the last item with the versions that sampled them,
         then the ``RequestResult``, what ``generate`` returns for it. Steps made while the reader
@@ -177,7 +177,7 @@ class BaseEngine(abc.ABC):
                     if isinstance(item, StreamDeltas):  # what the engine makes meanwhile waits, merged
                         await asyncio.sleep(STREAM_INTERVAL_S)
 
-    def exclusive(self):
+    def exclusive(self) -> AsyncContextManager[None]:
         """Wait for in-flight requests to finish and hold new ones back until the block ends."""
         return self.gate.exclusive()
 
@@ -226,8 +226,8 @@ class BaseEngine(abc.ABC):
 
     async def reset_prefix_cache(self) -> bool:
         if self.async_engine:
-            return await self._llm.reset_prefix_cache()
-        return await asyncio.to_thread(self._llm.reset_prefix_cache)
+            return bool(await self._llm.reset_prefix_cache())
+        return bool(await asyncio.to_thread(self._llm.reset_prefix_cache))
 
     async def wake(self, tags: list[str]) -> None:
         if self.async_engine:
@@ -257,7 +257,7 @@ class BaseEngine(abc.ABC):
         try:
             (out,) = await self.generate([GenerationRequest(index=0, prompt_token_ids=token_ids)], sampling)
         except Exception as exc:
-            if kind_of(exc) == "busy":  # its queue is full: a frontend that answers is alive
+            if kind_of(exc) is FailureKind.BUSY:  # its queue is full: a frontend that answers is alive
                 return {"ok": True, "busy": True, "refused": describe(exc)}
             raise
         if out.error:

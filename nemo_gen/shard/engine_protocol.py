@@ -6,7 +6,7 @@ tests run the real rules over an engine that dies, hangs or slows down on comman
 
 from __future__ import annotations
 
-from typing import Any, AsyncContextManager, AsyncIterator, Protocol
+from typing import Any, AsyncContextManager, AsyncGenerator, Protocol
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.wire import InFlight, RequestProgress, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
@@ -19,9 +19,15 @@ class EngineLike(Protocol):
     weights under running requests between ``begin_swap`` and ``end_swap``."""
 
     # -- what the shard reports about it ---------------------------------------------------------
-    max_model_len: int | None
-    dtype: str | None
-    load_s: float | None
+    # (read-only: an engine that always knows them, or a fake that may not, both fit)
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    @property
+    def dtype(self) -> str | None: ...
+
+    @property
+    def load_s(self) -> float | None: ...
 
     @property
     def generating(self) -> bool: ...  # a batch is running now
@@ -39,7 +45,7 @@ class EngineLike(Protocol):
     async def generate(self, requests: list[GenerationRequest], sampling: Sampling) -> list[RequestResult]: ...
 
     # ``StreamDeltas`` items, then the request's ``RequestResult``
-    def stream(self, req: GenerationRequest, sampling: Sampling) -> AsyncIterator[StreamDeltas | RequestResult]: ...
+    def stream(self, req: GenerationRequest, sampling: Sampling) -> AsyncGenerator[StreamDeltas | RequestResult, None]: ...
 
     # its running keyed requests' tokens past what the driver knows (key -> tokens known): fleet.migration
     def progress(self, known: dict[str, int]) -> tuple[RequestProgress, ...]: ...

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import logging
 import multiprocessing
 import os
@@ -50,7 +51,7 @@ from multiprocessing import context as mp_context
 from multiprocessing import forkserver, resource_tracker
 from typing import Any, Iterator
 
-from nemo_gen.environment import REAPING_FLAG
+from nemo_gen.core.engine_args import REAPING_FLAG
 from nemo_gen.host import processes
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,9 @@ def apply_environ(environ: dict[str, str]) -> None:
 
 # multiprocessing's own forkserver and resource tracker of this process: the forkserver Popen
 # connects to that one server, so it is the one started here. Their PIDs and the server's stop
-# have no public form.
-_SERVER = forkserver._forkserver
-_TRACKER = resource_tracker._resource_tracker
+# have no public form (nor a type in typeshed).
+_SERVER: Any = forkserver._forkserver
+_TRACKER: Any = resource_tracker._resource_tracker
 
 
 def start_server(preload: list[str] | None = None) -> int:
@@ -140,13 +141,14 @@ def start_server(preload: list[str] | None = None) -> int:
     modules) at once; this returns without waiting for it. Returns its PID."""
     forkserver.set_forkserver_preload([PRELOAD] if preload is None else preload)
     forkserver.ensure_running()
-    return _SERVER._forkserver_pid
+    pid: int = _SERVER._forkserver_pid
+    return pid
 
 
 def server_pid() -> int | None:
     """The forkserver's PID while it runs, else None. (It is not reaped here: multiprocessing
     reaps it, and would fail on a PID reaped behind its back.)"""
-    pid = _SERVER._forkserver_pid
+    pid: int | None = _SERVER._forkserver_pid
     if pid is None or not processes.alive(pid):
         return None
     return pid
@@ -189,7 +191,7 @@ def engine_core_context(method: str, engine_kwargs: dict[str, Any], module: Any 
         yield "spawn"
         return
     if module is None:
-        import vllm.v1.engine.utils as module
+        module = importlib.import_module("vllm.v1.engine.utils")
     if cpu is None:
         from vllm.platforms import current_platform
 

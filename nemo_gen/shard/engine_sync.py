@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.batch import Running, Track, sampled_by
-from nemo_gen.core.wire import RequestProgress, RequestResult, StreamDeltas
+from nemo_gen.core.wire import RequestProgress, RequestResult, SampleDelta, StreamDeltas
 from nemo_gen.shard.engine_base import BaseEngine, error_result
 from nemo_gen.shard.progress import SampleState, checkpoint, for_request, sampled_logprobs
 from nemo_gen.shard.swap import Swap
@@ -37,7 +37,7 @@ class SyncEngine(BaseEngine):
         self.batch = Running()
         # Set: the batch's reader is gone, the step thread aborts it after the current step.
         self._stop = threading.Event()
-        self._orphans: set[asyncio.Future] = set()  # batches whose stream was closed, still stopping
+        self._orphans: set[asyncio.Future[Any]] = set()  # batches whose stream was closed, still stopping
         self.swap = Swap(llm, self._core, self.gate, self.weights, self.batch)
 
     def _on_label(self, label: Any) -> None:
@@ -60,7 +60,7 @@ class SyncEngine(BaseEngine):
         self.weights.version = version
         self._core.send_utility("set_weight_version", self.weights.label(version))
 
-    async def _collective_rpc(self, method: str, args: tuple, timeout: float | None) -> list[Any]:
+    async def _collective_rpc(self, method: str, args: tuple[Any, ...], timeout: float | None) -> list[Any]:
         # Beside a running batch: the core client's sends are locked (``CoreClient``; two
         # unlocked concurrent sends deadlocked) and control calls go one at a time. A drain
         # refit's load still waits for the batch: ``hold`` waits for it to finish.
@@ -100,8 +100,9 @@ class SyncEngine(BaseEngine):
                 self.batch.generating = False
                 self.batch.clear()
 
-    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncIterator[StreamDeltas | RequestResult]:
-        loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+    async def _stream(self, req: GenerationRequest, params: Any) -> AsyncGenerator[StreamDeltas | RequestResult, None]:
+        loop, stop = asyncio.get_running_loop(), threading.Event()
+        queue: asyncio.Queue[list[SampleDelta]] = asyncio.Queue()
         cursors: list[Cursor] = []
 
         def on_step(tracks: list[Track]) -> None:  # the step thread, or a swap's cut while it is parked
@@ -136,7 +137,7 @@ class SyncEngine(BaseEngine):
 
     # -- the step thread ---------------------------------------------------------------------------
 
-    def _generate_sync(self, requests: list[GenerationRequest], params,
+    def _generate_sync(self, requests: list[GenerationRequest], params: Any,
                        on_step: Callable[[list[Track]], None] | None = None) -> list[RequestResult]:
         # A stream needs every step's new tokens; a batch only each request's final output, with
         # its tokens' versions from the engine core's labels: per-step outputs for a whole batch
@@ -202,18 +203,18 @@ class SyncEngine(BaseEngine):
         of a final-only one. A copy of the track table first: the step thread removes from it."""
         tracks = list({id(t): t for t in list(self.batch.tracks.values())}.values())
 
-        def reader(t: Track):
+        def reader(t: Track) -> Callable[[int], list[SampleState]]:
             def read(start: int) -> list[SampleState]:
                 # A cut that did not resume leaves its tokens in the track; what runs now is the engine's.
                 base = min(len(s.tokens) for s in t.samples)
                 since = max(0, start - base)
                 pieces = vllm_compat.pieces_so_far(self._llm, t, self.weights.version_of, since) if t.final_only else {}
-                out = []
+                out: list[SampleState] = []
                 for i, s in enumerate(t.samples):
                     p = pieces.get(i)
                     ids = s.tokens[start:] + (p.token_ids if p else [])
                     lps = s.logprobs[start:] + (sampled_logprobs(p.token_ids, p.logprobs) if p else [])
-                    out.append((ids, lps, [*s.spans, *(p.spans if p else ())], s.finish_reason or (p and p.finish_reason)))
+                    out.append((ids, lps, [*s.spans, *(p.spans if p else ())], s.finish_reason or (p.finish_reason if p else None)))
                 return out
             return read
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import AsyncIterator
 
 
 class Gate:
@@ -18,7 +19,7 @@ class Gate:
         self.held = False  # closed by a refit: new requests wait
 
     @contextlib.asynccontextmanager
-    async def serving(self):
+    async def serving(self) -> AsyncIterator[None]:
         """One request (a generate call, a stream) in flight: it waits while the gate is held."""
         async with self._idle:
             await self._idle.wait_for(lambda: not self.held)
@@ -31,7 +32,7 @@ class Gate:
                 self._idle.notify_all()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self):
+    async def exclusive(self) -> AsyncIterator[None]:
         """Wait for in-flight requests to finish and hold new ones back until the block ends."""
         await self.hold()
         try:

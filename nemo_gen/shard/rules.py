@@ -21,11 +21,12 @@ from typing import Any, AsyncIterator, Mapping
 
 from nemo_gen.core.ipc_zmq import IpcZmqRefit
 from nemo_gen.core.manifest import needs_whole
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, ended_on_its_own, kind_of
 from nemo_gen.core.sleep import AWAKE
 from nemo_gen.core.wire import (
-    AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
+    AdapterCall, AdapterState, ApplyTimings, EngineManifest, CheckRefit, FailureKind, GenerateReply, InFlight, LoadRefit, LoadStats, ProbeReply,
     ProbeStatus, RequestProgress, Sampling, ShardInfo, StepGaps, StreamDeltas, StreamEnd, SyncAbort, SyncApply, SyncFinish, SyncInit,
     SyncReply, SyncRequest, SyncShutdown, SyncStart, SyncStartDraft, SyncUpdate, Unfinished,
 )
@@ -117,6 +118,8 @@ class Shard(SleepRules):
     fleet ``fleet`` (``slot`` None: a warm spare). Built before its engine starts (``attach``),
     so it answers ``info`` while the engine loads."""
 
+    claim: Claim  # (the sleep rules' mixin leaves it untyped: this module imports that one)
+
     def __init__(self, index: int, weight_version: int | None, slot: int | None = None, fleet: str = "",
                  async_engine: bool = False, host: Host = Host()):
         self.index = index
@@ -158,7 +161,7 @@ class Shard(SleepRules):
             dtype=engine.dtype if engine else None, load_s=engine.load_s if engine else None,
             async_engine=self.async_engine, engine_core_start=self.engine_core_start, direct_calls=direct_calls,
             generating=bool(engine and engine.generating), batch_steps=engine.steps_made if engine else 0,
-            sleep_level=None if self.sleep_state.awake else int(self.sleep_state.level),
+            sleep_level=None if self.sleep_state.awake or self.sleep_state.level is None else int(self.sleep_state.level),
             sleep_resident=tuple(sorted(self.sleep_state.resident)),
         )
 
@@ -206,7 +209,7 @@ class Shard(SleepRules):
         return () if self.engine is None else self.engine.progress(dict(known))
 
     @contextlib.asynccontextmanager
-    async def _admission(self):
+    async def _admission(self) -> AsyncIterator[None]:
         """The engine's refusal of a request for now (vLLM's full queue: busy, never dead)
         leaves the shard as ``ShardBusy``: vLLM's own admission errors do not survive pickling.
         Its EngineCore's death leaves it as ``EngineCrashError`` when the core ended on its own
@@ -220,7 +223,7 @@ class Shard(SleepRules):
         try:
             yield
         except Exception as exc:
-            if kind_of(exc) == "busy" and not isinstance(exc, ShardBusy):
+            if kind_of(exc) is FailureKind.BUSY and not isinstance(exc, ShardBusy):
                 raise ShardBusy(slot, describe(exc)) from None
             if self.engine is not None and _engine_died(exc):
                 code = await self.engine.core_exit(CORE_EXIT_WAIT_S)
@@ -263,7 +266,8 @@ class Shard(SleepRules):
                                "(wake tags=['weights']) before a refit")
         seen = await self._engine().rpc("nemo_gen_check_staged", msg.path, msg.total, list(msg.entries),
                                         list(msg.digests), timeout=msg.timeout_s)
-        return min(seen)
+        fewest: int = min(seen)
+        return fewest
 
     async def load_refit(self, msg: LoadRefit | IpcZmqRefit) -> float:
         """Phase 2: load each (target, entries) group, then serve as ``msg.version``. ``drain``
@@ -272,7 +276,7 @@ class Shard(SleepRules):
         engine = self._engine()
         t0 = time.perf_counter()
 
-        async def load():
+        async def load() -> None:
             self.claim = NO_CLAIM  # half-loaded weights must never be stamped as a version
             if isinstance(msg, IpcZmqRefit):  # NeMo-RL's stream: its workers receive it (vllm_ext.ipc_zmq)
                 await engine.rpc("nemo_gen_update_weights_via_ipc_zmq", list(msg.entries), msg.timeout_s, msg.address)
@@ -385,13 +389,13 @@ class Shard(SleepRules):
 
     # -- the rest --------------------------------------------------------------------------------
 
-    async def expected_manifest(self, target: str = "policy") -> EngineManifest:
+    async def expected_manifest(self, target: WeightTarget = WeightTarget.POLICY) -> EngineManifest:
         (manifest, *_) = await self._engine().rpc("nemo_gen_expected_manifest", target)
         return EngineManifest.of(manifest)
 
-    async def digest(self, target: str = "policy") -> float:
+    async def digest(self, target: WeightTarget = WeightTarget.POLICY) -> float:
         (value, *_) = await self._engine().rpc("nemo_gen_digest", target)
-        return value
+        return float(value)
 
     async def load_stats(self) -> list[LoadStats]:
         """Per worker: how its last refit load went (path, seconds, kernel repack seconds)."""

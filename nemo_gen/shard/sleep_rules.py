@@ -13,20 +13,22 @@ from nemo_gen.core.sleep import (
     ResetPrefixCache, SleepOrder, SleepPhase, SleepState, WakeOrder, after_sleep, after_wake, draining, tags_to_wake,
     wake_tags,
 )
+from nemo_gen.shard.engine_protocol import EngineLike
 
 
 class SleepRules:
     sleep_state: SleepState
-    claim: Any
+    claim: Any  # (Shard's ``Claim``: rules.py imports this module, so it is not named here)
 
-    def _engine(self) -> Any: ...  # (Shard's)
+    def _engine(self) -> EngineLike:  # (Shard's)
+        raise NotImplementedError
 
     async def sleep(self, order: SleepOrder) -> float:
         """Sleep at ``order.level`` once the running requests finished (new ones are refused from
         the start): the prefix cache is reset, then vLLM's sleep. Asleep already: nothing to do."""
         engine = self._engine()
         state = self.sleep_state
-        if state.phase is SleepPhase.ASLEEP and state.level >= order.level and not state.resident:
+        if state.phase is SleepPhase.ASLEEP and state.level is not None and state.level >= order.level and not state.resident:
             return 0.0  # (half awake, it sleeps again: what it woke goes back)
         t0 = time.perf_counter()
         before, self.sleep_state = self.sleep_state, draining(self.sleep_state, order.level)

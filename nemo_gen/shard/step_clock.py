@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from nemo_gen.core.liveness import busy_answer
 from nemo_gen.core.wire import StepGaps
@@ -58,7 +58,7 @@ class StepClock:
         self.steps += 1
 
     @contextlib.contextmanager
-    def running(self):
+    def running(self) -> Iterator[None]:
         """One request of the async engine running: its outputs are the engine's evidence of progress."""
         if self.active == 0:
             self.steps = 0

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from nemo_gen.core.wire import SampleDelta
-from nemo_gen.shard.batch import Track, add_span
+from nemo_gen.core.migration import add_span
+from nemo_gen.shard.batch import Track
 
 
 def span_slice(spans: Iterable[Any], start: int, end: int) -> tuple[tuple[Any, int], ...]:

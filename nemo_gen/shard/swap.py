@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+from nemo_gen.core.modes import RefitMode
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.batch import Running, Track
 from nemo_gen.shard.engine_base import Weights
@@ -28,7 +29,7 @@ class Swap:
 
     def __init__(self, llm: Any, core: vllm_compat.CoreClient, gate: Gate, weights: Weights, batch: Running):
         self._llm, self._core, self._gate, self._weights, self._batch = llm, core, gate, weights, batch
-        self._pause: concurrent.futures.Future | None = None  # the pause, until its resume
+        self._pause: concurrent.futures.Future[Any] | None = None  # the pause, until its resume
 
     async def begin(self) -> None:
         """The pause is sent, not waited for: the engine core takes its messages in order, so the
@@ -37,19 +38,21 @@ class Swap:
         await self._gate.claim()
         self._pause = self._core.send_utility("pause_scheduler", "keep", False)
 
-    async def end(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,
+    async def end(self, version: int | None, mode: RefitMode, resume_aborted: bool, max_staleness: int | None,
                   recompute_kv: bool, failed: str | None) -> None:
         """``BaseEngine.end_swap``. A plain ``keep`` cuts nothing, so it waits for nothing here:
         the new version's label and the resume go to the core back to back, and the batch's
         stall is the load and one trip to the core. Cutting needs every output sampled before
         the pause counted first."""
-        batch = self._batch
-        pending = [self._pause]
+        batch, pause = self._batch, self._pause
+        if pause is None:  # (the engine's end_swap follows its begin_swap: a bug otherwise)
+            raise RuntimeError("a swap ended that did not begin")
+        pending = [pause]
         try:
             if failed is not None:
                 self._weights.poisoned = failed
-            if batch.generating and (failed is not None or mode == "abort" or max_staleness is not None):
-                await asyncio.wrap_future(self._pause)
+            if batch.generating and (failed is not None or mode is RefitMode.ABORT or max_staleness is not None):
+                await asyncio.wrap_future(pause)
                 await self._settled()
                 if batch.generating:
                     recompute_kv = self._cut(version, mode, resume_aborted, max_staleness) or recompute_kv
@@ -73,7 +76,7 @@ class Swap:
         while not self._core.settled() and self._batch.generating:
             await asyncio.sleep(0.005)  # a 2-core machine: polling must not starve the engine
 
-    def _cut(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None) -> bool:
+    def _cut(self, version: int | None, mode: RefitMode, resume_aborted: bool, max_staleness: int | None) -> bool:
         """Cut what the mode says — every running request (``abort``), or those with more than
         ``max_staleness`` tokens from older weights (``keep``). Runs while the step thread is
         parked: no engine state moves under us. Resumed (``resume_aborted``): True, and the
@@ -89,7 +92,7 @@ class Swap:
             engine.abort_request([i for t in tracks for i in t.internal_ids()], internal=True)
             return False
         new = self._weights.version if version is None else version
-        cut = [t for t in tracks if mode == "abort" or (max_staleness is not None and self._stale(t, new) > max_staleness)]
+        cut = [t for t in tracks if mode is RefitMode.ABORT or (max_staleness is not None and self._stale(t, new) > max_staleness)]
         if cut and resume_aborted:
             return True
         for t in cut:
@@ -122,7 +125,7 @@ class AsyncSwap:
         await self._gate.claim()
         await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
 
-    async def end(self, version: int | None, mode: str, resume_aborted: bool, max_staleness: int | None,
+    async def end(self, version: int | None, mode: RefitMode, resume_aborted: bool, max_staleness: int | None,
                   recompute_kv: bool, failed: str | None) -> None:
         """A cut that resumes is vLLM's preemption: ``reset_prefix_cache(reset_running_requests=True)``
         sends every running request back to the queue with the tokens it has, and on resume its
@@ -135,7 +138,7 @@ class AsyncSwap:
         try:
             running = sorted(self._running)
             # Every token a frozen request has was sampled before this swap: all are stale.
-            cut = running if mode == "abort" else [
+            cut = running if mode is RefitMode.ABORT else [
                 rid for rid in running if max_staleness is not None and max(
                     (vllm_compat.made_so_far(s) for s in vllm_compat.sample_states(self._llm, rid).values()),
                     default=0) > max_staleness]

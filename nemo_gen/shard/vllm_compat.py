@@ -23,7 +23,7 @@ from nemo_gen.vllm_ext.lora import EXTRA_KEY
 VersionOf = Callable[[Any], "int | None"]  # an output label -> the weight version it stands for
 
 
-def sampling_params(s: Sampling, text: bool = True):
+def sampling_params(s: Sampling, text: bool = True) -> Any:
     """vLLM ``SamplingParams`` from the wire's ``Sampling`` (resolved by ``nemo_gen.core.sampling``).
     ``text``: the engine decodes each sample's text as it goes; False leaves that to the caller
     (``nemo_gen.fleet.decode``), unless stop strings need it. Where the engine decodes, vLLM's
@@ -101,7 +101,7 @@ def on_core_outputs(llm: Any, callback: Callable[[], None]) -> None:
     core = llm.engine_core
     get = core.get_output_async
 
-    async def stamped_get():
+    async def stamped_get() -> Any:
         outputs = await get()
         if outputs.outputs:
             callback()
@@ -122,11 +122,11 @@ class CoreClient:
         self.parked = threading.Event()
         send, get, lock, parked = core._send_input, core.get_output, threading.Lock(), self.parked
 
-        def locked_send(*args, **kwargs):
+        def locked_send(*args: Any, **kwargs: Any) -> Any:
             with lock:
                 return send(*args, **kwargs)
 
-        def marked_get():
+        def marked_get() -> Any:
             parked.set()
             try:
                 outputs = get()
@@ -137,14 +137,14 @@ class CoreClient:
 
         core._send_input, core.get_output = locked_send, marked_get
 
-    def send_utility(self, method: str, *args: Any) -> concurrent.futures.Future:
+    def send_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
         """A utility call to the core, not waited for (vLLM's own ``call_utility`` is this plus
         the wait): the core answers in the order it was sent, so calls sent back to back cost one
         round trip, not one each."""
         from vllm.v1.engine import EngineCoreRequestType
 
         core, call_id = self._core, uuid.uuid1().int >> 64
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         core.utility_results[call_id] = future
         core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
         return future
@@ -167,7 +167,8 @@ def add_request(llm: Any, rid: str, prompt_ids: list[int], params: Any, salt: st
     """Add one request to the sync engine; the engine's internal id (what an abort names and its
     state is kept under). Straight to the engine rather than through ``LLM.enqueue``, which
     would make a stream's outputs final-only: ``params`` say which."""
-    return llm.llm_engine.add_request(rid, tokens_prompt(prompt_ids, salt), params, lora_request=lora_request)
+    rid_added: str = llm.llm_engine.add_request(rid, tokens_prompt(prompt_ids, salt), params, lora_request=lora_request)
+    return rid_added
 
 
 # -- per-token versions ---------------------------------------------------------------------------
@@ -269,7 +270,8 @@ def running_starts(llm: Any, rid: str, sample: int) -> list[tuple[Any, int]]:
 
 def made_so_far(state: Any) -> int:
     """Tokens a running request (its output-processor state) has generated."""
-    return state.detokenizer.num_output_tokens()
+    made: int = state.detokenizer.num_output_tokens()
+    return made
 
 
 def unfinished(front: Any) -> Unfinished:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.core.ipc_zmq import SOCKET_TIMEOUT_MS, Entry, Slice, receive
 
 
@@ -38,7 +39,7 @@ class IpcZmqWorkerMixin:
         for option, value in ((zmq.SNDTIMEO, timeout_ms), (zmq.RCVTIMEO, timeout_ms), (zmq.LINGER, 0)):
             sock.setsockopt(option, value)
         sock.connect(address or device_address(index))
-        load = self.nemo_gen_weight_load("policy")  # (the worker extension's: every refit loads through it)
+        load = self.nemo_gen_weight_load(WeightTarget.POLICY)  # (the worker extension's: every refit loads through it)
         held: list[Any] = []  # the batch's buffer: dropped before its ACK lets the sender reuse it
 
         def open_buffer(handle: Any) -> Any:

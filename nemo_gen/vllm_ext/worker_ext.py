@@ -12,6 +12,7 @@ import contextlib
 import time
 from typing import Any, Iterator
 
+from nemo_gen.core.modes import WeightTarget
 from nemo_gen.vllm_ext.copy_plan import CopyPlan
 from nemo_gen.vllm_ext.direct_load import DirectLoad, ScratchPool
 from nemo_gen.vllm_ext.ipc_zmq import IpcZmqWorkerMixin
@@ -83,12 +84,12 @@ class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
     def _shared_with_policy(self) -> list[str]:
         return shared_with_policy(self._drafter().model, self.model_runner.get_model())
 
-    def nemo_gen_expected_manifest(self, target: str = "policy") -> dict[str, Any]:
-        """What a refit of ``target`` ("policy" or "draft") must provide: names, shapes, dtypes,
+    def nemo_gen_expected_manifest(self, target: WeightTarget = WeightTarget.POLICY) -> dict[str, Any]:
+        """What a refit of ``target`` must provide: names, shapes, dtypes,
         which names may be left out (tied output embeddings), and which drafter names are the
         policy's own tensors (accepted, never written)."""
         shared: list[str] = []
-        if target == "draft":
+        if target == WeightTarget.DRAFT:
             drafter = self._drafter()
             if drafter is None:
                 return {"tensors": {}, "optional": [], "shared": [], "available": False}
@@ -100,13 +101,13 @@ class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
         optional = ["lm_head.weight"] if getattr(hf, "tie_word_embeddings", False) else []
         return {"tensors": hf_manifest(hf, cfg.dtype), "optional": optional + shared, "shared": shared, "available": True}
 
-    def nemo_gen_digest(self, target: str = "policy") -> float:
+    def nemo_gen_digest(self, target: WeightTarget = WeightTarget.POLICY) -> float:
         """A cheap fingerprint of the loaded parameters (sum of every one, in float64): invariant
         to how the engine packs them, so tests compare it with a trainer's module. Not a proof
         of the weights: that is the content digest (``nemo_gen_weights_digest``)."""
         import torch
 
-        model = self._drafter().model if target == "draft" else self.model_runner.get_model()
+        model = self._drafter().model if target == WeightTarget.DRAFT else self.model_runner.get_model()
         with torch.no_grad():
             return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
@@ -152,12 +153,12 @@ class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
             self._nemo_gen_checked_digest = WeightDigest(tuple(names), tuple(got)).digest
         return seen
 
-    def nemo_gen_load_staged(self, path: str, total: int, entries: list[Entry], target: str = "policy") -> int:
+    def nemo_gen_load_staged(self, path: str, total: int, entries: list[Entry], target: WeightTarget = WeightTarget.POLICY) -> int:
         """Phase 2: load the staged tensors into the model (or the drafter) in place, through
         ``WeightLoad`` (the direct path, or vLLM's layerwise reload for models it does not handle)."""
         weights = open_staged(path, total, entries)
         model, model_config = self._model_and_config(target)
-        if target == "draft":
+        if target == WeightTarget.DRAFT:
             shared = set(self._shared_with_policy())
             weights = ((n, t) for n, t in weights if n not in shared)
         load = WeightLoad(model, self.vllm_config, model_config, _scratch_pool(self))
@@ -167,18 +168,18 @@ class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
         self.nemo_gen_last_load = load.path
         self.nemo_gen_last_load_stats = load.stats
         self._nemo_gen_loaded_digest = getattr(self, "_nemo_gen_checked_digest", None)
-        if target != "draft":  # what the runner's reload_weights does after loading
+        if target != WeightTarget.DRAFT:  # what the runner's reload_weights does after loading
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
         return len(entries)
 
-    def nemo_gen_weight_update(self, update_info: dict[str, Any], target: str = "policy") -> float:
+    def nemo_gen_weight_update(self, update_info: dict[str, Any], target: WeightTarget = WeightTarget.POLICY) -> float:
         """vLLM's start_weight_update (or start_draft_weight_update) -> update_weights ->
         finish_weight_update here, in one RPC: a one-chunk refit costs one round trip into the
         engine instead of three (a round trip is milliseconds; a colocated refit's copy can be
         less). The same worker methods, so the same checks and backends. Returns its seconds."""
         t0 = time.perf_counter()
-        if target == "draft":
+        if target == WeightTarget.DRAFT:
             self.start_draft_weight_update()
         else:
             self.start_weight_update()
@@ -195,14 +196,14 @@ class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
         self.finish_weight_update()
         return time.perf_counter() - t0
 
-    def nemo_gen_weight_load(self, target: str = "policy") -> "WeightLoad":
+    def nemo_gen_weight_load(self, target: WeightTarget = WeightTarget.POLICY) -> "WeightLoad":
         """A ``WeightLoad`` into ``target`` (the policy, or the drafter), for a refit path to drive."""
         model, model_config = self._model_and_config(target)
         return WeightLoad(model, self.vllm_config, model_config, _scratch_pool(self))
 
-    def _model_and_config(self, target: str):
+    def _model_and_config(self, target: WeightTarget):
         """(model, its ModelConfig) for ``target``: the policy, or the speculative drafter."""
-        if target == "draft":
+        if target == WeightTarget.DRAFT:
             return self._drafter().model, self.vllm_config.speculative_config.draft_model_config
         return self.model_runner.get_model(), self.model_runner.model_config
 
@@ -223,7 +224,7 @@ class NemoGenWorkerExtension(LoraWorkerMixin, IpcZmqWorkerMixin):
         _LOAD_PATH_OVERRIDE = path
         return self.nemo_gen_load_path()
 
-    def nemo_gen_load_path(self, target: str = "policy") -> str:
+    def nemo_gen_load_path(self, target: WeightTarget = WeightTarget.POLICY) -> str:
         """Which path a refit of ``target`` takes here: "direct" or "reload_weights" (and why)."""
         model, model_config = self._model_and_config(target)
         reason = WeightLoad.why_not_direct(model, self.vllm_config, model_config)

@@ -549,11 +549,11 @@ def test_engine_core_start_is_forkserver_or_spawn_and_reaches_every_shard(make_s
 
 
 def test_refit_control_channel_reaches_the_driver():
-    from nemo_gen.config import policies
+    from nemo_gen.fleet import driver
 
     assert NemoGenSettings.load().refit.control_channel is True
-    assert policies.shard_driver(NemoGenSettings.load()).channels is True
-    assert policies.shard_driver(NemoGenSettings.load(overrides=["refit.control_channel=false"])).channels is False
+    assert driver.shard_driver(NemoGenSettings.load()).channels is True
+    assert driver.shard_driver(NemoGenSettings.load(overrides=["refit.control_channel=false"])).channels is False
     err = _raises_config_error(overrides=["refit.control_channel=sometimes"])
     assert err.field == "refit.control_channel", err
 
@@ -970,10 +970,10 @@ def test_the_backends_settings_accept_are_the_ones_that_resolve():
 
 
 def test_the_engine_stop_grace_reaches_the_driver():
-    from nemo_gen.config import policies
+    from nemo_gen.fleet import driver
 
     s = NemoGenSettings.load(overrides={"fleet.engine_stop_grace_s": 0.25})
-    assert policies.driver_timeouts(s).engine_grace_s == 0.25
-    assert policies.driver_timeouts(NemoGenSettings.load()).engine_grace_s == 1.0
+    assert driver.driver_timeouts(s).engine_grace_s == 0.25
+    assert driver.driver_timeouts(NemoGenSettings.load()).engine_grace_s == 1.0
     with pytest.raises(ConfigError, match="engine_stop_grace_s"):
         NemoGenSettings.load(overrides={"fleet.engine_stop_grace_s": -1})

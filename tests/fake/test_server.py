@@ -240,6 +240,10 @@ def test_a_refit_moves_the_version_of_later_responses(served, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint", r.text
     r = httpx.post(f"{handle.url}/nemo_gen/refit", json={"checkpoint": "/x", "colour": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "colour"
+    # in_flight is parsed into the RefitMode at the edge: a spelling it does not know is refused by name
+    r = httpx.post(f"{handle.url}/nemo_gen/refit", json={"checkpoint": "/x", "in_flight": "later"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "in_flight", r.text
+    assert "'drain', 'abort', 'keep'" in r.json()["error"]["message"], r.text
 
 
 def test_the_async_client_serves_many_at_once(served):

@@ -26,6 +26,7 @@ class VllmGeneration(GenerationInterface):
 
     def __init__(self, config: Mapping[str, Any] | None = None, settings=None, fleet=None):
         from nemo_gen.fleet.fleet import GenerationFleet
+        from nemo_gen.server import serve
         from nemo_gen.settings import NemoGenSettings
 
         self._owns_fleet = fleet is None
@@ -38,7 +39,8 @@ class VllmGeneration(GenerationInterface):
                 base = settings.model_dump(mode="json")
                 base.update(overrides)
                 overrides = base
-            fleet = GenerationFleet.launch(NemoGenSettings.load(overrides=overrides))
+            # NeMo-RL composes the process here: the fleet, and its server when vllm_cfg asks for one
+            fleet = serve(GenerationFleet.launch(NemoGenSettings.load(overrides=overrides)))
         self.fleet = fleet
         self.cfg = fleet.resolved.generation_config
         self._refits = None

@@ -1,15 +1,16 @@
 """Settings -> the objects that act on them: every builder from ``NemoGenSettings`` to a core
-policy or an adapter's deadlines lives here, so each default is read from ``nemo_gen.settings``
-and from nowhere else (no parameter defaults or literal timeouts further down).
+policy lives here, so each default is read from ``nemo_gen.settings`` and from nowhere else (no
+parameter defaults or literal timeouts further down). The driver's deadlines are built beside the
+driver (``nemo_gen.fleet.driver.shard_driver``): settings never import the fleet.
 """
 
 from __future__ import annotations
 
-
 from nemo_gen.core.backoff import BackoffPolicy
 from nemo_gen.core.fleet_health import FleetHealthPolicy
+from nemo_gen.core.modes import RefitMode, parse
 from nemo_gen.errors import ConfigError
-from nemo_gen.settings import NemoGenSettings
+from nemo_gen.settings.root import NemoGenSettings
 
 
 def health_policy(settings: NemoGenSettings) -> FleetHealthPolicy:
@@ -49,36 +50,16 @@ def request_limits(settings: NemoGenSettings):
                          checkpoint_s=m.checkpoint_s if m.mode == MigrationMode.ON else None)
 
 
-IN_FLIGHT_MODES = ("drain", "abort", "keep")
-
-
-def in_flight(settings: NemoGenSettings, mode: str | None = None):
-    """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given),
-    as the shards take it (``nemo_gen.core.wire.InFlight``)."""
+def in_flight(settings: NemoGenSettings, mode: RefitMode | str | None = None):
+    """What a refit does to running requests (``refit.in_flight`` unless ``mode`` is given: a
+    caller's spelling, from the CLI, the HTTP API or a flow's parameter, parsed here into the
+    ``RefitMode``), as the shards take it (``nemo_gen.core.wire.InFlight``)."""
     from nemo_gen.core.wire import InFlight
 
     r = settings.refit
-    mode = r.in_flight if mode is None else mode
-    if mode not in IN_FLIGHT_MODES:
-        raise ConfigError(f"must be one of {list(IN_FLIGHT_MODES)}, got {mode!r}", field="refit.in_flight")
-    return InFlight(mode=mode, resume_aborted=r.resume_aborted, max_staleness=r.max_staleness,
+    try:
+        parsed = r.in_flight if mode is None else parse(RefitMode, mode, "refit.in_flight")
+    except ValueError as exc:
+        raise ConfigError(str(exc).removeprefix("refit.in_flight: "), field="refit.in_flight") from None
+    return InFlight(mode=parsed, resume_aborted=r.resume_aborted, max_staleness=r.max_staleness,
                     recompute_kv=r.recompute_kv)
-
-
-def driver_timeouts(settings: NemoGenSettings):
-    """Deadlines of the driver's calls on shard actors."""
-    from nemo_gen.fleet.driver import DriverTimeouts
-
-    return DriverTimeouts(
-        control_s=settings.fleet.control_timeout_s,
-        stop_s=settings.fleet.stop_timeout_s,
-        engine_grace_s=settings.fleet.engine_stop_grace_s,
-        refit_s=settings.refit.timeout_s,
-    )
-
-
-def shard_driver(settings: NemoGenSettings):
-    """The Ray driver for a fleet of these settings."""
-    from nemo_gen.fleet.driver import ShardDriver
-
-    return ShardDriver(driver_timeouts(settings), channels=settings.refit.control_channel)
