@@ -17,7 +17,7 @@ class Benchmark:
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("control_plane", "none", "control-loop tick < 10 ms and routing < 20 us per request at 10,000 shards"),
     Benchmark("fleet_overhead", "cpu", "fleet / direct tokens/s >= 0.95; Prefect / plain pipeline wall <= 1.10"),
-    Benchmark("serve", "cpu", "HTTP / library tokens/s >= 0.9 at the same concurrency"),
+    Benchmark("serve", "cpu", "HTTP / library tokens/s >= 0.9 at the same concurrency; --vllm-serve: nemo-gen serve / vllm serve (same model, engine settings, client) output tokens/s >= 0.95 and median TTFT <= 1.1x at 16 and 64 streams"),
     Benchmark("sessions", "cpu", "affinity raises the prefix-cache hit rate; placement keeps it and throughput vs affinity, round-robin"),
     Benchmark("gateway", "cpu", "a recorded gateway session / /v1/chat/completions directly: time per turn <= 1.05"),
     Benchmark("overload", "cpu", "at 4x capacity, abusive clients mixed in: load shed with 503s, nothing lost or hung, no slot held, no engine death, goodput held, /health fast"),

@@ -27,7 +27,12 @@ tokens made at once), so what is left is the router's cost (library) and the ser
 (http): the per-request CPU figures are the figures of interest there, not the ratio. No engine
 lock is needed; it is how the server's CPU per request is profiled and compared across commits.
 
+``--vllm-serve``: instead of the two arms above, ``nemo-gen serve`` (one shard) against ``vllm
+serve`` of the same model and engine settings, under vLLM's own serving client, alternated, at
+each of ``--streams`` (bench/lib/vs_vllm.py; targets: output tokens/s >= 0.95, median TTFT <= 1.1x).
+
     .venv/bin/python bench/serve.py [--shards 2] [--requests 1024] [--concurrency 64] [--rounds 3] [--fake] [--json out.json]
+    .venv/bin/python -m bench serve --vllm-serve [--streams 16 64] [--prompts 256] [--rounds 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -112,8 +117,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--home", type=Path, default=HOME, help="working directory")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the summary here")
     p.add_argument("--fake", action="store_true", help="fake shards (tests/fakes.py): the server's CPU alone")
+    p.add_argument("--vllm-serve", action="store_true",
+                   help="nemo-gen serve (1 shard) against vllm serve under vLLM's serving client (bench/lib/vs_vllm.py)")
+    p.add_argument("--streams", type=int, nargs="+", default=[16, 64], help="--vllm-serve: concurrent streams (16 64)")
+    p.add_argument("--prompts", type=int, default=256, help="--vllm-serve: prompts per arm and round, at least 4 x streams")
+    p.add_argument("--input-len", type=int, default=64, help="--vllm-serve: random prompt tokens (default 64)")
+    p.add_argument("--output-len", type=int, default=64, help="--vllm-serve: tokens out per request (default 64)")
+    p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
+                   help="--vllm-serve: also a nemo-gen serve of this checkout (e.g. `git archive` of an older commit)")
     args = p.parse_args(argv)
-    return at_least_one(p, args, ("shards", "requests", "concurrency", "max_new_tokens", "rounds"))
+    if args.vllm_serve and args.fake:
+        p.error("--vllm-serve runs real engines: it cannot be combined with --fake")
+    if any(s < 1 for s in args.streams):
+        p.error("--streams must each be at least 1")
+    return at_least_one(p, args, ("shards", "requests", "concurrency", "max_new_tokens", "rounds", "prompts",
+                                  "input_len", "output_len"))
 
 
 def library_arm(fleet, prompts: list[str], concurrency: int, max_new_tokens: int) -> dict[str, Any]:
@@ -163,6 +181,13 @@ def _children_cpu_s() -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_environment()
+    if args.vllm_serve:
+        from bench.lib import vs_vllm
+
+        summary = vs_vllm.run(args)
+        verdicts = {f"{k}_{m}": v[f"{m}_verdict"] for k, v in summary["by_streams"].items() for m in ("tok_s", "ttft")}
+        write_result(args.json, "serve", args, summary, {**verdicts, "no_failed_requests": summary["failed"] == 0})
+        return 0 if summary["failed"] == 0 else 3
     from nemo_gen.server import start_server
     from nemo_gen.settings import NemoGenSettings
 

@@ -10,6 +10,7 @@ import concurrent.futures
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util import get_node_ip_address
 
 from nemo_gen.core.results import GenerationRequest
@@ -33,7 +34,12 @@ class Stream:
             ref = await self._generator.__anext__()
         except StopAsyncIteration:
             return None
-        item: StreamDeltas | StreamEnd = await ref
+        try:
+            # The item is in (the generator reported it; a small one comes inline): read at once,
+            # without ``await ref``'s hop to Ray's thread and back through the loop, per token.
+            item: StreamDeltas | StreamEnd = ray.get(ref, timeout=0)
+        except GetTimeoutError:  # not local yet (a large item in another node's store)
+            item = await ref
         return item
 
     def cancel(self) -> None:

@@ -16,10 +16,10 @@ import time
 from typing import Any
 
 from nemo_gen.core.results import GenerationRequest
+from nemo_gen.core.stream_pace import STREAM_INTERVAL_S
 from nemo_gen.core.wire import Sampling
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.engine_async import AsyncEngine
-from nemo_gen.shard.engine_base import STREAM_INTERVAL_S
 from nemo_gen.shard.engine_protocol import EngineLike
 from nemo_gen.shard.engine_sync import SyncEngine
 from nemo_gen.shard.vllm_compat import sampling_params

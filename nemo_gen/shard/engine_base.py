@@ -19,17 +19,12 @@ import psutil
 
 from nemo_gen.core.results import GenerationRequest
 from nemo_gen.core.retry import describe, kind_of
+from nemo_gen.core.stream_pace import stream_interval_s
 from nemo_gen.core.wire import FailureKind, InFlight, RequestResult, Sampling, StepGaps, StreamDeltas, Unfinished
 from nemo_gen.errors import ShardDiedError
 from nemo_gen.shard import vllm_compat
 from nemo_gen.shard.gate import Gate
 from nemo_gen.shard.step_clock import StepClock
-
-# A stream hands out what its request made at most this often (the first token at once): steps in
-# between are merged into one item. Each item costs the shard actor and the driver CPU (a Ray
-# object, a chunk), so one per decode step would slow the stream it serves; merged, a reader still
-# sees each token within this interval.
-STREAM_INTERVAL_S = 0.01
 
 
 class Weights:
@@ -80,6 +75,7 @@ class BaseEngine(abc.ABC):
         self._llm = llm
         self.load_s = load_s
         self.weights = Weights(version)
+        self.streams = 0  # streams open now (their items' interval grows with them: stream_interval_s)
         # The LoRA adapter ids the engine holds and the weight version they were loaded on
         # (``nemo_gen.shard.adapters``): a request naming another is refused by name.
         self.adapters_held: tuple[frozenset[int], int | None] = (frozenset(), None)
@@ -171,11 +167,15 @@ class BaseEngine(abc.ABC):
         params = vllm_compat.output_kind(vllm_compat.sampling_params(sampling), final_only=False)
         async with self.gate.serving():
             inner = self._stream(req, params)
-            async with contextlib.aclosing(inner):
-                async for item in inner:
-                    yield item
-                    if isinstance(item, StreamDeltas):  # what the engine makes meanwhile waits, merged
-                        await asyncio.sleep(STREAM_INTERVAL_S)
+            self.streams += 1  # their items come further apart (nemo_gen.core.stream_pace)
+            try:
+                async with contextlib.aclosing(inner):
+                    async for item in inner:
+                        yield item
+                        if isinstance(item, StreamDeltas):  # what the engine makes meanwhile waits, merged
+                            await asyncio.sleep(stream_interval_s(self.streams))
+            finally:
+                self.streams -= 1
 
     def exclusive(self) -> AsyncContextManager[None]:
         """Wait for in-flight requests to finish and hold new ones back until the block ends."""

@@ -188,3 +188,14 @@ def test_every_rerun_result_follows_the_schema():
     assert files
     for path in files:
         result.read(path)
+
+
+def test_serve_vllm_arm_refuses_fake_shards_and_takes_its_streams(capsys):
+    serve = importlib.import_module("bench.serve")
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--vllm-serve", "--fake"])
+    assert "--vllm-serve runs real engines" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--vllm-serve", "--streams", "16", "0"])
+    args = serve.parse_args(["--vllm-serve", "--streams", "16", "64", "--baseline-src", "/tmp/old"])
+    assert args.streams == [16, 64] and str(args.baseline_src) == "/tmp/old"
