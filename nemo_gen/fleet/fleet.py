@@ -7,9 +7,8 @@ core ``SlotTable``: each slot's actor, ``health`` state and version, the spares,
 ``adapters`` (``FleetAdapters``) and ``background`` (``Background``: open or not, its threads).
 
 The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
-``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back (what to do is
-``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes; ``session()`` is ``fleet/session.py``'s.
-No fleet module imports this one.
+``refitter`` pushes weights, ``spares``, ``recovery`` bring lost shards back (``core.planner`` decides), ``monitor``
+watches, probes; ``session()`` is ``fleet/session.py``'s, ``drain()`` ``fleet/drain.py``'s. No fleet module imports it.
 """
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet import services
 from nemo_gen.fleet.adapters import AdapterVerbs
 from nemo_gen.fleet.background import Background
+from nemo_gen.fleet.drain import DrainVerbs
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
 from nemo_gen.fleet.driver import ProgressFn, ShardDriver
 from nemo_gen.fleet.members import Membership, claimed_slots
@@ -50,7 +50,7 @@ from nemo_gen.settings import NemoGenSettings
 __all__ = ["GenerationFleet", "ShardStatus"]
 
 
-class GenerationFleet(AdapterVerbs, SessionVerbs, SleepVerbs):
+class GenerationFleet(AdapterVerbs, DrainVerbs, SessionVerbs, SleepVerbs):
     """A running fleet. Build it with ``GenerationFleet.launch(settings)``; use as a context
     manager, or call ``shutdown()`` (idempotent)."""
 

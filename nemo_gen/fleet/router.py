@@ -35,11 +35,12 @@ import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits, may_be_poison
+from nemo_gen.core.drain import move_cause
 from nemo_gen.core.fleet_health import SERVING_STATES, HealthyShardSelector
 from nemo_gen.core.members import Member
 from nemo_gen.core.migration import Kept
 from nemo_gen.core.retry import describe, kind_of
-from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
+from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, MoveCause
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import RequestResult, Sampling, StreamDeltas
 from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
@@ -60,7 +61,6 @@ def movable(error: BaseException, kind: str) -> bool:
     return kind == "dead" and not may_be_poison(error)
 
 log = logging.getLogger(__name__)
-
 
 
 class Router:
@@ -250,11 +250,13 @@ class Router:
 
         def retry(batch: list[GenerationRequest], error: BaseException, kind: str, member: Member) -> None:
             nonlocal not_before
-            shard = member.slot
+            shard, cause = member.slot, move_cause(kind, self.slots.was_drained(member))
             if moving is not None and movable(error, kind):  # those that kept tokens go on from them, uncounted
-                carried, batch, done = moving.carry(member, batch, shard, self.result)
+                carried, batch, done = moving.carry(member, batch, shard, self.result, cause=cause)
                 again.extend(carried)
                 results.update((r.index, r) for r in done)
+            if cause is MoveCause.DRAINED:  # no fault of the shard's or the request's: again, uncounted
+                return again.extend(batch)
             for req in batch:
                 decision = attempts[req.index].after(error, kind, shard)
                 if isinstance(decision, Fail):
@@ -344,13 +346,16 @@ class Router:
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), "dead"
                 finally:
                     self.selector.release(shard)
+                cause = move_cause(kind, self.slots.was_drained(member))
                 if moving is not None and movable(error, kind):
-                    carried, again, done = moving.carry(member, batch, shard, self.result)
+                    carried, again, done = moving.carry(member, batch, shard, self.result, cause=cause)
                     if done:
                         return done[0]
                     batch = carried + again
                     if not again:  # every part kept tokens: no re-route is counted
                         continue
+                if cause is MoveCause.DRAINED:  # kept tokens or not: a drain counts no re-route
+                    continue
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
 
     def _failed(self, handle: Any, member: Member, exc: BaseException, what: str) -> tuple[BaseException, str]:
@@ -430,8 +435,9 @@ class Router:
                     self.selector.release(shard)
                     if stream is not None and not finished:
                         stream.cancel()
+                cause = move_cause(kind, self.slots.was_drained(member))
                 if started and moving is not None and movable(error, kind):  # it goes on from what the caller has
-                    carried, _, done = moving.carry(member, [req], shard, self.result, [kept])
+                    carried, _, done = moving.carry(member, [req], shard, self.result, [kept], cause)
                     if done:
                         yield done[0]
                         return
@@ -439,4 +445,6 @@ class Router:
                     continue
                 if started and kind == "dead":  # the caller has part of the answer: it cannot be taken back
                     raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {getattr(error, 'detail', error)}")
+                if cause is MoveCause.DRAINED:  # not started: sent again, uncounted
+                    continue
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
