@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+from nemo_gen.core.attempts import may_be_poison
 from nemo_gen.core.migration import Checkpoints, Kept, Migrations
 from nemo_gen.core.results import GenerationRequest, GenerationResult, MoveCause
 from nemo_gen.core.wire import RequestResult, Sampling
@@ -218,3 +219,9 @@ def moving_for(checkpointer: Checkpointer | None, sampling: Sampling) -> Moving 
     if checkpointer is None or sampling.logprobs or sampling.prompt_logprobs is not None:
         return None
     return Moving(checkpointer, sampling)
+
+
+def movable(error: BaseException, kind: str) -> bool:
+    """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), unless the
+    fault model's poison rule (``nemo_gen.core.attempts.may_be_poison``) keeps them off every engine."""
+    return kind == "dead" and not may_be_poison(error)
