@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from nemo_gen.core.results import GenerationRequest, Moved
+from nemo_gen.core.results import GenerationRequest, MoveCause, Moved
 from nemo_gen.core.wire_generation import RequestProgress, RequestResult, SampleProgress, SampleResult, Sampling
 
 
@@ -154,17 +154,18 @@ class Migrations:
         m = self._by_index.get(index)
         return [] if m is None else list(m.moves)
 
-    def lost(self, req: GenerationRequest, shard: int, kept: list[Kept]) -> list[GenerationRequest] | None:
-        """``req``'s shard was lost after it had made ``kept`` (by sample; ``Checkpoints.take``):
-        the requests that carry it on from those tokens, or None when it kept none (then it is
-        sent again as it is, a re-route that counts)."""
+    def lost(self, req: GenerationRequest, shard: int, kept: list[Kept],
+             cause: MoveCause = MoveCause.LOST) -> list[GenerationRequest] | None:
+        """``req``'s shard was lost (or drained: ``cause``) after it had made ``kept`` (by sample;
+        ``Checkpoints.take``): the requests that carry it on from those tokens, or None when it
+        kept none (then it is sent again as it is, a re-route that counts unless drained)."""
         if req.continues is None:
             if not any(k.token_ids for k in kept):
                 return None
             samples = kept + [Kept() for _ in range(self.n - len(kept))]
             m = self._by_index[req.index] = Migration(req, samples)
             going = [i for i, k in enumerate(samples) if not self._done(k)]
-            m.moves += [Moved(shard, len(samples[i].token_ids), i) for i in going]
+            m.moves += [Moved(shard, len(samples[i].token_ids), i, cause) for i in going]
             return [self._continuation(m, i) for i in going]
         m = self._by_index[req.index]
         key = req.key or ""
@@ -175,7 +176,7 @@ class Migrations:
             return None  # nothing new: the same continuation is sent again, a re-route that counts
         m.samples[sample].extend(more)
         if not self._done(m.samples[sample]):
-            m.moves.append(Moved(shard, len(m.samples[sample].token_ids), sample))
+            m.moves.append(Moved(shard, len(m.samples[sample].token_ids), sample, cause))
             return [self._continuation(m, sample)]
         return []
 

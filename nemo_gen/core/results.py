@@ -7,6 +7,7 @@ caller can prove a rollout is on-policy; a request that failed for a data reason
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -42,14 +43,22 @@ class Sample:
     top_logprobs: list[dict[int, float]] | None = None
 
 
+class MoveCause(enum.StrEnum):
+    """Why a request moved: its shard was lost (dead, condemned), or drained on purpose."""
+
+    LOST = "lost"
+    DRAINED = "drained"  # a planned restart or scale-down (nemo_gen.core.drain)
+
+
 @dataclass
 class Moved:
     """A request (its sample ``sample``) went on elsewhere: shard ``from_shard`` was lost (dead,
-    condemned, drained) after it had made ``at_token`` tokens, which the result keeps."""
+    condemned) or drained (``cause``) after it had made ``at_token`` tokens, which the result keeps."""
 
     from_shard: int
     at_token: int
     sample: int = 0
+    cause: MoveCause = MoveCause.LOST
 
 
 @dataclass

@@ -13,6 +13,9 @@ lock:
   refit);
 - ``condemn``: a member is known to be gone; a slot leaves the serving set at once, and a
   ``ShardLost`` is queued for recovery;
+- ``drain``: a healthy member leaves service on purpose (a planned restart, a scale-down:
+  ``nemo_gen.core.drain``): DEAD with ``drained: why`` on record, no ``ShardLost`` (the drainer
+  acts), and its requests move uncounted (``was_drained``); its later death is no news;
 - ``quarantine``: a member that lives but cannot be trusted (a failed refit load: its weights
   are half-loaded or none) is taken out the same way, DEAD and a ``ShardLost``, so the
   self-healing fleet restarts it;
@@ -44,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, TypeVar
 
-from nemo_gen.core.fleet_health import GenerationFleetHealth, ShardState
+from nemo_gen.core.fleet_health import SERVING_STATES, GenerationFleetHealth, ShardState
 from nemo_gen.core.ledger_view import LedgerView
 from nemo_gen.core.members import Member
 from nemo_gen.core.planner import Seed
@@ -86,6 +89,7 @@ class SlotTable(Generic[H]):
         self._closed = False  # the fleet is going away: its actors' deaths are no news
         self._sleep: SleepState = AWAKE  # the fleet's (every slot's engine follows it)
         self._roll: Roll | None = None  # a rolling refit under way (router and status read it)
+        self._drained: dict[int, str] = {}  # slot -> the member drained out of it (until it is replaced)
         self.ledger = LedgerView(health)  # what every other part reads
 
     # -- reads (never write) ---------------------------------------------------------------------
@@ -113,6 +117,11 @@ class SlotTable(Generic[H]):
         with self._lock:
             entry = self._spares.get(member.name) if member.slot is None else self._slots.get(member.slot)
             return entry.version if entry is not None and entry.name == member.name else None
+
+    def was_drained(self, member: Member) -> bool:
+        """Did ``member`` leave its slot by a drain (``drain``), not a fault?"""
+        with self._lock:
+            return member.slot is not None and self._drained.get(member.slot) == member.name
 
     def sleep_state(self) -> SleepState:
         with self._lock:
@@ -166,6 +175,7 @@ class SlotTable(Generic[H]):
         put back and the slot is left out of service (DEAD), then the error propagates."""
         old = self._slots.get(slot)
         self._slots[slot] = entry
+        self._drained.pop(slot, None)  # (a drained member's replacement is no longer drained)
         try:
             ledger()
         except BaseException:
@@ -221,10 +231,24 @@ class SlotTable(Generic[H]):
         it would a dead one. False (nothing done) when it is no longer current."""
         return self._take_out(member, reason)
 
+    def drain(self, member: Member, reason: str) -> bool:
+        """``member`` serves but leaves its slot on purpose (``nemo_gen.core.drain``): the slot
+        leaves the serving set at once (DEAD, ``drained: reason`` on record) and nothing is queued
+        for recovery: the drainer restarts it, or the heal flow does. False (nothing done) when it
+        is no longer current or its slot does not serve."""
+        with self._lock:
+            if self._closed or member.slot is None or not self.is_current(member):
+                return False
+            if self._health.state_of(member.slot) not in SERVING_STATES:
+                return False
+            self._drained[member.slot] = member.name
+            self._health.mark_dead(member.slot, f"drained: {reason}")
+            return True
+
     def _take_out(self, member: Member, reason: str) -> bool:
         with self._lock:
-            if self._closed or not self.is_current(member):
-                return False
+            if self._closed or not self.is_current(member) or self.was_drained(member):
+                return False  # (a drained member's death, its restart's reap: no news)
             if member.slot is not None:
                 self._health.mark_dead(member.slot, reason)
             self._post(ShardLost(member, reason))

@@ -11,7 +11,8 @@ core ``SlotTable``: each slot's actor, ``health`` state and version, the spares,
 The parts act through ``driver`` (``ShardDriver``, the one seam to Ray): ``router`` serves requests,
 ``refitter`` pushes weights, ``spares`` and ``recovery`` bring lost shards back (what to do is
 ``nemo_gen.core.planner``'s decision), ``monitor`` watches and probes, ``sleeper`` sleeps and
-wakes the engines; ``session()`` opens a ``FleetSession`` (``fleet/session.py``).
+wakes the engines; ``session()`` opens a ``FleetSession`` (``fleet/session.py``); ``drain()`` and
+``restart_shard()`` take a healthy shard out of service (``fleet/drain.py``).
 No fleet module imports this one.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from nemo_gen.core.sleep import SleepLevel, SleepState
 from nemo_gen.errors import ShardUnavailableError
 from nemo_gen.fleet.adapters import AdapterReport, FleetAdapters
 from nemo_gen.fleet.background import Background
+from nemo_gen.fleet import drain as drains
 from nemo_gen.fleet.cluster import RayConnection, cluster_resources, init_ray, shutdown_ray
 from nemo_gen.fleet.driver import ProgressFn, ShardDriver, shard_driver
 from nemo_gen.fleet.members import Membership, claimed_slots
@@ -308,6 +310,20 @@ class GenerationFleet:
     @property
     def sleep_state(self) -> SleepState:
         return self.sleeper.state
+
+    def drain(self, shard: int, reason: str = "drained by the operator",
+              wait_s: float = drains.MOVE_WAIT_S) -> dict[str, Any]:
+        """Shard ``shard`` leaves service now; its requests go on elsewhere with their tokens,
+        uncounted. ``DrainRefused`` (nothing changed) for an unknown, non-serving or last serving shard."""
+        self.background.check_open()
+        return drains.drain_shard(self, shard, reason, wait_s)
+
+    def restart_shard(self, shard: int, wait_s: float = drains.MOVE_WAIT_S) -> dict[str, Any]:
+        """A planned restart: ``drain(shard)``, then the shard replaced (a spare, or a new engine
+        refit to the fleet's version); a shard that does not serve is restarted at once.
+        Returns the drain's report with the restart's (``Recovery.restart_shard``) under ``restart``."""
+        self.background.check_open()
+        return drains.restart_shard(self, shard, wait_s)
 
     # -- status and shutdown -----------------------------------------------------------------
 

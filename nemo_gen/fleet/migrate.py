@@ -17,9 +17,10 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+from nemo_gen.core.attempts import may_be_poison
 from nemo_gen.core.migration import Checkpoints, Kept, Migrations
-from nemo_gen.core.results import GenerationRequest, GenerationResult
-from nemo_gen.core.wire import RequestResult, Sampling
+from nemo_gen.core.results import GenerationRequest, GenerationResult, MoveCause
+from nemo_gen.core.wire import FailureKind, RequestResult, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,11 @@ class Checkpointer:
     def take(self, key: str | None) -> list[Kept]:
         with self._lock:
             return self.checkpoints.take(key)
+
+    def holds(self, name: str) -> bool:
+        """Does a call's request still run on actor ``name`` (a drain waits until none does)?"""
+        with self._lock:
+            return name in self._held
 
     def kept_now(self) -> dict[str, list[list[int]]]:
         """Each running request's samples' tokens as checkpointed now, by key (diagnostics, tests)."""
@@ -145,14 +151,14 @@ class Moving:
         self.checkpointer.drop(self._keys)
 
     def lost(self, handle: Any, req: GenerationRequest, shard: int,
-             kept: list[Kept] | None = None) -> list[GenerationRequest] | None:
-        """``req`` was lost with its shard after making ``kept`` (by sample; None: what its
-        checkpoints say): its continuations, or None (sent again as it is)."""
+             kept: list[Kept] | None = None, cause: MoveCause = MoveCause.LOST) -> list[GenerationRequest] | None:
+        """``req`` was lost with its shard (or drained: ``cause``) after making ``kept`` (by
+        sample; None: what its checkpoints say): its continuations, or None (sent again as it is)."""
         self.checkpointer.done(handle, [req], forget=False)
-        return self.migrations.lost(req, shard, self.checkpointer.take(req.key) if kept is None else kept)
+        return self.migrations.lost(req, shard, self.checkpointer.take(req.key) if kept is None else kept, cause)
 
     def carry(self, member: Any, batch: list[GenerationRequest], shard: int, decode: Decode,
-              kept: list[Kept] | None = None
+              kept: list[Kept] | None = None, cause: MoveCause = MoveCause.LOST
               ) -> tuple[list[GenerationRequest], list[GenerationRequest], list[GenerationResult]]:
         """``batch`` was lost with shard ``shard`` (actor ``member``): (the continuations of those
         that kept tokens, those that kept none and go again as they are — a re-route that counts —,
@@ -160,7 +166,7 @@ class Moving:
         made (its caller has it), instead of its checkpoints."""
         carried, again, done = [], [], []
         for req in batch:
-            more = self.lost(member, req, shard, kept)
+            more = self.lost(member, req, shard, kept, cause)
             if more is None:
                 again.append(req)
                 continue
@@ -213,3 +219,9 @@ def moving_for(checkpointer: Checkpointer | None, sampling: Sampling) -> Moving 
     if checkpointer is None or sampling.logprobs or sampling.prompt_logprobs is not None:
         return None
     return Moving(checkpointer, sampling)
+
+
+def movable(error: BaseException, kind: FailureKind) -> bool:
+    """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), unless the
+    fault model's poison rule (``nemo_gen.core.attempts.may_be_poison``) keeps them off every engine."""
+    return kind is FailureKind.DEAD and not may_be_poison(error)

@@ -24,7 +24,8 @@ once past it). The batch path (``generate``), the per-request awaitable (``gener
 and the stream (``generate_stream``) share one rule for "this call is lost" (``_lost``) and one
 way to condemn (``_condemn``); the last two also share how a failed try is read (``_failed``)
 and what comes next (``_next_try``). A stream lost after its first token goes on from the
-tokens it handed the caller (migration off, or n > 1: it ends with ``ShardDiedError``).
+tokens it handed the caller (``stream_moves.py``; migration off, or a call asking for
+logprobs > 0 or the prompt's: it ends with ``ShardDiedError``).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
-from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits, may_be_poison
+from nemo_gen.core.attempts import Admission, Attempts, Clock, Deadline, Fail, RequestLimits
+from nemo_gen.core.drain import move_cause
 from nemo_gen.core.fleet_health import SERVING_STATES, HealthyShardSelector
 from nemo_gen.core.members import Member
-from nemo_gen.core.migration import Kept
 from nemo_gen.core.retry import describe, kind_of
-from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult
+from nemo_gen.core.results import Delta, GenerationRequest, GenerationResult, MoveCause
 from nemo_gen.core.slots import SlotTable
 from nemo_gen.core.wire import FailureKind, RequestResult, Sampling, StreamDeltas
 from nemo_gen.errors import FleetAsleep, RequestTimeout, ShardDiedError, ShardUnavailableError
@@ -48,20 +49,15 @@ from nemo_gen.fleet.decode import StreamDecoder, decode_result
 from nemo_gen.fleet.driver import Call, ShardDriver
 from nemo_gen.fleet.members import Membership
 from nemo_gen.fleet.rolling import route_new
-from nemo_gen.fleet.migrate import Checkpointer, Moving, answers, closed, moving_for
+from nemo_gen.fleet.migrate import Checkpointer, Moving, answers, closed, movable, moving_for
+from nemo_gen.fleet.stream_moves import StreamMoves
 from nemo_gen.fleet.waiting import LOST, POLL_S, answer, next_item
 from nemo_gen.fleet.requests import Prompt, build_requests, on_loop, sampling_of, sessions_of
 
 __all__ = ["Prompt", "Router"]
 
 
-def movable(error: BaseException, kind: FailureKind) -> bool:
-    """A lost shard's requests go on elsewhere from their tokens (``fleet.migration``), unless the
-    fault model's poison rule (``nemo_gen.core.attempts.may_be_poison``) keeps them off every engine."""
-    return kind is FailureKind.DEAD and not may_be_poison(error)
-
 log = logging.getLogger(__name__)
-
 
 
 class Router:
@@ -254,11 +250,13 @@ class Router:
 
         def retry(batch: list[GenerationRequest], error: BaseException, kind: FailureKind, member: Member) -> None:
             nonlocal not_before
-            shard = member.slot
+            shard, cause = member.slot, move_cause(kind, self.slots.was_drained(member))
             if moving is not None and movable(error, kind):  # those that kept tokens go on from them, uncounted
-                carried, batch, done = moving.carry(member, batch, shard, self.result)
+                carried, batch, done = moving.carry(member, batch, shard, self.result, cause=cause)
                 again.extend(carried)
                 results.update((r.index, r) for r in done)
+            if cause is MoveCause.DRAINED:  # no fault of the shard's or the request's: again, uncounted
+                return again.extend(batch)
             for req in batch:
                 decision = attempts[req.index].after(error, kind, shard)
                 if isinstance(decision, Fail):
@@ -348,13 +346,16 @@ class Router:
                     error, kind = ShardDiedError(shard, "condemned while it held the request"), FailureKind.DEAD
                 finally:
                     self.selector.release(shard)
+                cause = move_cause(kind, self.slots.was_drained(member))
                 if moving is not None and movable(error, kind):
-                    carried, again, done = moving.carry(member, batch, shard, self.result)
+                    carried, again, done = moving.carry(member, batch, shard, self.result, cause=cause)
                     if done:
                         return done[0]
                     batch = carried + again
                     if not again:  # every part kept tokens: no re-route is counted
                         continue
+                if cause is MoveCause.DRAINED:  # kept tokens or not: a drain counts no re-route
+                    continue
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)
 
     def _failed(self, handle: Any, member: Member, exc: BaseException, what: str) -> tuple[BaseException, FailureKind]:
@@ -386,7 +387,7 @@ class Router:
         """``generate_async`` as it is generated: ``Delta``s as the shard's engine makes tokens,
         then the ``GenerationResult`` (what ``generate_async`` returns). A shard lost before the
         first delta was handed out: the request goes to another, unseen. Lost after: it goes on
-        from the tokens it had sent (``fleet.migration``, one sample); else the stream ends with
+        from the tokens each sample had sent (``fleet.migration``: ``stream_moves.py``); else the stream ends with
         ``ShardDiedError`` naming the shard and those tokens — never a silently short answer. ``timeout_s`` (else ``fleet.request_timeout_s``) is the longest
         wait between two items: past it, ``RequestTimeout``. Closing the iterator early cancels
         the request on its shard."""
@@ -396,14 +397,13 @@ class Router:
             return
         req, deadline, attempts, avoid = requests[0], self.deadline(timeout_s), Attempts(self.tries), None
         sampling = sampling_of(params)
-        moving = moving_for(self.checkpointer, sampling) if sampling.n == 1 else None  # one sample: what it sent
-        req = moving.keyed([req])[0] if moving is not None else req
-        with self.admission.admitted(1), closed(moving):
+        moves = StreamMoves(moving_for(self.checkpointer, sampling), req, sampling.n)  # what each sample sent
+        with self.admission.admitted(1), closed(moves.moving):
             while True:
-                shard = await self._pick_async(deadline, session_id, avoid)
+                req, shard = moves.req, await self._pick_async(deadline, session_id, avoid)
                 handle = self.members.handle(shard)
                 member, stream, sent, started, finished = Member(handle.name, shard), None, 0, False, False
-                kept = Kept()  # what this try handed the caller: a lost shard's request goes on from it
+                kept = moves.kept()  # what this try handed the caller: a lost shard's request goes on from it
                 decoder = StreamDecoder(self._text_tokenizer(), self._digest_of)
                 try:
                     stream = self.driver.generate_stream(handle, req, sampling)
@@ -416,16 +416,17 @@ class Router:
                             if item is None:
                                 raise ShardDiedError(shard, "the stream ended without a result")
                             self.slots.record_success(shard)
-                            yield answers(moving, handle, [req], [item.result], item.shard, item.weight_version,
-                                          self.result)[0]
-                            return
+                            if (whole := moves.ended(handle, item, self.result)) is not None:
+                                yield whole
+                                return
+                            break  # the next sample's continuation
                         for raw in item.deltas:
-                            delta = decoder.delta(raw, shard)
+                            delta = moves.delta(decoder.delta(raw, shard), kept)
                             sent += len(delta.token_ids)
-                            kept.extend(delta)
                             started = True
                             yield delta
-                    error, kind = ShardDiedError(shard, "condemned while it streamed"), FailureKind.DEAD
+                    else:
+                        error, kind = ShardDiedError(shard, "condemned while it streamed"), FailureKind.DEAD
                 except RequestTimeout:
                     raise
                 except Exception as exc:
@@ -434,13 +435,16 @@ class Router:
                     self.selector.release(shard)
                     if stream is not None and not finished:
                         stream.cancel()
-                if started and moving is not None and movable(error, kind):  # it goes on from what the caller has
-                    carried, _, done = moving.carry(member, [req], shard, self.result, [kept])
-                    if done:
-                        yield done[0]
+                if finished:
+                    continue
+                cause = move_cause(kind, self.slots.was_drained(member))
+                if started and moves.moving is not None and movable(error, kind):  # on from what the caller has
+                    if (done := moves.lost(member, shard, kept, cause, self.result)) is not None:
+                        yield done
                         return
-                    req = carried[0]
                     continue
                 if started and kind is FailureKind.DEAD:  # the caller has part of the answer: it cannot be taken back
                     raise ShardDiedError(shard, f"lost mid-stream after {sent} tokens: {getattr(error, 'detail', error)}")
+                if cause is MoveCause.DRAINED:  # not started: sent again, uncounted
+                    continue
                 avoid = await self._next_try(attempts, error, kind, shard, deadline)

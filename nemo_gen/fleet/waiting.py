@@ -23,6 +23,8 @@ async def next_item(stream: Stream, lost: Callable[[], bool], deadline: Deadline
                     timeout: Callable[[], RequestTimeout]) -> Any:
     """The stream's next item (None after its last); ``LOST`` when its shard was lost
     meanwhile (``lost()``); ``timeout()`` raised past the deadline."""
+    if lost():  # (a stream whose items keep coming is seen to go too: a drained shard's moves at once)
+        return LOST
     task = asyncio.ensure_future(stream.next())
     try:
         while True:

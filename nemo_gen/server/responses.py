@@ -66,7 +66,8 @@ def provenance(results: Sequence[Any]) -> dict[str, Any]:
         out["weight_versions"] = spans_of(results[0])
         out["weight_digests"] = digests_of(results[0])
         if moves := getattr(results[0], "migrations", None):  # it went on elsewhere when a shard was lost
-            out["migrations"] = [{"from_shard": m.from_shard, "at_token": m.at_token, "sample": m.sample} for m in moves]
+            out["migrations"] = [{"from_shard": m.from_shard, "at_token": m.at_token, "sample": m.sample,
+                                  "cause": str(m.cause)} for m in moves]
     adapters = {(r.adapter, r.adapter_version) for r in results if getattr(r, "adapter", None) is not None}
     if adapters:  # a LoRA adapter's request (the ``model`` field): its name and version
         out["adapter"], out["adapter_version"] = min(adapters)

@@ -125,4 +125,4 @@ def test_an_unmoved_requests_answer_passes_and_its_json_has_no_migrations():
     result = GenerationResult(0, None, [7], "x", migrations=[])
     assert "migrations" not in result.to_json()
     result.migrations = [Moved(1, 3)]
-    assert result.to_json()["migrations"] == [{"from_shard": 1, "at_token": 3, "sample": 0}]
+    assert result.to_json()["migrations"] == [{"from_shard": 1, "at_token": 3, "sample": 0, "cause": "lost"}]

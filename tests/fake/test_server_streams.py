@@ -168,6 +168,7 @@ def test_a_stream_ended_by_a_lost_shard_or_by_the_server_stopping_gives_back_its
     driver = FakeDriver()
     fleet = fake_fleet(make_settings(fleet__name="fake-stream-ends", fleet__num_shards=2, health__probe_interval_s=60,
                                      health__auto_recover=False, server__port=0,
+                                     fleet__migration__mode="off",  # (on: the lost stream would go on)
                                      generation__vllm_cfg__skip_tokenizer_init=True,
                                      generation__vllm_cfg__max_model_len=4096), driver)
     try:
