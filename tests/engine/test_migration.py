@@ -64,16 +64,18 @@ def full_strength(fleet, timeout_s: float = 240):
         f"full strength; ledger {fleet.health.state_summary()}")
 
 
-def kill_mid_generation(fleet, call, slot: int = 1, tokens: int = 20):
-    """Run ``call`` in the background, SIGKILL ``slot``'s actor once a request there has a
-    checkpoint of ``tokens`` tokens; (its results, the checkpoints read just before the kill)."""
+def kill_mid_generation(fleet, call, requests: int, slot: int = 1, tokens: int = 20):
+    """Run ``call`` (``requests`` requests) in the background, SIGKILL ``slot``'s actor once every
+    request has a checkpoint of ``tokens`` tokens in each sample (those on ``slot`` included: each
+    shard answers the checkpointer on its own); (its results, the checkpoints read just before the kill)."""
     victim = next(s for s in fleet.status() if s.index == slot)
     pool = ThreadPoolExecutor(1)
     future = pool.submit(call)
     pool.shutdown(wait=False)
     cp = fleet.router.checkpointer
     # A bound, not a target: a loaded machine's engine makes 20 tokens within a minute.
-    wait_until(lambda: any(len(s) >= tokens for k in cp.kept_now().values() for s in k), 120, "a checkpoint")
+    wait_until(lambda: len(now := cp.kept_now()) == requests and all(
+        len(s) >= tokens for k in now.values() for s in k), 120, "a checkpoint of every request")
     kept = cp.kept_now()
     assert not future.done(), "the call finished before the kill could land"
     os.kill(victim.actor_pid, signal.SIGKILL)
@@ -95,7 +97,7 @@ def test_a_greedy_batch_whose_shard_is_killed_returns_exactly_the_uninterrupted_
     params = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
     reference = fleet.generate(PROMPTS, **params)
     rerouted = fleet.router.rerouted
-    results, kept = kill_mid_generation(fleet, lambda: fleet.generate(PROMPTS, **params))
+    results, kept = kill_mid_generation(fleet, lambda: fleet.generate(PROMPTS, **params), len(PROMPTS))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     moved = [r for r in results if r.migrations]
@@ -114,7 +116,7 @@ def test_a_greedy_batch_whose_shard_is_killed_returns_exactly_the_uninterrupted_
 def test_a_seeded_n4_request_keeps_every_samples_tokens_and_logprobs(fleet):
     full_strength(fleet)
     params = dict(temperature=1.0, seed=1234, n=4, max_new_tokens=TOKENS, ignore_eos=True)
-    results, kept = kill_mid_generation(fleet, lambda: fleet.generate(PROMPTS[:4], **params))
+    results, kept = kill_mid_generation(fleet, lambda: fleet.generate(PROMPTS[:4], **params), 4)
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     moved = [r for r in results if r.migrations]
     assert moved, "no request moved"

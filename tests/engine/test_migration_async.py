@@ -26,7 +26,7 @@ def fleet(ray_cluster, make_settings, long_model):  # noqa: F811
 def test_a_greedy_batch_on_the_async_engine_goes_on_from_its_tokens(fleet):
     params = dict(temperature=0, max_new_tokens=TOKENS, ignore_eos=True)
     reference = fleet.generate(PROMPTS, **params)
-    results, kept = kill_mid_generation(fleet, lambda: fleet.generate(PROMPTS, **params))
+    results, kept = kill_mid_generation(fleet, lambda: fleet.generate(PROMPTS, **params), len(PROMPTS))
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     moved = [r for r in results if r.migrations]
