@@ -16,12 +16,11 @@ import pytest
 from nemo_gen import GenerationFleet
 from nemo_gen.core.results import MoveCause
 from nemo_gen.tiny_model import make_tiny_model
-from tests.helpers import alive, wait_until
+from tests.engine.test_migration import PROMPTS, TOKENS, every_request_checkpointed, moved_whole
+from tests.helpers import alive
 
 pytestmark = pytest.mark.engine
 
-PROMPTS = ["The quick brown fox", "Once upon a time", "Hello, my name is", "A fleet of engines"] * 2
-TOKENS = 600  # long enough that the drain lands mid-generation on a fast CPU engine
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +51,14 @@ def test_a_greedy_batch_on_a_shard_restarted_on_purpose_returns_the_uninterrupte
     pool = ThreadPoolExecutor(1)
     future = pool.submit(lambda: fleet.generate(PROMPTS, **params))
     pool.shutdown(wait=False)
-    cp = fleet.router.checkpointer
-    # A bound, not a target: a loaded machine's engine makes 20 tokens within a minute.
-    wait_until(lambda: any(len(s) >= 20 for k in cp.kept_now().values() for s in k), 120, "a checkpoint")
+    every_request_checkpointed(fleet, len(PROMPTS))  # (so each move keeps tokens: at_token > 0)
     assert not future.done(), "the batch finished before the drain could land"
     report = fleet.restart_shard(1)
     assert report["action"] == "drained" and report["moved"], report
     assert report["restart"]["action"] in ("restarted", "promoted-spare"), report
     results = future.result(timeout=300)
-    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
-    moved = [r for r in results if r.migrations]
-    assert moved, "no request moved"
-    for r in moved:
-        (m,) = r.migrations
-        assert (m.from_shard, m.cause) == (1, MoveCause.DRAINED) and 0 < m.at_token < TOKENS and r.shard == 0
-        assert sum(c for _, c in r.weight_versions) == TOKENS and len(r.logprobs) == TOKENS
+    for r in moved_whole(results, reference):
+        assert r.migrations[0].cause is MoveCause.DRAINED
     assert fleet.router.rerouted == rerouted
     # the drained actor is gone, its replacement serves at the fleet's version
     deadline = time.monotonic() + 30
