@@ -156,13 +156,7 @@ class Refitter:
         with self.weights.refitting():
             new_version, members, staged, report = self.prepare(source, version)
             t1 = time.perf_counter()
-            outcome = self.apply_staged(staged, members, in_flight)
-            refused = [error for ok, _, error in outcome.values() if not ok]
-            if refused and len(refused) == len(outcome) and all(map(is_mismatch, refused)):
-                # no shard read the trainer's bytes, and none loaded any: the fleet serves on
-                raise RefitError(f"refit refused, no weight was changed: {refused[0]}")
-            for member, (ok, seconds, error) in outcome.items():
-                self.settle(report, member, new_version, None if ok else error, seconds)
+            self.settle_outcome(report, new_version, self.apply_staged(staged, members, in_flight), may_refuse=True)
             report.load_seconds = time.perf_counter() - t1
             if any(s.ok for s in report.shards):
                 self.weights.landed(new_version, staged.source, staged)
@@ -300,6 +294,17 @@ class Refitter:
         return outcome
 
     # -- outcomes ----------------------------------------------------------------------------------
+
+    def settle_outcome(self, report: RefitReport, version: int,
+                       outcome: dict[Member, tuple[bool, float, str | None]], may_refuse: bool) -> None:
+        """Settle each shard's answer to a load of ``version`` into ``report``. With ``may_refuse``
+        (no shard has this version yet): RefitError, nothing settled, when every shard refused the
+        bytes as not the trainer's: none loaded any, so the fleet serves on."""
+        refused = [error for ok, _, error in outcome.values() if not ok]
+        if may_refuse and refused and len(refused) == len(outcome) and all(map(is_mismatch, refused)):
+            raise RefitError(f"refit refused, no weight was changed: {refused[0]}")
+        for member, (ok, seconds, error) in outcome.items():
+            self.settle(report, member, version, None if ok else error, seconds)
 
     def settle(self, report: RefitReport, member: Member, version: int, error: str | None, seconds: float) -> None:
         """Record one member's refit outcome: a spare that failed is replaced; a slot whose actor

@@ -18,7 +18,6 @@ import time
 from typing import Any, Callable
 
 from nemo_gen.core.fleet_health import SERVING_STATES
-from nemo_gen.core.digest import is_mismatch
 from nemo_gen.core.manifest import RefitError, RefitReport
 from nemo_gen.core.waves import Roll, RollOutcome, WavePlan, newest
 from nemo_gen.core.wire import InFlight
@@ -93,19 +92,15 @@ class RollingRefit:
                     except RefitError as exc:  # phase 1 refused: nothing changed on this wave
                         raise RefitError(RollOutcome(old, new, tuple(moved), tuple(pending), tuple(failed),
                                                      str(exc)).describe()) from exc
-                    refused = [e for ok, _, e in outcome.values() if not ok]
-                    if not moved and refused and len(refused) == len(outcome) and all(map(is_mismatch, refused)):
-                        raise RefitError(f"refit refused, no weight was changed: {refused[0]}")
-                    for member, (ok, seconds, error) in outcome.items():
-                        r.settle(report, member, new, None if ok else error, seconds)
+                    r.settle_outcome(report, new, outcome, may_refuse=not moved)
+                    for member, (ok, _, _) in outcome.items():
                         (moved if ok else failed).append(member.slot)
                     if moved and r.weights.version != new:
                         r.weights.landed(new, staged.source, staged)  # the newest version serves from here
                     pending = [s for s in pending if s not in wave]
                     log.info("rolling refit to version %d: shards %s moved, %d to go", new, list(wave), len(pending))
                 if spares:
-                    for member, (ok, seconds, error) in r.apply_staged(staged, spares, in_flight).items():
-                        r.settle(report, member, new, None if ok else error, seconds)
+                    r.settle_outcome(report, new, r.apply_staged(staged, spares, in_flight), may_refuse=False)
             finally:
                 r.slots.end_roll()
             report.load_seconds = time.perf_counter() - t1
