@@ -40,6 +40,10 @@ export NEMO_GEN_RL_WORK=${NEMO_GEN_RL_WORK:-/tmp/nemo-gen-rl}
 # cold engine start JIT-builds it with nvcc (~80 s, bench/results/2026-12-01/h200-bench.md). PyTorch's sampler
 # instead, for the fleet and the bare engine alike (greedy tokens do not depend on it).
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+# The carried stack installed, its log under $OUT; on failure the log's tail, and the sitting ends.
+install_stack() {
+    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+}
 # GPU processes an earlier run of this sitting left (a run cut off by its timeout skips the fleet's
 # shutdown): started by this sitting, ended here by PID. Run from .gpu-src.
 end_left_gpu_processes() {
@@ -73,7 +77,7 @@ stop_mps() {
 }
 case "${1:-}" in
   tests)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     tail -2 "$OUT/install.log"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
     cd .gpu-src
@@ -84,7 +88,7 @@ case "${1:-}" in
     echo "pytest rc=$rc"
     ;;
   bench)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }  # once per host
+    install_stack  # once per host
     cd .gpu-src
     end_left_gpu_processes
     # the engines' log lines (the launch breakdown) reach the driver on stdout and stderr: both
@@ -95,14 +99,14 @@ case "${1:-}" in
     tail -c 2500 "$OUT/bench.log"
     ;;
   recovery)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     cd .gpu-src
     timeout "${RECOVERY_TIMEOUT:-330}" python3 -m bench gpu_recovery --out "$OUT" > "$OUT/recovery.log" 2>&1
     echo "recovery rc=$?"
     grep "^RECOVERY" "$OUT/recovery.log"
     ;;
   inflight)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     cd .gpu-src
     timeout "${INFLIGHT_TIMEOUT:-300}" python3 -m bench refit_inflight --device gpu --window "${INFLIGHT_WINDOW:-20}" \
       --every "${INFLIGHT_EVERY:-5}" --json "$OUT/refit_inflight.json" > "$OUT/inflight.log" 2>&1
@@ -131,7 +135,7 @@ case "${1:-}" in
     tail -c 3000 "$OUT/rl.log"
     ;;
   lorafp8)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     cd .gpu-src
     end_left_gpu_processes
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -158,7 +162,7 @@ case "${1:-}" in
     grep -E "^\[|^model|^[a-z0-9]+ +(bfloat16|fp8) " "$OUT/rollout.log" | cut -c1-400 | tail -40
     ;;
   model)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     tail -1 "$OUT/install.log"
     cd .gpu-src
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
@@ -166,7 +170,7 @@ case "${1:-}" in
 w = Path('/tmp/nemo-gen-rollout'); print('made', make(None, '8b', w, make_tiny_model(w / 'tiny')))" 2>&1 | tail -3
     ;;
   colocated)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     cd .gpu-src
     end_left_gpu_processes
     timeout "${CO_TIMEOUT:-560}" python3 -m pytest tests/gpu/test_colocated_gpu.py -v -s -p no:cacheprovider --timeout 400 \
@@ -176,7 +180,7 @@ w = Path('/tmp/nemo-gen-rollout'); print('made', make(None, '8b', w, make_tiny_m
     grep -E "PASSED|FAILED|ERROR|passed|failed|^E  |sleep level|wake:" "$OUT/test_colocated.log" | cut -c1-300 | tail -40
     ;;
   sleepwake)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     cd .gpu-src
     end_left_gpu_processes
     timeout "${SW_TIMEOUT:-560}" python3 -m bench sleep_wake_gpu --work /tmp/nemo-gen-rollout --out "$OUT" ${SW_ARGS:-} \
@@ -186,7 +190,7 @@ w = Path('/tmp/nemo-gen-rollout'); print('made', make(None, '8b', w, make_tiny_m
     grep -E "^cold launch|^cycle|^sleep |verdicts|Error|error" "$OUT/sleep_wake.log" | cut -c1-600 | tail -20
     ;;
   digest)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     cd .gpu-src
     end_left_gpu_processes
     timeout "${DG_TIMEOUT:-560}" python3 -m bench refit_digest_gpu --out "$OUT" ${DG_ARGS:-} > "$OUT/refit_digest.log" 2>&1
@@ -195,7 +199,7 @@ w = Path('/tmp/nemo-gen-rollout'); print('made', make(None, '8b', w, make_tiny_m
     grep -E "GB: digest|nemo_gen_ipc refit|Error|error" "$OUT/refit_digest.log" | cut -c1-400 | tail -20
     ;;
   rolloutab)
-    bash .gpu/unpack.sh install > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
+    install_stack
     export NCCL_NVLS_ENABLE=0
     cd .gpu-src
     for tree in ${AB_TREES:-.}; do
